@@ -1,0 +1,47 @@
+# The two commands of the README:
+#   make serve  -- set up .venv, install, serve the built-in tiny model on 127.0.0.1:8000
+#   make test   -- set up .venv with test extras, run ruff, mypy (prefixcache.cache) and pytest
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip install -c constraints.txt
+
+.PHONY: serve test setup setup-test lint typecheck pytest lab bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) -q -e ".[test]"
+	touch $@ $(VENV)/.installed
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+serve: setup
+	$(BIN)/prefixcache serve --model tiny --host 127.0.0.1 --port 8000
+
+lab: setup
+	$(BIN)/prefixcache lab
+
+lint: setup-test
+	$(BIN)/ruff check .
+
+typecheck: setup-test
+	$(BIN)/mypy
+
+pytest: setup-test
+	$(BIN)/pytest -q
+
+test: setup-test
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

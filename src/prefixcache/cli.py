@@ -1,0 +1,59 @@
+"""The `prefixcache` command: one entry point, one sub-command per tool.
+
+Each sub-command lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; heavy imports (torch, fastapi) happen inside ``run`` so that ``--help`` and
+the torch-free tools stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+# sub-command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("prefixcache.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
+    "generate": ("prefixcache.engine.cli", "generate completions offline"),
+    "lab": ("prefixcache.tools.lab", "the specification's hash-chain lab, on the real code"),
+    "simulate": ("prefixcache.sim.cli", "replay traces through the real caches"),
+    "explain": ("prefixcache.tools.explain", "why two prompts do (not) share a prefix"),
+    "check": ("prefixcache.tools.check", "compare outputs with the cache on and off"),
+    "stress": ("prefixcache.tools.stress", "stress the allocator on a tiny pool"),
+    "audit": ("prefixcache.tools.audit", "timing audit of cache isolation against a server"),
+}
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        module = importlib.import_module(module_name)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "_run"):
+        parser.print_help()
+        sys.exit(2)
+    try:
+        code = args._run(args)
+    except CliError as exc:
+        print(f"prefixcache {args.command}: error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code or 0)
