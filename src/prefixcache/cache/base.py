@@ -47,6 +47,7 @@ class Sequence:
         "use_cache",
         "num_computed_tokens",
         "block_digests",
+        "block_token_bytes",
         "_digest_key",
         "_root",
     )
@@ -70,6 +71,8 @@ class Sequence:
         self.use_cache = use_cache
         self.num_computed_tokens = 0
         self.block_digests: list[bytes] = []
+        # block i's token ids as u32be bytes, kept with its digest: hits compare them cheaply
+        self.block_token_bytes: list[bytes] = []
         self._digest_key: tuple[object, ...] | None = None
         self._root = b""
 
@@ -100,9 +103,16 @@ class Sequence:
             self._digest_key = key
             self._root = hasher.root(self.namespace(model))
             self.block_digests = []
+            self.block_token_bytes = []
         if len(self.token_ids) >= (len(self.block_digests) + 1) * hasher.block_size:
             extras = self.block_extras.get if self.block_extras else None
-            hasher.extend(self.block_digests, self._root, self.token_ids, _no_none(extras))
+            hasher.extend(
+                self.block_digests,
+                self._root,
+                self.token_ids,
+                _no_none(extras),
+                self.block_token_bytes,
+            )
         return self.block_digests
 
     def root_digest(self, hasher: BlockHasher, model: str) -> bytes:
@@ -123,6 +133,7 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.block_digests = list(self.block_digests)
+        child.block_token_bytes = list(self.block_token_bytes)
         child._digest_key = self._digest_key
         child._root = self._root
         return child

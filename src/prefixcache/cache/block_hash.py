@@ -48,14 +48,14 @@ NAMESPACE_MAGIC = b"PCNS\x01"  # domain separation: a root can never equal a blo
 BLOCK_MAGIC = b"PCBK\x01"
 MAX_TOKEN_ID = 2**32 - 1
 
-HashFn = Callable[[bytes], bytes]
+HashFn = Callable[[bytes | bytearray], bytes]
 
 
-def _sha256(data: bytes) -> bytes:
+def _sha256(data: bytes | bytearray) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _blake2b(data: bytes) -> bytes:
+def _blake2b(data: bytes | bytearray) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 
 
@@ -224,11 +224,13 @@ class BlockHasher:
         root: bytes,
         token_ids: Sequence[int],
         extras: Callable[[int], Sequence[BlockExtra]] | None = None,
+        chunks: list[bytes] | None = None,
     ) -> int:
         """Append digests for the complete blocks of ``token_ids`` not yet in ``digests``.
 
-        ``extras(i)`` gives block ``i``'s extras (or is None). Returns how many were added.
-        Never re-hashes a block already in ``digests``.
+        ``extras(i)`` gives block ``i``'s extras (or is None). If ``chunks`` is given, each new
+        block's encoded token bytes are appended to it too (a cache compares them on a hit).
+        Returns how many were added. Never re-hashes a block already in ``digests``.
         """
         bs = self.block_size
         start = len(digests)
@@ -249,6 +251,8 @@ class BlockHasher:
                 buf[t0 : t0 + width] = chunk
                 parent = h(buf)
             digests.append(parent)
+            if chunks is not None:
+                chunks.append(chunk)
         return end - start
 
     def chain(
