@@ -13,6 +13,10 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
+from prefixcache.errors import CliError
+
+__all__ = ["COMMANDS", "CliError", "build_parser", "main"]
+
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("prefixcache.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
@@ -24,10 +28,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stress": ("prefixcache.tools.stress", "stress the allocator on a tiny pool"),
     "audit": ("prefixcache.tools.audit", "timing audit of cache isolation against a server"),
 }
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,3 +57,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         code = 130
     sys.exit(code or 0)
+

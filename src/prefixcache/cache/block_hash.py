@@ -1,6 +1,6 @@
 """Block identity: canonical encoding and chained block digests.
 
-A block's identity is ``digest_i = H(encode(parent_digest_{i-1}, token_ids_i, extras_i))`` with
+A block's identity is ``digest_i = H(encode(token_ids_i, extras_i, parent_digest_{i-1}))`` with
 ``parent_digest_{-1} = root(namespace)``. The namespace carries everything that changes KV values
 or who may see them (model identity, adapter, effective cache salt), so two namespaces share no
 block. Only complete blocks have an identity.
@@ -14,12 +14,14 @@ This module knows nothing about blocks in memory, tensors or requests.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import warnings
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "HASH_ALGOS",
@@ -78,6 +80,11 @@ def _xxh3_128() -> HashFn:
 
 
 HASH_ALGOS: dict[str, int] = {"sha256": 32, "blake2b": 32, "xxh3_128": 16}
+# hashlib constructors whose .digest() is the algorithm's digest (used on the hot path)
+_HASHLIB_NEW: dict[str, Callable[[bytes], Any]] = {
+    "sha256": hashlib.sha256,
+    "blake2b": functools.partial(hashlib.blake2b, digest_size=32),
+}
 
 
 def get_hash_fn(algo: str) -> HashFn:
@@ -174,27 +181,38 @@ _LITTLE_ENDIAN = array("I", [1]).tobytes()[0] == 1
 def encode_block(
     parent: bytes, token_ids: Sequence[int], extras: Sequence[BlockExtra] = ()
 ) -> bytes:
-    """The canonical bytes whose digest is a block's identity."""
-    return _block_prefix(parent) + _block_suffix(encode_tokens(token_ids), extras)
+    """The canonical bytes whose digest is a block's identity.
+
+    ``BLOCK_MAGIC ‖ field(TOKENS) ‖ [field(EXTRAS)] ‖ field(PARENT)``: the parent comes last so the
+    chain can hash ``body_i + parent`` with a single concatenation per block.
+    """
+    return _block_body(encode_tokens(token_ids), extras) + _parent_header(len(parent)) + parent
 
 
-def _block_prefix(parent: bytes) -> bytes:
-    return BLOCK_MAGIC + _field(TAG_PARENT, parent)
+def _block_body(token_bytes: bytes, extras: Sequence[BlockExtra] = ()) -> bytes:
+    """Everything of a block's encoding but the parent digest itself (its field header included)."""
+    body = BLOCK_MAGIC + _field(TAG_TOKENS, token_bytes)
+    if extras:
+        body += _field(TAG_EXTRAS, b"".join(e.encode() for e in extras))
+    return body
 
 
-def _block_suffix(token_bytes: bytes, extras: Sequence[BlockExtra]) -> bytes:
-    extras_payload = b"".join(e.encode() for e in extras) if extras else None
-    return _field(TAG_TOKENS, token_bytes) + _field(TAG_EXTRAS, extras_payload)
+def _parent_header(digest_size: int) -> bytes:
+    return struct.pack(">BI", TAG_PARENT, digest_size)
+
+
+# Below this many new blocks, bodies are built one by one; above, in one vectorized pass.
+_BULK_MIN_BLOCKS = 8
 
 
 class BlockHasher:
     """Computes namespace roots and chained block digests for one algorithm and block size.
 
-    The hot path (`extend`) packs all new tokens once and then fills a preallocated buffer per
-    block: the parent digest and the block's token bytes are the only bytes that change.
+    The hot path (`extend`) packs all new tokens once, lays out every block's body (magic, token
+    field, parent field header) in one vectorized pass, then per block hashes ``body + parent``.
     """
 
-    __slots__ = ("algo", "block_size", "digest_size", "_hash", "_buf", "_parent_at", "_tokens_at")
+    __slots__ = ("algo", "block_size", "digest_size", "_hash", "_new", "_prefix", "_suffix")
 
     def __init__(self, block_size: int, algo: str = "sha256") -> None:
         if block_size < 1:
@@ -202,11 +220,12 @@ class BlockHasher:
         self.algo = algo
         self.block_size = block_size
         self._hash = get_hash_fn(algo)
+        self._new: Callable[[bytes], Any] | None = _HASHLIB_NEW.get(algo)
         self.digest_size = HASH_ALGOS[algo]
-        template = encode_block(bytes(self.digest_size), [0] * block_size)
-        self._buf = bytearray(template)
-        self._parent_at = len(BLOCK_MAGIC) + 5
-        self._tokens_at = self._parent_at + self.digest_size + 5
+        # body = _prefix ‖ token bytes ‖ _suffix  (no extras)
+        self._prefix = BLOCK_MAGIC + struct.pack(">BI", TAG_TOKENS, 4 * block_size)
+        self._suffix = _parent_header(self.digest_size)
+        assert self._suffix[-1] != 0, "bodies must not end in NUL (see _bodies)"
 
     def root(self, namespace: Namespace) -> bytes:
         """The parent digest of a namespace's first block."""
@@ -234,26 +253,60 @@ class BlockHasher:
         """
         bs = self.block_size
         start = len(digests)
-        end = len(token_ids) // bs
-        if end <= start:
+        num_new = len(token_ids) // bs - start
+        if num_new <= 0:
             return 0
-        token_bytes = encode_tokens(token_ids[start * bs : end * bs])
+        width = 4 * bs
+        if start == 0:  # encode all and cut the bytes: cheaper than copying the list first
+            token_bytes = encode_tokens(token_ids)[: num_new * width]
+        else:
+            token_bytes = encode_tokens(token_ids[start * bs : (start + num_new) * bs])
+        if chunks is not None:
+            chunks.extend(token_bytes[i * width : (i + 1) * width] for i in range(num_new))
         parent = digests[-1] if digests else root
-        buf, h, p0, t0 = self._buf, self._hash, self._parent_at, self._tokens_at
-        p1, width = p0 + self.digest_size, 4 * bs
-        for i in range(end - start):
-            chunk = token_bytes[i * width : (i + 1) * width]
-            block_extras = extras(start + i) if extras is not None else ()
-            if block_extras:
-                parent = h(_block_prefix(parent) + _block_suffix(chunk, block_extras))
-            else:
-                buf[p0:p1] = parent
-                buf[t0 : t0 + width] = chunk
-                parent = h(buf)
+        if extras is not None and any(extras(start + i) for i in range(num_new)):
+            self._extend_with_extras(digests, parent, token_bytes, start, extras)
+            return num_new
+        bodies = self._bodies(token_bytes, num_new)
+        new = self._new
+        if new is not None:  # sha256 / blake2b: call hashlib directly, no wrapper frame
+            digests.extend([parent := new(body + parent).digest() for body in bodies])
+        else:
+            h = self._hash
+            digests.extend([parent := h(body + parent) for body in bodies])
+        return num_new
+
+    def _bodies(self, token_bytes: bytes, num_blocks: int) -> list[bytes]:
+        """Each block's body ``prefix ‖ tokens_i ‖ suffix`` (everything but the parent digest)."""
+        width = 4 * self.block_size
+        pre, suf = self._prefix, self._suffix
+        if num_blocks < _BULK_MIN_BLOCKS:
+            return [pre + token_bytes[i * width : (i + 1) * width] + suf for i in range(num_blocks)]
+        import numpy as np
+
+        table = np.empty((num_blocks, len(pre) + width + len(suf)), dtype=np.uint8)
+        table[:, : len(pre)] = np.frombuffer(pre, dtype=np.uint8)
+        tokens = np.frombuffer(token_bytes, dtype=np.uint8).reshape(num_blocks, width)
+        table[:, len(pre) : len(pre) + width] = tokens
+        table[:, len(pre) + width :] = np.frombuffer(suf, dtype=np.uint8)
+        # One C call splits the rows into bytes objects. NumPy's "S" dtype drops trailing NULs,
+        # which is safe: every body ends with the parent length byte, never 0.
+        rows: list[bytes] = table.view(f"S{table.shape[1]}").ravel().tolist()
+        return rows
+
+    def _extend_with_extras(
+        self,
+        digests: list[bytes],
+        parent: bytes,
+        token_bytes: bytes,
+        start: int,
+        extras: Callable[[int], Sequence[BlockExtra]],
+    ) -> None:
+        width = 4 * self.block_size
+        for i in range(len(token_bytes) // width):
+            body = _block_body(token_bytes[i * width : (i + 1) * width], extras(start + i))
+            parent = self._hash(body + self._suffix + parent)
             digests.append(parent)
-            if chunks is not None:
-                chunks.append(chunk)
-        return end - start
 
     def chain(
         self,

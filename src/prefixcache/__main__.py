@@ -1,0 +1,3 @@
+from prefixcache.cli import main
+
+main()

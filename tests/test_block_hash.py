@@ -1,0 +1,226 @@
+"""Block identity: golden vectors, canonical encoding, chaining, incremental hashing, the lab."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.cache import BlockExtra, BlockHasher, Namespace, Sequence
+from prefixcache.cache.block_hash import encode_block, encode_namespace, get_hash_fn
+from prefixcache.tools.lab import run_lab
+
+LAB_NS = Namespace(model="prefixcache-lab", salt="tenant-a")
+
+
+def _hasher(algo: str, block_size: int = 4) -> BlockHasher:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return BlockHasher(block_size, algo)
+
+
+# --- golden vectors (docs/block-key.md) ----------------------------------------------------------
+
+
+def test_golden_namespace_bytes_and_roots() -> None:
+    sha = _hasher("sha256")
+    empty = Namespace()
+    assert encode_namespace(empty).hex() == "50434e530101000000008200000000" + "8300000000"
+    assert sha.root(empty).hex() == (
+        "b88a5e7d6bd08bce16d757eda1bd6219cb2b9b1cbebdd55499e2ee3966531b2f"
+    )
+    assert sha.root(Namespace(model="tiny", adapter="X")).hex() == (
+        "a1d64f4aa6a18bc3285a120d9cec25c0442d31ba62a01c9d51f09a7e04ae957c"
+    )
+    assert sha.root(Namespace(model="tiny", salt="X")).hex() == (
+        "27413cdcd16f1d13928e69daaa3686c22c91454569ca41b66efe5a0484febed2"
+    )
+
+
+def test_golden_block_bytes_and_chain() -> None:
+    sha = _hasher("sha256")
+    root = sha.root(LAB_NS)
+    assert root.hex() == "60429960da3338fd98c10293534dfdecb974207dd90cbcbd1691fa3ddfc23839"
+    payload = encode_block(root, [1, 2, 3, 4])
+    assert payload.hex() == (
+        "5043424b01" "1100000010" "00000001000000020000000300000004" "1000000020" + root.hex()
+    )
+    assert [d.hex() for d in sha.chain(list(range(1, 13)), LAB_NS)] == [
+        "391d385c17d3012a0f7ac2de60809c8afb9d2238495df61668a7af16d30bafee",
+        "3cf9516d7df78e39e9646bced0242165c9163f7f225541ac5a1d2647ad5fa17c",
+        "5e47c6e34a6820c7b8bc71e7a71f8b0fdbd88afebfa36b275e029bdef16094df",
+    ]
+
+
+def test_golden_block_with_extra() -> None:
+    sha = _hasher("sha256")
+    extra = BlockExtra(kind="image", identity=bytes.fromhex("ab" * 32), offset=2)
+    digest = sha.block(sha.root(LAB_NS), [1, 2, 3, 4], [extra])
+    assert digest.hex() == "fc8dc083d23bf1bdbfcea8fae51ea7c06341352cf8064540772e6ccb6091c95e"
+    chained = sha.chain([1, 2, 3, 4], LAB_NS, extras=lambda i: [extra] if i == 0 else [])
+    assert chained == [digest]
+
+
+def test_golden_other_algorithms() -> None:
+    blake = _hasher("blake2b")
+    assert blake.root(LAB_NS).hex() == (
+        "4c130b823b81c8f36c5e192e3d5317e99488cca8a1f402b8bbe685c643b4ea28"
+    )
+    assert blake.chain([1, 2, 3, 4], LAB_NS)[0].hex() == (
+        "0c23f833c79846ea9da07ccdafeb2e20bacf720b62fe4a5287809c64e857c293"
+    )
+    xxh = _hasher("xxh3_128")
+    assert xxh.root(LAB_NS).hex() == "fb8c7d3eff280d860d23219b62021925"
+    assert xxh.chain([1, 2, 3, 4], LAB_NS)[0].hex() == "4467bd30c40995dd0dbadaf87cdf7e6b"
+
+
+# --- encoding rules -------------------------------------------------------------------------------
+
+
+def test_typed_fields_never_collide() -> None:
+    sha = _hasher("sha256")
+    assert sha.root(Namespace(adapter="X")) != sha.root(Namespace(salt="X"))
+    assert sha.root(Namespace(model="org_1", salt="2345")) != sha.root(
+        Namespace(model="org_12345", salt="")
+    )
+    assert sha.root(Namespace(salt="")) != sha.root(Namespace(salt=None))
+    assert sha.root(Namespace(model="m", adapter="a")) != sha.root(Namespace(model="ma"))
+
+
+def test_only_complete_blocks_have_identity() -> None:
+    sha = _hasher("sha256", block_size=4)
+    assert len(sha.chain(list(range(10)))) == 2  # 10 tokens, block size 4: 8 reusable
+
+
+def test_digest_widths_and_xxh3_warns() -> None:
+    assert len(_hasher("sha256").root(Namespace())) == 32
+    assert len(_hasher("blake2b").root(Namespace())) == 32
+    with pytest.warns(UserWarning, match="not collision-resistant"):
+        BlockHasher(16, "xxh3_128")
+    with pytest.raises(ValueError, match="unknown hash_algo"):
+        get_hash_fn("md5")
+
+
+def test_token_ids_out_of_range_are_rejected() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        _hasher("sha256").chain([1, 2, 3, -1])
+    with pytest.raises(ValueError, match="token ids"):
+        _hasher("sha256").chain([1, 2, 3, 2**32])
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b", "xxh3_128"])
+@pytest.mark.parametrize("num_tokens", [3, 16 * 7 + 5, 16 * 40])
+def test_bulk_and_small_paths_agree_with_the_reference_encoding(algo: str, num_tokens: int) -> None:
+    hasher = _hasher(algo, block_size=16)
+    tokens = [(i * 7919) % 50_000 for i in range(num_tokens)]
+    root = hasher.root(LAB_NS)
+    expected, parent = [], root
+    for i in range(num_tokens // 16):
+        parent = hasher.block(parent, tokens[i * 16 : (i + 1) * 16])
+        expected.append(parent)
+    assert hasher.chain(tokens, LAB_NS) == expected
+
+
+def test_incremental_extension_equals_one_shot_and_never_rehashes() -> None:
+    hasher = _hasher("sha256", block_size=4)
+    tokens = list(range(100, 150))
+    seq = Sequence("s", tokens[:5], salt="tenant-a")
+    assert len(seq.digests(hasher, "m")) == 1
+    first = seq.block_digests[0]
+    for t in tokens[5:]:
+        seq.append(t)
+        seq.digests(hasher, "m")
+    assert seq.block_digests[0] is first  # the same object: not recomputed
+    assert seq.block_digests == hasher.chain(tokens, Namespace(model="m", salt="tenant-a"))
+    assert len(seq.block_token_bytes) == len(seq.block_digests)
+    assert seq.block_token_bytes[1] == b"".join(t.to_bytes(4, "big") for t in tokens[4:8])
+
+
+# --- properties -----------------------------------------------------------------------------------
+
+_tokens = st.lists(st.integers(0, 2**32 - 1), min_size=8, max_size=32)
+_names = st.one_of(st.none(), st.text(max_size=6))
+
+
+def test_100k_distinct_blocks_have_distinct_digests() -> None:
+    import random
+
+    hasher = _hasher("sha256", block_size=4)
+    rng = random.Random(1)
+    seen: dict[bytes, tuple[object, ...]] = {}
+    roots = [hasher.root(Namespace(model="m", salt=f"s{i}")) for i in range(10)]
+    while len(seen) < 100_000:
+        key = (rng.randrange(10), tuple(rng.randrange(1 << 17) for _ in range(4)))
+        digest = hasher.block(roots[key[0]], key[1])
+        assert seen.setdefault(digest, key) == key, "two distinct blocks share a digest"
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=_tokens, data=st.data())
+def test_single_token_change_changes_that_block_and_all_later(tokens: list[int], data) -> None:
+    hasher = _hasher("sha256", block_size=4)
+    position = data.draw(st.integers(0, len(tokens) - 1))
+    changed = list(tokens)
+    changed[position] = (changed[position] + 1) % 2**32
+    a, b = hasher.chain(tokens), hasher.chain(changed)
+    block = position // 4
+    assert a[:block] == b[:block]
+    assert all(x != y for x, y in zip(a[block:], b[block:], strict=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=_tokens, ns_a=st.tuples(st.text(max_size=4), _names, _names),
+       ns_b=st.tuples(st.text(max_size=4), _names, _names))
+def test_different_namespaces_share_no_block(tokens: list[int], ns_a, ns_b) -> None:
+    hasher = _hasher("sha256", block_size=4)
+    a = hasher.chain(tokens, Namespace(*ns_a))
+    b = hasher.chain(tokens, Namespace(*ns_b))
+    if ns_a == ns_b:
+        assert a == b
+    else:
+        assert not set(a) & set(b)
+
+
+def test_digests_are_equal_across_processes() -> None:
+    code = (
+        "import json; from prefixcache.cache import BlockHasher, Namespace;"
+        "h = BlockHasher(4);"
+        "print(json.dumps([d.hex() for d in h.chain(list(range(1, 13)), "
+        "Namespace(model='prefixcache-lab', salt='tenant-a'))]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+    )
+    assert json.loads(out.stdout) == [d.hex() for d in _hasher("sha256").chain(
+        list(range(1, 13)), LAB_NS)]
+
+
+# --- the lab --------------------------------------------------------------------------------------
+
+
+def test_lab_prints_the_spec_lines() -> None:
+    assert run_lab() == ["same prefix: (2, 8)", "one token changed: (1, 4)",
+                         "different salt: (0, 0)"]
+
+
+def test_lab_variations() -> None:
+    assert run_lab(block_size=2)[:2] == ["same prefix: (4, 8)", "one token changed: (3, 6)"]
+    assert run_lab(use_salt=False)[2] == "different salt: (2, 8)"
+
+
+def test_lab_cli_and_explain() -> None:
+    run = [sys.executable, "-m", "prefixcache"]
+    out = subprocess.run([*run, "lab"], capture_output=True, text=True, check=True).stdout
+    assert out == "same prefix: (2, 8)\none token changed: (1, 4)\ndifferent salt: (0, 0)\n"
+    out = subprocess.run([*run, "lab", "--explain"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "block 1  tokens [4, 8)" in out and "FIRST MISS" in out
+    bad = subprocess.run([*run, "lab", "--block-size", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--block-size must be >= 1" in bad.stderr
+    assert "Traceback" not in bad.stderr
