@@ -1,0 +1,117 @@
+"""Paged KV storage: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+The storage knows block ids and slots (``block_id * block_size + offset``), never hashes or
+requests. Writes go through a slot mapping; copy-on-write and zero-on-reuse act on whole blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["PagedKVCache", "bytes_per_block"]
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of K and V, over all layers, that one block holds."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+class PagedKVCache:
+    """K and V tensors for every layer, addressed by physical block id."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # k_caches[i], v_caches[i]: [num_blocks, block_size, num_kv_heads, head_dim]
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def from_memory_budget(
+        cls,
+        memory_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> PagedKVCache:
+        """As many blocks as fit in ``memory_bytes`` (at least one, else a clear error)."""
+        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = memory_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV memory budget of {memory_bytes} bytes holds no block "
+                f"({per_block} bytes per block of {block_size} tokens)"
+            )
+        return cls(num_layers, int(num_blocks), block_size, num_kv_heads, head_dim, dtype, device)
+
+    @property
+    def num_bytes(self) -> int:
+        """Total bytes of K and V storage."""
+        return self.num_blocks * bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.k_caches[index], self.v_caches[index]
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy every layer's K/V of block ``src`` into block ``dst`` (copy-on-write)."""
+        if not pairs:
+            return
+        src, dst = self._block_index(pairs)
+        if len(set(dst.tolist())) != len(pairs):
+            raise ValueError("copy_blocks: a destination block appears twice")
+        for cache in (*self.k_caches, *self.v_caches):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    def zero_blocks(self, block_ids: Sequence[int]) -> None:
+        """Wipe every layer's K/V of the given blocks (zero-on-reuse across namespaces)."""
+        if not block_ids:
+            return
+        index = self._check_ids(list(block_ids))
+        for cache in (*self.k_caches, *self.v_caches):
+            cache.index_fill_(0, index, 0)
+
+    def _block_index(self, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        src = self._check_ids([int(p[0]) for p in pairs])
+        dst = self._check_ids([int(p[1]) for p in pairs])
+        return src, dst
+
+    def _check_ids(self, block_ids: list[int]) -> torch.Tensor:
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)

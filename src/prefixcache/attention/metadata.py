@@ -1,0 +1,138 @@
+"""Per-step attention metadata for a flattened batch of sequences.
+
+Sequence b contributes ``num_new[b]`` query tokens (a prefill, a prefill chunk or one decode
+token) after ``num_computed[b]`` tokens whose K/V already sit in the paged cache, reachable through
+its block table. Everything here is built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["AttentionMetadata"]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Tensors the model needs for one step; T = total new tokens, B = sequences."""
+
+    slot_mapping: torch.Tensor  # [T] int64: physical slot of each new token
+    positions: torch.Tensor  # [T] int64: absolute position of each new token
+    query_start_loc: torch.Tensor  # [B+1] int64: offsets of each sequence's tokens in T
+    seq_lens: torch.Tensor  # [B] int64: num_computed + num_new
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    logits_indices: torch.Tensor  # [B] int64: last new token of each sequence
+    block_size: int
+    num_computed: list[int]
+    num_new: list[int]
+    query_starts: list[int]  # python copy of query_start_loc, for slicing without syncs
+    # Per sequence with cached context: the slots of all its tokens [seq_len] and the
+    # lower-right causal mask [num_new, seq_len] (None for a single query token).
+    context_slots: list[torch.Tensor | None]
+    causal_masks: list[torch.Tensor | None]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_new)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: Sequence[Sequence[int]],
+        num_computed: Sequence[int],
+        num_new: Sequence[int],
+        block_size: int,
+        device: str | torch.device = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata from python lists; raises ValueError on inconsistent input."""
+        computed, new = list(map(int, num_computed)), list(map(int, num_new))
+        _validate(block_tables, computed, new, block_size)
+        table = _padded_table(block_tables)
+        seq_idx = np.repeat(np.arange(len(new)), new)
+        starts = np.concatenate(([0], np.cumsum(new)))
+        positions = np.arange(starts[-1]) - starts[seq_idx] + np.asarray(computed)[seq_idx]
+        slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
+        as_tensor = _tensor_maker(device)
+        context_slots, masks = _context(table, computed, new, block_size, as_tensor)
+        return cls(
+            slot_mapping=as_tensor(slots),
+            positions=as_tensor(positions),
+            query_start_loc=as_tensor(starts),
+            seq_lens=as_tensor(np.asarray(computed) + np.asarray(new)),
+            block_tables=as_tensor(table),
+            logits_indices=as_tensor(starts[1:] - 1),
+            block_size=block_size,
+            num_computed=computed,
+            num_new=new,
+            query_starts=starts.tolist(),
+            context_slots=context_slots,
+            causal_masks=masks,
+        )
+
+
+def _tensor_maker(device: str | torch.device):  # noqa: ANN202
+    def as_tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(array, dtype=np.int64), device=device)
+
+    return as_tensor
+
+
+def _validate(
+    block_tables: Sequence[Sequence[int]], computed: list[int], new: list[int], block_size: int
+) -> None:
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if not (len(block_tables) == len(computed) == len(new)) or not new:
+        raise ValueError(
+            "block_tables, num_computed and num_new must be non-empty and of equal length, got "
+            f"{len(block_tables)}, {len(computed)}, {len(new)}"
+        )
+    for b, (table, n_computed, n_new) in enumerate(zip(block_tables, computed, new, strict=True)):
+        if n_computed < 0 or n_new < 1:
+            raise ValueError(f"sequence {b}: num_computed={n_computed}, num_new={n_new} invalid")
+        needed = -(-(n_computed + n_new) // block_size)
+        if len(table) < needed:
+            raise ValueError(
+                f"sequence {b}: block table has {len(table)} blocks, "
+                f"{n_computed + n_new} tokens need {needed}"
+            )
+        if any(block_id < 0 for block_id in table[:needed]):
+            raise ValueError(f"sequence {b}: negative block id in block table")
+
+
+def _padded_table(block_tables: Sequence[Sequence[int]]) -> np.ndarray:
+    width = max(1, max(len(t) for t in block_tables))
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    for b, row in enumerate(block_tables):
+        table[b, : len(row)] = row
+    return table
+
+
+def _context(table, computed, new, block_size, as_tensor):  # noqa: ANN001, ANN202
+    """Slots of every token of sequences that have cached context, and their causal masks."""
+    slots: list[torch.Tensor | None] = []
+    masks: list[torch.Tensor | None] = []
+    for b, (n_computed, n_new) in enumerate(zip(computed, new, strict=True)):
+        if n_computed == 0:
+            slots.append(None)
+            masks.append(None)
+            continue
+        pos = np.arange(n_computed + n_new)
+        slots.append(as_tensor(table[b, pos // block_size] * block_size + pos % block_size))
+        masks.append(None if n_new == 1 else _lower_right_mask(n_computed, n_new, slots[-1]))
+    return slots, masks
+
+
+def _lower_right_mask(n_computed: int, n_new: int, like: torch.Tensor) -> torch.Tensor:
+    # mask[i, j]: new token i (absolute position n_computed + i) may attend key j <= that position
+    query_pos = torch.arange(n_new, device=like.device).unsqueeze(1) + n_computed
+    key_pos = torch.arange(n_computed + n_new, device=like.device).unsqueeze(0)
+    return key_pos <= query_pos

@@ -1,0 +1,86 @@
+"""Paged attention, torch reference path: write new K/V through the slot mapping, then attend.
+
+Each sequence's queries attend its cached context (gathered from the paged cache through its
+block table) plus its new tokens, causal within the new ones. A sequence without cached context
+takes the fast path: causal attention on its fresh K/V, no gather, no explicit mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prefixcache.attention.metadata import AttentionMetadata
+
+__all__ = ["paged_attention", "write_kv"]
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's new K/V; k, v: [T, num_kv_heads, head_dim], caches paged."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output [T, num_heads, head_dim].
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's, already written);
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    gqa = q.shape[1] != num_kv_heads
+    if metadata.num_seqs == 1 and metadata.context_slots[0] is None:
+        return _attend(q, k, v, None, True, scale, gqa)
+    out = torch.empty_like(q)
+    starts = metadata.query_starts
+    for b, slots in enumerate(metadata.context_slots):
+        start, end = starts[b], starts[b + 1]
+        if slots is None:
+            out[start:end] = _attend(
+                q[start:end], k[start:end], v[start:end], None, True, scale, gqa
+            )
+            continue
+        k_ctx = k_flat.index_select(0, slots)  # [seq_len, num_kv_heads, head_dim]
+        v_ctx = v_flat.index_select(0, slots)
+        mask = metadata.causal_masks[b]
+        out[start:end] = _attend(q[start:end], k_ctx, v_ctx, mask, False, scale, gqa)
+    return out
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    gqa: bool,
+) -> torch.Tensor:
+    # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]: SDPA's fused CPU kernel wants 4-D
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=is_causal and q.shape[0] > 1,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return out.squeeze(0).transpose(0, 1)

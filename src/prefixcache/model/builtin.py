@@ -1,0 +1,142 @@
+"""The built-in checkpoints ``tiny`` and ``small``: created from a seed on first use, no download.
+
+Each is written as an ordinary checkpoint directory (config.json, generation_config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json) under the user cache dir, so loading
+runs the real config, weight and tokenizer code. Creation is atomic (temp dir + rename), so
+concurrent processes are safe. ``tiny`` is initialised with a wide logit spread so greedy
+decoding is robust to the ~1e-6 rounding changes that batch composition causes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from prefixcache.model.byte_tokenizer import write_byte_tokenizer
+
+__all__ = ["BUILTIN_MODELS", "BuiltinSpec", "cache_dir", "ensure_builtin"]
+
+RECIPE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinSpec:
+    """Shape and init of a built-in model."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    embed_std: float  # tied embedding / lm_head init: sets the logit spread
+    proj_std: float  # other linear layers
+    seed: int
+
+
+BUILTIN_MODELS: dict[str, BuiltinSpec] = {
+    "tiny": BuiltinSpec(256, 512, 4, 4, 2, embed_std=0.5, proj_std=0.08, seed=1234),
+    "small": BuiltinSpec(768, 2048, 12, 12, 4, embed_std=0.1, proj_std=0.02, seed=5678),
+}
+MAX_POSITIONS = 8192
+
+
+def cache_dir() -> Path:
+    """$PREFIXCACHE_CACHE_DIR, else $XDG_CACHE_HOME/prefixcache, else ~/.cache/prefixcache."""
+    explicit = os.environ.get("PREFIXCACHE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "prefixcache"
+
+
+def ensure_builtin(name: str) -> Path:
+    """The checkpoint directory of built-in model ``name``, created on first use."""
+    spec = BUILTIN_MODELS[name]
+    target = cache_dir() / "models" / f"{name}-v{RECIPE_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        _write_checkpoint(staging, spec)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_checkpoint(path: Path, spec: BuiltinSpec) -> None:
+    vocab = write_byte_tokenizer(path)
+    config = _config(spec, vocab)
+    (path / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    generation = {"bos_token_id": vocab.bos_id, "eos_token_id": list(vocab.eos_ids)}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    save_file(
+        _weights(spec, vocab.size), str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
+
+
+def _config(spec: BuiltinSpec, vocab) -> dict:  # noqa: ANN001
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab.size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.hidden_size // spec.num_attention_heads,
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": vocab.bos_id,
+        "eos_token_id": list(vocab.eos_ids),
+        "torch_dtype": "float32",
+    }
+
+
+def _weights(spec: BuiltinSpec, vocab_size: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(spec.seed)
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    head_dim = hidden // spec.num_attention_heads
+    kv = spec.num_key_value_heads * head_dim
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    weights = {
+        "model.embed_tokens.weight": normal(vocab_size, hidden, std=spec.embed_std),
+        "model.norm.weight": torch.ones(hidden),
+    }
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights.update(
+            {
+                p + "self_attn.q_proj.weight": normal(hidden, hidden, std=spec.proj_std),
+                p + "self_attn.k_proj.weight": normal(kv, hidden, std=spec.proj_std),
+                p + "self_attn.v_proj.weight": normal(kv, hidden, std=spec.proj_std),
+                p + "self_attn.o_proj.weight": normal(hidden, hidden, std=spec.proj_std),
+                p + "mlp.gate_proj.weight": normal(inter, hidden, std=spec.proj_std),
+                p + "mlp.up_proj.weight": normal(inter, hidden, std=spec.proj_std),
+                p + "mlp.down_proj.weight": normal(hidden, inter, std=spec.proj_std),
+                p + "input_layernorm.weight": torch.ones(hidden),
+                p + "post_attention_layernorm.weight": torch.ones(hidden),
+            }
+        )
+    return weights

@@ -1,0 +1,176 @@
+"""The decoder: Llama / Mistral / Qwen2 / Qwen3 as one PyTorch module over paged KV.
+
+``CausalLM(input_ids [T], positions [T], kv_cache, attn_metadata) -> logits [B, vocab]``:
+linear layers run over all T tokens of the step at once; attention writes the new K/V through
+the slot mapping and reads context through block tables (`prefixcache.attention`). Parameter
+names follow transformers except the fused ``qkv_proj`` and ``gate_up_proj`` (see weights.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
+from prefixcache.model.config import ModelConfig
+from prefixcache.model.rope import RotaryEmbedding, apply_rotary
+
+__all__ = ["CausalLM", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused qkv, optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        k_cache, v_cache = kv_cache.layer(self.layer_index)
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with a fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder plus LM head; ``forward`` returns logits only at ``logits_indices``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self) -> None:
+        """Build rotary tables on the parameters' device (call after weights are in place)."""
+        device = self.model.embed_tokens.weight.device
+        self.rotary = RotaryEmbedding(self.config.head_dim, self.config.rope, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: PagedKVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> logits [B, vocab] at each sequence's last new token."""
+        if self.rotary is None:
+            self.init_rotary()
+        assert self.rotary is not None
+        _check_inputs(input_ids, positions, kv_cache, attn_metadata, self.config)
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos_sin, kv_cache, attn_metadata)
+        h = self.model.norm(h.index_select(0, attn_metadata.logits_indices))  # [B, hidden]
+        return self.lm_head(h)
+
+
+def _check_inputs(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: PagedKVCache,
+    metadata: AttentionMetadata,
+    config: ModelConfig,
+) -> None:
+    if input_ids.dim() != 1 or input_ids.shape != positions.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+            "must be equal 1-D shapes"
+        )
+    if input_ids.shape[0] != metadata.num_tokens:
+        raise ValueError(
+            f"{input_ids.shape[0]} input ids for {metadata.num_tokens} scheduled tokens"
+        )
+    if kv_cache.num_layers != config.num_hidden_layers or (
+        kv_cache.num_kv_heads,
+        kv_cache.head_dim,
+    ) != (config.num_key_value_heads, config.head_dim):
+        raise ValueError("KV cache shape does not match the model config")
