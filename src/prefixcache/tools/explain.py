@@ -1,0 +1,346 @@
+"""`prefixcache explain A B`: why prompt B does (not) reuse prompt A's cached prefix.
+
+Both prompts go through the production tokenizer and chat template, then through the real block
+identity (`cache/block_hash.py`) in their namespaces. The report gives the common token prefix, the
+reusable blocks and tokens, the first missing block with its token span, and the reason: a
+namespace component differs (model identity, adapter, salt: named, never printed) or the tokens
+differ (the position; the ids and decoded pieces around it only with ``--show-tokens``).
+
+This module reads prompts and tokenizers; it never loads model weights and never touches a cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefixcache.cache.block_hash import HASH_ALGOS, BlockHasher, Namespace
+from prefixcache.errors import CliError
+
+__all__ = [
+    "Explanation",
+    "ModelView",
+    "Prompt",
+    "explain",
+    "format_explanation",
+    "load_model_view",
+    "read_prompt",
+    "text_warnings",
+]
+
+TOKEN_WINDOW = 4  # tokens shown on each side of the divergence with --show-tokens
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One side of the comparison: its token ids and, when it was text, the text."""
+
+    token_ids: list[int]
+    text: str | None = None
+    kind: str = "text"  # text | tokens | chat
+
+
+@dataclass(slots=True)
+class ModelView:
+    """What explain needs of a model: its cache identity and its tokenizer (may be None)."""
+
+    identity: str
+    tokenizer: Any = None
+
+
+@dataclass(slots=True)
+class Explanation:
+    """The diagnosis. ``first_miss_block`` is None when B's every complete block is reusable."""
+
+    block_size: int
+    num_tokens_a: int
+    num_tokens_b: int
+    common_prefix_tokens: int
+    reusable_blocks: int
+    reusable_tokens: int
+    usable_tokens: int  # what a request B would actually get: capped at len(B) - 1
+    first_miss_block: int | None
+    first_miss_span: tuple[int, int] | None
+    reason: str  # namespace | tokens | a_shorter | none
+    namespace_diff: list[str] = field(default_factory=list)
+    divergence_position: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        out["first_miss_span"] = list(self.first_miss_span) if self.first_miss_span else None
+        return out
+
+
+# ---- input ------------------------------------------------------------------------------------
+
+
+def read_source(arg: str) -> str:
+    """``@path`` or an existing file path -> its text; anything else is the text itself."""
+    path = Path(arg[1:]) if arg.startswith("@") else Path(arg)
+    if arg.startswith("@") or _is_file(path):
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read {path}: {exc}") from None
+    return arg
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return len(str(path)) < 4096 and path.is_file()
+    except OSError:
+        return False
+
+
+def _json_or_none(text: str) -> Any:
+    stripped = text.strip()
+    if not stripped.startswith(("[", "{")):
+        return None
+    try:
+        return json.loads(stripped)
+    except json.JSONDecodeError:
+        return None
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def read_prompt(arg: str, tokenizer: Any, chat: bool = False) -> Prompt:
+    """Text, a file, a JSON token-id list or (``chat``) JSON chat messages -> token ids."""
+    text = read_source(arg)
+    value = _json_or_none(text)
+    if _is_token_list(value):
+        return Prompt(_check_ids(value), None, "tokens")
+    if chat:
+        return _chat_prompt(value, tokenizer)
+    if tokenizer is None:
+        raise CliError("a text prompt needs a tokenizer (this model has none)")
+    return Prompt(list(tokenizer.encode(text)), text, "text")
+
+
+def _check_ids(ids: list[int]) -> list[int]:
+    bad = [t for t in ids if not 0 <= t < 2**32]
+    if bad:
+        raise CliError(f"token id {bad[0]} is out of range [0, 2**32)")
+    return list(ids)
+
+
+def _chat_prompt(value: Any, tokenizer: Any) -> Prompt:
+    messages = value.get("messages") if isinstance(value, dict) else value
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise CliError('--chat expects a JSON list of messages (or {"messages": [...]})')
+    if tokenizer is None:
+        raise CliError("--chat needs a tokenizer with a chat template")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # the template's own errors (unknown role, missing field, ...)
+        raise CliError(f"chat template failed: {exc}") from None
+    return Prompt(list(tokenizer.encode(text, add_special_tokens=False)), text, "chat")
+
+
+# ---- diagnosis --------------------------------------------------------------------------------
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def namespace_diff(a: Namespace, b: Namespace) -> list[str]:
+    """The names (never the values) of the namespace components that differ."""
+    names = {"model": "model identity", "adapter": "adapter", "salt": "cache salt"}
+    return [label for attr, label in names.items() if getattr(a, attr) != getattr(b, attr)]
+
+
+def explain(
+    a: Prompt,
+    b: Prompt,
+    ns_a: Namespace,
+    ns_b: Namespace,
+    block_size: int = 16,
+    hash_algo: str = "sha256",
+) -> Explanation:
+    """Diagnose how much of B's prompt a cache holding A's prompt could serve, and why not more."""
+    hasher = BlockHasher(block_size, hash_algo)
+    chain_a, chain_b = hasher.chain(a.token_ids, ns_a), hasher.chain(b.token_ids, ns_b)
+    reusable = common_prefix(chain_a, chain_b)
+    common = common_prefix(a.token_ids, b.token_ids)
+    usable = min(reusable, max(len(b.token_ids) - 1, 0) // block_size) * block_size
+    diff = namespace_diff(ns_a, ns_b)
+    miss = reusable if reusable < len(chain_b) else None
+    out = Explanation(
+        block_size=block_size,
+        num_tokens_a=len(a.token_ids),
+        num_tokens_b=len(b.token_ids),
+        common_prefix_tokens=common,
+        reusable_blocks=reusable,
+        reusable_tokens=reusable * block_size,
+        usable_tokens=usable,
+        first_miss_block=miss,
+        first_miss_span=None if miss is None else (miss * block_size, (miss + 1) * block_size),
+        reason=_reason(miss, diff, common, len(a.token_ids)),
+        namespace_diff=diff,
+    )
+    if out.reason == "tokens":
+        out.divergence_position = common
+    out.warnings = text_warnings(a, b)
+    return out
+
+
+def _reason(miss: int | None, diff: list[str], common: int, num_tokens_a: int) -> str:
+    if miss is None:
+        return "none"
+    if diff:
+        return "namespace"
+    if common >= num_tokens_a:
+        return "a_shorter"
+    return "tokens"
+
+
+def text_warnings(a: Prompt, b: Prompt) -> list[str]:
+    """Texts that look alike but tokenize differently (or the reverse)."""
+    if a.text is None or b.text is None:
+        return []
+    same_tokens = a.token_ids == b.token_ids
+    if a.text == b.text:
+        return [] if same_tokens else ["the texts are equal but their tokens differ"]
+    out = [_look_alike(a.text, b.text)] if _look_alike(a.text, b.text) else []
+    if same_tokens:
+        out.append("the texts differ but their tokens are equal")
+    return out
+
+
+def _look_alike(x: str, y: str) -> str | None:
+    for form in ("NFC", "NFKC"):
+        if unicodedata.normalize(form, x) == unicodedata.normalize(form, y):
+            return f"the texts differ only in Unicode normalization (equal after {form})"
+    if "".join(x.split()) == "".join(y.split()):
+        return "the texts differ only in whitespace"
+    return None
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def format_explanation(
+    ex: Explanation, a: Prompt, b: Prompt, tokenizer: Any = None, show_tokens: bool = False
+) -> list[str]:
+    """Human-readable report lines."""
+    lines = [
+        f"tokens: A={ex.num_tokens_a} B={ex.num_tokens_b}  block size {ex.block_size}",
+        f"common token prefix: {ex.common_prefix_tokens} tokens",
+        f"reusable: {ex.reusable_blocks} blocks = {ex.reusable_tokens} tokens"
+        f" (a request B would hit {ex.usable_tokens}: one prompt token is always computed)",
+    ]
+    lines.extend(_miss_lines(ex))
+    if show_tokens and ex.divergence_position is not None:
+        lines.extend(token_window(a.token_ids, b.token_ids, ex.divergence_position, tokenizer))
+    lines.extend(f"warning: {w}" for w in ex.warnings)
+    return lines
+
+
+def _miss_lines(ex: Explanation) -> list[str]:
+    if ex.first_miss_block is None or ex.first_miss_span is None:
+        return ["first miss: none (every complete block of B is reusable)"]
+    start, end = ex.first_miss_span
+    head = f"first miss: block {ex.first_miss_block}, tokens [{start}, {end})"
+    if ex.reason == "namespace":
+        return [head, f"why: the namespace differs: {', '.join(ex.namespace_diff)}"]
+    if ex.reason == "a_shorter":
+        return [head, f"why: A ends at token {ex.num_tokens_a}; B continues past it"]
+    pos = ex.divergence_position
+    return [head, f"why: the tokens differ at position {pos} (offset {pos - start} in the block)"]
+
+
+def token_window(a: Sequence[int], b: Sequence[int], pos: int, tokenizer: Any = None) -> list[str]:
+    """Token ids and decoded pieces around ``pos`` on both sides."""
+    lo, hi = max(pos - TOKEN_WINDOW, 0), pos + TOKEN_WINDOW + 1
+    lines = [f"tokens [{lo}, {hi}) around position {pos}:"]
+    for label, ids in (("A", a), ("B", b)):
+        cells = [_token_cell(i, ids[i], tokenizer, i == pos) for i in range(lo, min(hi, len(ids)))]
+        lines.append(f"  {label}: " + " ".join(cells))
+    return lines
+
+
+def _token_cell(index: int, token_id: int, tokenizer: Any, mark: bool) -> str:
+    piece = ""
+    if tokenizer is not None:
+        try:
+            piece = "=" + repr(tokenizer.decode([token_id], skip_special_tokens=False))
+        except Exception:  # an id outside the vocabulary: show the id alone
+            piece = "=?"
+    cell = f"{token_id}{piece}"
+    return f">>{cell}<<" if mark else cell
+
+
+# ---- models and the command -------------------------------------------------------------------
+
+
+def load_model_view(name: str, dtype: str = "float32") -> ModelView:
+    """The model's cache identity (as the engine computes it) and tokenizer, without weights."""
+    from prefixcache.model.builtin import cache_dir
+    from prefixcache.model.config import ModelConfig
+    from prefixcache.model.identity import model_identity
+    from prefixcache.model.loader import resolve_model_path
+    from prefixcache.model.tokenizer import Tokenizer
+    from prefixcache.model.weights import weight_files
+
+    try:
+        path = resolve_model_path(name)
+        config = ModelConfig.from_dir(path)
+        files = weight_files(path)
+        identity = model_identity(path, config, dtype, files, cache_dir() / "digests")
+        return ModelView(identity, Tokenizer.from_dir(path))
+    except (ValueError, OSError) as exc:
+        raise CliError(f"cannot load model {name!r}: {exc}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", help="prompt A: text, @file, a file path, or a JSON token-id list")
+    parser.add_argument("b", help="prompt B (same forms as A)")
+    parser.add_argument("--model", default="tiny", help="model for A (and B): built-in or dir")
+    parser.add_argument("--model-b", default=None, help="a different model for B")
+    parser.add_argument("--dtype", default="float32", help="dtype the engine runs (identity)")
+    parser.add_argument("--salt-a", default=None, help="effective cache salt of A")
+    parser.add_argument("--salt-b", default=None, help="effective cache salt of B")
+    parser.add_argument("--adapter-a", default=None, help="LoRA adapter name of A")
+    parser.add_argument("--adapter-b", default=None, help="LoRA adapter name of B")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    parser.add_argument("--hash-algo", default="sha256", choices=sorted(HASH_ALGOS))
+    parser.add_argument("--chat", action="store_true", help="A and B are JSON chat messages")
+    parser.add_argument(
+        "--show-tokens", action="store_true", help="print token ids and pieces at the divergence"
+    )
+    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.block_size < 1:
+        raise CliError(f"--block-size must be >= 1, got {args.block_size}")
+    view_a = load_model_view(args.model, args.dtype)
+    view_b = load_model_view(args.model_b, args.dtype) if args.model_b else view_a
+    a = read_prompt(args.a, view_a.tokenizer, args.chat)
+    b = read_prompt(args.b, view_b.tokenizer, args.chat)
+    ns_a = Namespace(view_a.identity, args.adapter_a, args.salt_a)
+    ns_b = Namespace(view_b.identity, args.adapter_b, args.salt_b)
+    ex = explain(a, b, ns_a, ns_b, args.block_size, args.hash_algo)
+    if args.json:
+        print(json.dumps(ex.as_dict()))
+        return 0
+    for line in format_explanation(ex, a, b, view_b.tokenizer, args.show_tokens):
+        print(line)
+    return 0
