@@ -1,0 +1,170 @@
+"""Our own trace format for recorded server traffic: token counts and block digests, never text.
+
+The first line is a header, every other line one request::
+
+    {"format": "prefixcache-trace", "version": 1, "block_size": 16, "hash_algo": "sha256"}
+    {"t": 0.125, "input_length": 40, "output_length": 16, "cached_tokens": 32,
+     "block_digests": ["9f2c...", "41aa..."]}
+
+``t`` is seconds since the recorder started; ``block_digests`` are the chained digests of the
+prompt's complete blocks (they already encode the namespace, so tenants stay apart without any
+tenant id in the file). The server writes it with ``--record-trace FILE`` through
+`TraceRecorder`; `read_record` turns it back into a `Trace` (each distinct digest becomes a hash
+id). Neither knows about caches or HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+from prefixcache.sim.errors import TraceFormatError
+from prefixcache.sim.trace import Trace, TraceRequest
+
+FORMAT_NAME = "prefixcache-trace"
+FORMAT_VERSION = 1
+
+
+class TraceRecorder:
+    """Appends one line per finished request; safe to call from several threads."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        block_size: int,
+        hash_algo: str = "sha256",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.path = Path(path)
+        self._clock = clock
+        self._start = clock()
+        self._lock = threading.Lock()
+        self._file: TextIO | None = self.path.open("w", encoding="utf-8")
+        header = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "block_size": block_size,
+            "hash_algo": hash_algo,
+        }
+        self._write(header)
+        self.num_records = 0
+
+    def record(
+        self,
+        input_length: int,
+        output_length: int,
+        block_digests: Sequence[bytes],
+        cached_tokens: int = 0,
+        arrival_s: float | None = None,
+    ) -> None:
+        """One request: prompt and output token counts and its prompt's block digests."""
+        t = self._clock() - self._start if arrival_s is None else arrival_s
+        line = {
+            "t": round(t, 6),
+            "input_length": input_length,
+            "output_length": output_length,
+            "cached_tokens": cached_tokens,
+            "block_digests": [d.hex() for d in block_digests],
+        }
+        self._write(line)
+        self.num_records += 1
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        text = json.dumps(obj, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is None:
+                raise ValueError(f"trace recorder for {self.path} is closed")
+            self._file.write(text)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> TraceRecorder:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def read_record(path: str | Path, limit: int | None = None) -> Trace:
+    """Read a recorded trace; each distinct digest becomes one hash id (first-seen order)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise TraceFormatError(f"cannot read trace {path}: {exc.strerror}") from exc
+    if not lines:
+        raise TraceFormatError(f"{path}: empty file (expected a {FORMAT_NAME} header)")
+    trace = Trace(path.stem, _header_block_size(lines[0], f"{path}:1"))
+    ids: dict[str, int] = {}
+    for line_no, line in enumerate(lines[1:], 2):
+        if limit is not None and len(trace.requests) >= limit:
+            break
+        if line.strip():
+            trace.requests.append(_parse(line, ids, f"{path}:{line_no}"))
+    trace.sort_by_arrival()
+    return trace
+
+
+def _json_object(line: str, where: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from exc
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object")
+    return obj
+
+
+def _header_block_size(line: str, where: str) -> int:
+    header = _json_object(line, where)
+    if header.get("format") != FORMAT_NAME or header.get("version") != FORMAT_VERSION:
+        raise TraceFormatError(f"{where}: not a {FORMAT_NAME} v{FORMAT_VERSION} header")
+    block_size = header.get("block_size")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise TraceFormatError(f"{where}: header 'block_size' must be a positive integer")
+    return block_size
+
+
+def _parse(line: str, ids: dict[str, int], where: str) -> TraceRequest:
+    obj = _json_object(line, where)
+    digests = obj.get("block_digests")
+    if not isinstance(digests, list) or not all(_is_hex(d) for d in digests):
+        raise TraceFormatError(f"{where}: 'block_digests' must be a list of hex strings")
+    hash_ids = [ids.setdefault(d, len(ids)) for d in digests]
+    try:
+        return TraceRequest(
+            where.rsplit(":", 1)[-1],
+            float(obj["t"]),
+            int(obj["input_length"]),
+            int(obj["output_length"]),
+            hash_ids,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TraceFormatError(f"{where}: bad request record ({exc})") from exc
+
+
+def _is_hex(value: object) -> bool:
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        return False
+    return True

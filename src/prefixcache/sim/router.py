@@ -1,0 +1,172 @@
+"""Routers that pick a replica for each request in cluster mode.
+
+A router sees only what a real one would: the request's block digests, the replicas' current
+loads (requests in flight) and, for ``cache-aware``, the KV events the replicas publish (it keeps
+its own mirror of each replica's cached digests). Knows nothing about scheduling or time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from collections.abc import Callable
+
+from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+
+class Router:
+    """Base: ``choose`` a replica index; ``observe`` a replica's KV events (ignored here)."""
+
+    name = "base"
+
+    def __init__(self, num_replicas: int, seed: int = 0) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.num_replicas = num_replicas
+        self._next = 0
+
+    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+        raise NotImplementedError
+
+    def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
+        """Replica ``replica`` published ``events``."""
+
+    @property
+    def wants_events(self) -> bool:
+        return False
+
+    def least_loaded(self, loads: list[int]) -> int:
+        """Lowest load; ties rotate so equal replicas share the work."""
+        n = self.num_replicas
+        start = self._next
+        self._next = (start + 1) % n
+        return min(range(n), key=lambda i: (loads[i], (i - start) % n))
+
+
+class RoundRobin(Router):
+    name = "round-robin"
+
+    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+        chosen = self._next
+        self._next = (chosen + 1) % self.num_replicas
+        return chosen
+
+
+class RandomRouter(Router):
+    name = "random"
+
+    def __init__(self, num_replicas: int, seed: int = 0) -> None:
+        super().__init__(num_replicas, seed)
+        self._rng = random.Random(seed)
+
+    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+        return self._rng.randrange(self.num_replicas)
+
+
+class LeastLoaded(Router):
+    name = "least-loaded"
+
+    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+        return self.least_loaded(loads)
+
+
+class PrefixAffinity(Router):
+    """Consistent hashing on the digest of the first ``k`` blocks (which chains all of them)."""
+
+    name = "prefix-affinity"
+
+    def __init__(self, num_replicas: int, seed: int = 0, k: int = 4, vnodes: int = 64) -> None:
+        super().__init__(num_replicas, seed)
+        if k < 1:
+            raise ValueError(f"prefix-affinity k must be >= 1, got {k}")
+        self.k = k
+        ring = sorted(
+            (_point(f"replica-{r}-{v}".encode()), r)
+            for r in range(num_replicas)
+            for v in range(vnodes)
+        )
+        self._points = [p for p, _ in ring]
+        self._owners = [r for _, r in ring]
+
+    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+        if not digests:  # no complete block: nothing to be affine to
+            return self.least_loaded(loads)
+        key = _point(digests[min(self.k, len(digests)) - 1])
+        index = bisect.bisect(self._points, key) % len(self._points)
+        return self._owners[index]
+
+
+class CacheAware(Router):
+    """Longest cached prefix from the replicas' KV events, unless load is out of balance.
+
+    Like SGLang's router: when ``max_load - min_load > abs_threshold`` and ``max_load >
+    rel_threshold * min_load`` the request goes to the least-loaded replica; otherwise to the
+    replica holding the longest prefix (no match at all: least-loaded, then fewest cached blocks).
+    """
+
+    name = "cache-aware"
+
+    def __init__(
+        self,
+        num_replicas: int,
+        seed: int = 0,
+        abs_threshold: int = 16,
+        rel_threshold: float = 1.5,
+    ) -> None:
+        super().__init__(num_replicas, seed)
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self.mirrors: list[set[bytes]] = [set() for _ in range(num_replicas)]
+
+    @property
+    def wants_events(self) -> bool:
+        return True
+
+    def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
+        mirror = self.mirrors[replica]
+        for event in events:
+            if isinstance(event, BlockStored):
+                mirror.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                mirror.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                mirror.clear()
+
+    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+        low, high = min(loads), max(loads)
+        if high - low > self.abs_threshold and high > self.rel_threshold * low:
+            return self.least_loaded(loads)
+        matched = [self._matched(mirror, digests) for mirror in self.mirrors]
+        best = max(matched)
+        if best == 0:
+            return min(range(self.num_replicas), key=lambda i: (loads[i], len(self.mirrors[i])))
+        return min(
+            (i for i in range(self.num_replicas) if matched[i] == best), key=lambda i: loads[i]
+        )
+
+    @staticmethod
+    def _matched(mirror: set[bytes], digests: list[bytes]) -> int:
+        n = 0
+        for digest in digests:
+            if digest not in mirror:
+                break
+            n += 1
+        return n
+
+
+def _point(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+ROUTERS: dict[str, Callable[..., Router]] = {
+    cls.name: cls for cls in (RoundRobin, RandomRouter, LeastLoaded, PrefixAffinity, CacheAware)
+}
+
+
+def make_router(name: str, num_replicas: int, seed: int = 0) -> Router:
+    """A router by name; ValueError naming the choices for an unknown one."""
+    factory = ROUTERS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
+    return factory(num_replicas, seed)

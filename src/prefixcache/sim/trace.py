@@ -1,0 +1,71 @@
+"""The trace model every reader and generator produces: requests as token counts and hash ids.
+
+A request's prompt is ``input_length`` tokens; ``hash_ids[i]`` names the content of its block
+``i`` (equal ids mean equal prefixes up to and including that block, as in the Mooncake format).
+Only the first ``input_length // block_size`` ids describe complete blocks; an id for a partial
+tail is kept as read but never makes that tail hittable. This module knows nothing about caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a trace. ``arrival_s`` is seconds from the trace start."""
+
+    request_id: str
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+    group: str = ""  # conversation / session the request belongs to (informational)
+
+    def __post_init__(self) -> None:
+        if self.input_length < 1:
+            raise ValueError(f"request {self.request_id}: input_length must be >= 1")
+        if self.output_length < 0:
+            raise ValueError(f"request {self.request_id}: output_length must be >= 0")
+        if self.arrival_s < 0:
+            raise ValueError(f"request {self.request_id}: arrival time must be >= 0")
+
+    def num_full_blocks(self, block_size: int) -> int:
+        """Complete prompt blocks that carry a hash id (and so can be shared)."""
+        return min(self.input_length // block_size, len(self.hash_ids))
+
+
+@dataclass(slots=True)
+class Trace:
+    """Requests in arrival order (stable for equal times) at one block size."""
+
+    name: str
+    block_size: int
+    requests: list[TraceRequest] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"trace block_size must be >= 1, got {self.block_size}")
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def sort_by_arrival(self) -> None:
+        self.requests.sort(key=lambda r: r.arrival_s)
+
+    @property
+    def total_input_tokens(self) -> int:
+        return sum(r.input_length for r in self.requests)
+
+    @property
+    def max_hash_id(self) -> int:
+        return max((max(r.hash_ids) for r in self.requests if r.hash_ids), default=-1)
+
+    def head(self, n: int) -> Trace:
+        """The first ``n`` requests (a cheap slice for tests and quick looks)."""
+        return Trace(self.name, self.block_size, self.requests[:n])
+
+    def scale_arrivals(self, factor: float) -> None:
+        """Compress (factor < 1) or stretch time, e.g. to replay a trace at a higher rate."""
+        for request in self.requests:
+            request.arrival_s *= factor
