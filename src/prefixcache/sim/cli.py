@@ -1,0 +1,252 @@
+"""``prefixcache simulate``: replay a trace through the real caches and report.
+
+    prefixcache simulate TRACE [--format mooncake|agentic|record|synthetic:<name>]
+        [--block-size N] [--capacity 1k,10k,50k,inf] [--prefix-cache hash,radix]
+        [--policy lru,lfu] [--replicas 1,4] [--router cache-aware,round-robin] [--out DIR]
+
+Prints a progress bar and a table; with ``--out`` writes results.json, results.csv and PNG plots.
+Bad input is one line on stderr (exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefixcache.sim.config import POLICIES, RunSpec, format_blocks
+from prefixcache.sim.cost_model import CostModel
+from prefixcache.sim.errors import TraceFormatError
+from prefixcache.sim.loader import FORMATS, load_trace, retime_poisson
+from prefixcache.sim.output import format_table, write_results
+from prefixcache.sim.report import ReplayResult
+from prefixcache.sim.router import ROUTERS
+from prefixcache.sim.scheduler import SchedulerConfig
+from prefixcache.sim.sweep import SweepPlan, plan_sweep, run_sweep
+from prefixcache.sim.trace import Trace
+
+_SUFFIXES = {"k": 1_000, "m": 1_000_000}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", help="trace file or directory, or synthetic:<name>[:k=v,...]")
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        help=f"one of {', '.join(FORMATS)} (default: "
+        "detected; with synthetic:<name>, TRACE holds its k=v parameters)",
+    )
+    parser.add_argument("--block-size", type=int, help="tokens per hash id (mooncake: 512)")
+    parser.add_argument("--capacity", default="1k,10k,50k,inf", help="total cache blocks")
+    parser.add_argument("--prefix-cache", default="hash,radix", help="hash and/or radix")
+    parser.add_argument("--policy", default="lru", help="lru and/or lfu (lfu: radix only)")
+    parser.add_argument("--replicas", default="1", help="replica counts, e.g. 1,2,4,8")
+    parser.add_argument(
+        "--router",
+        default="cache-aware,round-robin",
+        help=f"routers for replicas > 1: {', '.join(ROUTERS)}",
+    )
+    parser.add_argument(
+        "--cluster-capacity",
+        help="total blocks for the cluster sweep (default: the largest finite --capacity)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("sequential", "timed"),
+        default="sequential",
+        help="sequential: one request at a time per replica, TTFT without "
+        "queueing; timed: scheduler with token budget, concurrency and decode",
+    )
+    parser.add_argument("--rate", type=float, help="re-time arrivals as Poisson at this req/s")
+    parser.add_argument("--time-scale", type=float, help="multiply arrival times (0.5 = 2x rate)")
+    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--prefill-tps", type=float, default=20_000.0, help="prefill tokens/s")
+    parser.add_argument(
+        "--decode-tps", type=float, default=50.0, help="decode tokens/s of one sequence"
+    )
+    parser.add_argument("--cost-model", help="calibration JSON (e.g. bench_model.py output)")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="timed: concurrency limit")
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=8192, help="timed: token budget per step"
+    )
+    parser.add_argument(
+        "--no-decode-kv", action="store_true", help="timed: keep generated tokens out of the cache"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for --rate")
+    parser.add_argument("--out", help="directory for results.json, results.csv and plots")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefixcache.cli import CliError
+
+    try:
+        return _run(args)
+    except (TraceFormatError, ValueError, OverflowError) as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _run(args: argparse.Namespace) -> int:
+    trace = _load(args)
+    plan = _plan(args)
+    cost = _cost_model(args)
+    config = SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, not args.no_decode_kv)
+    total = len(trace) * (1 if args.mode == "sequential" else len(plan.specs))
+    with _progress(total, args.no_progress, trace.name) as bar:
+        results = run_sweep(trace, plan.specs, args.mode, cost, config, bar.update)
+    print(
+        f"trace {trace.name}: {len(trace):,} requests, block size {trace.block_size}, "
+        f"mode {args.mode}"
+    )
+    print(format_table(results))
+    for note in plan.notes:
+        print(f"note: {note}")
+    if args.out:
+        _write(Path(args.out), trace, results, _meta(args, trace, cost, plan), args.no_plots)
+    return 0
+
+
+def _load(args: argparse.Namespace) -> Trace:
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be >= 1")
+    trace = load_trace(args.trace, args.fmt, args.block_size, args.limit)
+    if args.rate is not None:
+        retime_poisson(trace, args.rate, args.seed)
+    if args.time_scale is not None:
+        if args.time_scale <= 0:
+            raise ValueError("--time-scale must be > 0")
+        trace.scale_arrivals(args.time_scale)
+    return trace
+
+
+def _plan(args: argparse.Namespace) -> SweepPlan:
+    capacities = [parse_capacity(c) for c in _items(args.capacity, "--capacity")]
+    kinds = _items(args.prefix_cache, "--prefix-cache")
+    policies = _choices(args.policy, "--policy", POLICIES)
+    replicas = [_positive_int(r, "--replicas") for r in _items(args.replicas, "--replicas")]
+    routers = _choices(args.router, "--router", tuple(ROUTERS))
+    cluster = (
+        parse_capacity(args.cluster_capacity)
+        if args.cluster_capacity
+        else max((c for c in capacities if c is not None), default=None)
+    )
+    plan = plan_sweep(capacities, kinds, policies, replicas, routers, cluster)
+    if not plan.specs:
+        raise ValueError("nothing to simulate: " + "; ".join(plan.notes))
+    return plan
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    if args.cost_model:
+        return CostModel.from_json(args.cost_model)
+    return CostModel.from_rates(args.prefill_tps, args.decode_tps)
+
+
+def _items(text: str, flag: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"{flag} needs at least one value")
+    return items
+
+
+def _choices(text: str, flag: str, allowed: tuple[str, ...]) -> list[str]:
+    items = _items(text, flag)
+    for item in items:
+        if item not in allowed:
+            raise ValueError(f"unknown {flag} value {item!r}; choose from {', '.join(allowed)}")
+    return items
+
+
+def _positive_int(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{flag}: {value} must be >= 1")
+    return value
+
+
+def parse_capacity(text: str) -> int | None:
+    """``"10k"`` -> 10000, ``"1.5M"`` -> 1500000, ``"inf"`` -> None (unlimited)."""
+    text = text.strip().lower()
+    if text in ("inf", "unlimited"):
+        return None
+    scale = _SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"bad capacity {text!r}: use e.g. 1000, 10k, 1.5M or inf") from None
+    if value < 1 or value != int(value):
+        raise ValueError(f"bad capacity {text!r}: must be a whole number of blocks >= 1")
+    return int(value)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        """No progress display."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _progress(total: int, disabled: bool, name: str) -> Any:
+    if disabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=f"simulate {name}",
+        unit="req",
+        file=sys.stderr,
+        leave=False,
+        mininterval=1.0,
+    )
+
+
+def _meta(
+    args: argparse.Namespace, trace: Trace, cost: CostModel, plan: SweepPlan
+) -> dict[str, Any]:
+    return {
+        "trace": trace.name,
+        "num_requests": len(trace),
+        "block_size": trace.block_size,
+        "mode": args.mode,
+        "cost_model": {f: getattr(cost, f) for f in cost.__slots__},
+        "scheduler": {
+            "max_num_seqs": args.max_num_seqs,
+            "max_batched_tokens": args.max_batched_tokens,
+            "decode_kv": not args.no_decode_kv,
+        },
+        "notes": plan.notes,
+        "argv": sys.argv[1:],
+    }
+
+
+def _write(
+    out_dir: Path,
+    trace: Trace,
+    results: list[ReplayResult],
+    meta: dict[str, Any],
+    no_plots: bool,
+) -> None:
+    try:
+        paths = list(write_results(out_dir, results, meta))
+        if not no_plots:
+            from prefixcache.sim.plots import write_plots
+
+            paths += write_plots(results, out_dir, f"{trace.name} ({meta['mode']})")
+    except OSError as exc:
+        raise ValueError(f"cannot write to {out_dir}: {exc.strerror or exc}") from exc
+    print(json.dumps({"out": str(out_dir), "files": [p.name for p in paths]}))
+
+
+__all__ = ["add_arguments", "format_blocks", "parse_capacity", "run", "RunSpec"]
