@@ -212,7 +212,7 @@ def test_namespaces_are_separate_subtrees() -> None:
     assert cache.match(Sequence("q", tokens(2 * BS) + [1], salt="t2")).num_tokens == 2 * BS
 
 
-def test_duplicates_are_held_until_free() -> None:
+def test_duplicates_are_released_at_commit_and_the_table_adopts_the_tree() -> None:
     cache = radix(10)
     a = Sequence("a", tokens(2 * BS) + [1])
     b = Sequence("b", tokens(2 * BS) + [2])
@@ -222,11 +222,14 @@ def test_duplicates_are_held_until_free() -> None:
     cache.commit(a, a.num_tokens)
     cache.commit(b, b.num_tokens)
     cache.check_integrity()
-    assert cache.stats.num_duplicate_blocks == 2
-    assert cache.block_table(b) == [3, 4, 5] and cache.num_cached_blocks == 2
-    assert cache.num_protected_blocks == 6
-    release(cache, b)
-    assert cache.num_free_blocks == 7
+    assert cache.stats.num_duplicate_blocks == 2 and cache.stats.num_committed_blocks == 2
+    assert cache.block_table(b) == [0, 1, 5] and cache.num_cached_blocks == 2
+    assert cache.num_protected_blocks == 4 and cache.num_free_blocks == 6
+    b.append(7)
+    assert cache.allocate(b, 1) == [0, 1, 5] and cache.take_block_copies() == []
+    cache.check_integrity()
+    release(cache, a, b)
+    assert cache.num_free_blocks == 10
 
 
 def test_stored_events_chain_from_the_namespace_root() -> None:

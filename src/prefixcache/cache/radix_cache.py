@@ -18,8 +18,12 @@ Every block is in exactly one of three places:
 
 - free: never cached (or dropped by `reset`), in ``_free``, handed out from the left;
 - in the tree: *evictable* when its node's ``lock_ref`` is 0, else *protected*;
-- held by sequences outside the tree (``_refs[b] > 0``): the uncommitted tail of a table and the
-  duplicates a sequence computed while another inserted the same blocks. Counted as protected.
+- held by sequences outside the tree (``_refs[b] > 0``): the uncommitted tail of a table.
+  Counted as protected.
+
+A sequence that computed blocks another sequence inserted meanwhile (both missed) gets the tree's
+blocks in its table at commit and releases its duplicates at once (as SGLang does): the KV is
+the same, and a live sequence then never pins two copies of one block.
 
 ``lock_ref`` of a node counts the live sequences whose locked path runs through it (a sequence
 locks the path from its deepest node to the root), so ``free + evictable + protected == total``
@@ -80,8 +84,8 @@ class _Node:
 class _SeqState:
     """A live sequence: its block table and the tree path it locks.
 
-    ``table[:num_path]`` is the locked path's blocks, except where the sequence keeps its own
-    duplicate (listed in ``dups``); ``table[num_path:]`` and ``dups`` are held through ``_refs``.
+    ``table[:num_path]`` is exactly the locked path's blocks; ``table[num_path:]`` is held
+    through ``_refs`` (shared with forks, copied before a write).
     Tokens ``[seq.num_computed_tokens, num_alloc_tokens)`` are allocated and about to be written.
     """
 
@@ -90,7 +94,6 @@ class _SeqState:
     node: _Node | None
     num_path: int
     num_alloc_tokens: int
-    dups: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -456,7 +459,7 @@ class RadixPrefixCache(PrefixCache):
         """Put blocks ``num_path..num_full-1`` of ``state`` into the tree and move its lock.
 
         Runs already in the tree (another sequence inserted them meanwhile) are walked, not
-        copied: where the tree holds another block, the sequence keeps its own as a duplicate.
+        copied: the sequence's table switches to the tree's blocks and its duplicates go free.
         """
         seq = state.seq
         digests = seq.digests(self.hasher, self.model_id)
@@ -535,10 +538,13 @@ class RadixPrefixCache(PrefixCache):
         )
 
     def _adopt(self, state: _SeqState, node: _Node, start: int) -> None:
-        """``node``'s run was already cached by another sequence: the sequence keeps its own
-        copies (their KV is what its table points at) as duplicates until it is freed."""
-        state.dups += state.table[start : node.end]
-        self.stats.num_duplicate_blocks += node.end - start
+        """``node``'s run was already cached by another sequence: point the table at it and
+        release the sequence's duplicates (the insert "reports" them by this count)."""
+        table = state.table
+        dups = table[start : node.end]
+        table[start : node.end] = node.block_ids[start - node.start :]
+        self._release(reversed(dups))
+        self.stats.num_duplicate_blocks += len(dups)
 
     def _split(self, node: _Node, num_blocks: int) -> _Node:
         """Make the first ``num_blocks - node.start`` blocks of ``node`` a node of their own.
@@ -579,7 +585,6 @@ class RadixPrefixCache(PrefixCache):
             return
         del self._seqs[seq.seq_id]
         self._release(reversed(state.table[state.num_path :]))
-        self._release(reversed(state.dups))
         if state.node is not None:
             self._unlock(state.node)
 
@@ -599,9 +604,8 @@ class RadixPrefixCache(PrefixCache):
         # shared blocks are never written: pending writes must be re-allocated (copy-on-write)
         state.num_alloc_tokens = seq.num_computed_tokens
         child = seq.fork(child_id)
-        held = state.table[state.num_path :] + state.dups
         refs = self._refs
-        for block_id in held:
+        for block_id in state.table[state.num_path :]:
             refs[block_id] += 1
         if state.node is not None:
             self._lock(state.node)
@@ -611,7 +615,6 @@ class RadixPrefixCache(PrefixCache):
             state.node,
             state.num_path,
             state.num_alloc_tokens,
-            list(state.dups),
         )
         return child
 
@@ -754,7 +757,6 @@ class RadixPrefixCache(PrefixCache):
         for seq_id, state in self._seqs.items():
             self._check_state(seq_id, state)
             held.update(state.table[state.num_path :])
-            held.update(state.dups)
             if state.node is not None:
                 locks[state.node] += 1
         for block_id, ref in enumerate(self._refs):
@@ -782,13 +784,13 @@ class RadixPrefixCache(PrefixCache):
             path[:0] = node.block_ids
             node = node.parent
         check_invariant(len(path) == state.num_path, f"{seq_id!r}'s locked path covers num_path")
-        dups = [b for b, p in zip(state.table, path, strict=False) if b != p]
         check_invariant(
-            sorted(dups) == sorted(state.dups),
-            f"{seq_id!r}'s table follows its locked path except its duplicates",
+            state.table[: state.num_path] == path, f"{seq_id!r}'s table starts with its locked path"
         )
         refs = self._refs
         first, last = seq.num_computed_tokens // bs, -(-state.num_alloc_tokens // bs)
+        if state.num_alloc_tokens == seq.num_computed_tokens:
+            last = first  # nothing is about to be written
         for block_id in state.table[first:last]:
             check_invariant(
                 refs[block_id] == 1, f"a shared block is never a write target: {block_id}"
