@@ -1,0 +1,131 @@
+"""``prefixcache simulate``: outputs (table, JSON, CSV, valid PNG plots) and one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from prefixcache.cli import main
+from prefixcache.sim.cli import parse_capacity
+from prefixcache.sim.cost_model import CostModel
+from prefixcache.sim.errors import TraceFormatError
+from prefixcache.sim.plots import PLOT_FILES
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SYNTHETIC = FIXTURES / "mooncake_synthetic_150.jsonl"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _simulate(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", *argv, "--no-progress"])
+    out, err = capsys.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+def test_sweep_writes_table_json_csv_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        str(SYNTHETIC),
+        "--capacity",
+        "300,inf",
+        "--policy",
+        "lru,lfu",
+        "--replicas",
+        "1,2",
+        "--router",
+        "round-robin,cache-aware",
+        "--out",
+        str(tmp_path),
+    ]
+    code, out, _ = _simulate(argv, capsys)
+    assert code == 0
+    assert "skipped lfu x hash" in out and "cache-aware" in out
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    # (hash lru, radix lru, radix lfu) x 2 capacities + 2 routers at 2 replicas
+    assert len(rows) == 8
+    with (tmp_path / "results.csv").open() as file:
+        assert len(list(csv.DictReader(file))) == 8
+    unlimited = [r for r in rows if r["capacity_label"] == "inf"]
+    assert all(r["hit_ratio"] == pytest.approx(r["ideal_hit_ratio"]) for r in unlimited)
+    import matplotlib.image
+
+    for name in PLOT_FILES:
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE)
+        image = matplotlib.image.imread(tmp_path / name)
+        assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_synthetic_workload_in_timed_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "synthetic:few-shot:num_requests=40,rate=20",
+        "--capacity",
+        "200",
+        "--mode",
+        "timed",
+        "--prefix-cache",
+        "radix",
+    ]
+    code, out, _ = _simulate(argv, capsys)
+    assert code == 0 and "few-shot" in out and "radix" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["/nonexistent/trace.jsonl"], "does not exist"),
+        ([str(SYNTHETIC), "--router", "sticky", "--replicas", "2"], "unknown --router"),
+        ([str(SYNTHETIC), "--capacity", "lots"], "bad capacity"),
+        ([str(SYNTHETIC), "--prefix-cache", "btree"], "unknown prefix cache"),
+        ([str(SYNTHETIC), "--policy", "lfu", "--prefix-cache", "hash"], "nothing to simulate"),
+        (["synthetic:nope"], "unknown synthetic workload"),
+    ],
+)
+def test_bad_input_is_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _simulate(argv, capsys)
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_malformed_line_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(SYNTHETIC.read_text().splitlines()[0] + "\n{oops\n")
+    code, _, err = _simulate([str(path)], capsys)
+    assert code == 2 and "bad.jsonl:2" in err and err.count("\n") == 1
+
+
+def test_parse_capacity() -> None:
+    assert [parse_capacity(s) for s in ("1k", "10K", "1.5M", "750", "inf")] == [
+        1000,
+        10000,
+        1_500_000,
+        750,
+        None,
+    ]
+    with pytest.raises(ValueError):
+        parse_capacity("0")
+
+
+def test_cost_model_from_json_fits_measurements(tmp_path: Path) -> None:
+    path = tmp_path / "bench.txt"
+    calibration = {
+        "cost_model": {
+            "prefill": [{"tokens": 1000, "seconds": 0.06}, {"tokens": 3000, "seconds": 0.16}],
+            "decode": [{"batch": 1, "seconds": 0.011}, {"batch": 9, "seconds": 0.015}],
+        }
+    }
+    path.write_text("some table\n" + json.dumps(calibration) + "\n")
+    model = CostModel.from_json(path)
+    assert model.prefill_tokens_per_s == pytest.approx(20_000)
+    assert model.overhead_s == pytest.approx(0.01)
+    assert model.decode_per_seq_s == pytest.approx(0.0005)
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(TraceFormatError, match="no cost-model keys"):
+        CostModel.from_json(tmp_path / "empty.json")
