@@ -68,7 +68,6 @@ class TimedReplica:
         self.clock = 0.0
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
-        self._arrivals: dict[int, float] = {}
         self._blocked = False  # admission stopped on budget or blocks in the last schedule
 
     @property
@@ -155,7 +154,6 @@ class TimedReplica:
         live.num_computed = hit.num_tokens
         if live.num_hit < 0:
             live.num_hit = hit.num_tokens
-            self._arrivals[id(live)] = live.request.arrival_s
         return n
 
     def _preempt(self, live: _Live) -> None:
@@ -167,7 +165,6 @@ class TimedReplica:
         fresh = _Live(request, Sequence(request.request_id, prompt))
         fresh.num_hit = live.num_hit
         fresh.admitted = live.admitted
-        self._arrivals[id(fresh)] = self._arrivals.pop(id(live), request.arrival_s)
         self.waiting.appendleft(fresh)
 
     def _repeats(self, plan: list[tuple[_Live, int]], step_s: float, horizon: float) -> int:
@@ -203,7 +200,7 @@ class TimedReplica:
         live.num_generated = 1
         if not live.admitted:
             live.admitted = True
-            ttft = self.clock - self._arrivals[id(live)]
+            ttft = self.clock - live.request.arrival_s
             self.tally.add(live.request.input_length, live.num_hit, ttft)
         if self.config.store_decode and live.request.output_length > 1:
             live.seq.token_ids.extend(self.source.unique(1))
@@ -222,4 +219,3 @@ class TimedReplica:
     def _finish(self, live: _Live) -> None:
         self.running.remove(live)
         self.cache.free(live.seq)
-        self._arrivals.pop(id(live), None)
