@@ -7,7 +7,7 @@ its block table. Everything here is built once per step and shared by all layers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +78,7 @@ class AttentionMetadata:
         )
 
 
-def _tensor_maker(device: str | torch.device):  # noqa: ANN202
+def _tensor_maker(device: str | torch.device) -> Callable[[np.ndarray], torch.Tensor]:
     def as_tensor(array: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(array, dtype=np.int64), device=device)
 
@@ -116,7 +116,13 @@ def _padded_table(block_tables: Sequence[Sequence[int]]) -> np.ndarray:
     return table
 
 
-def _context(table, computed, new, block_size, as_tensor):  # noqa: ANN001, ANN202
+def _context(
+    table: np.ndarray,
+    computed: list[int],
+    new: list[int],
+    block_size: int,
+    as_tensor: Callable[[np.ndarray], torch.Tensor],
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Slots of every token of sequences that have cached context, and their causal masks."""
     slots: list[torch.Tensor | None] = []
     masks: list[torch.Tensor | None] = []
@@ -126,8 +132,9 @@ def _context(table, computed, new, block_size, as_tensor):  # noqa: ANN001, ANN2
             masks.append(None)
             continue
         pos = np.arange(n_computed + n_new)
-        slots.append(as_tensor(table[b, pos // block_size] * block_size + pos % block_size))
-        masks.append(None if n_new == 1 else _lower_right_mask(n_computed, n_new, slots[-1]))
+        seq_slots = as_tensor(table[b, pos // block_size] * block_size + pos % block_size)
+        slots.append(seq_slots)
+        masks.append(None if n_new == 1 else _lower_right_mask(n_computed, n_new, seq_slots))
     return slots, masks
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from prefixcache.model.byte_tokenizer import write_byte_tokenizer
+from prefixcache.model.byte_tokenizer import ByteVocab, write_byte_tokenizer
 
 __all__ = ["BUILTIN_MODELS", "BuiltinSpec", "cache_dir", "ensure_builtin"]
 
@@ -87,7 +87,7 @@ def _write_checkpoint(path: Path, spec: BuiltinSpec) -> None:
     )
 
 
-def _config(spec: BuiltinSpec, vocab) -> dict:  # noqa: ANN001
+def _config(spec: BuiltinSpec, vocab: ByteVocab) -> dict[str, object]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

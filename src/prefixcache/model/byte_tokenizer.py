@@ -101,7 +101,7 @@ def write_byte_tokenizer(path: Path) -> ByteVocab:
         "chat_template": BYTE_CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids = {t: int(tokenizer.token_to_id(t)) for t in SPECIAL_TOKENS}
     return ByteVocab(
         size=tokenizer.get_vocab_size(with_added_tokens=True),
         bos_id=ids["<|begin_of_text|>"],

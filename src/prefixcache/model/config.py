@@ -165,6 +165,8 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"unsupported hidden_act {act!r} (only 'silu')")
+        if float(raw.get("partial_rotary_factor", 1.0)) != 1.0 or raw.get("mlp_bias"):
+            raise ConfigError("unsupported: partial_rotary_factor != 1 or mlp_bias")
         heads = int(raw["num_attention_heads"])
         use_window = raw.get("use_sliding_window", family == "llama")
         return cls(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from prefixcache.attention import PagedKVCache
 from prefixcache.model.builtin import BUILTIN_MODELS, cache_dir, ensure_builtin
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import CausalLM
@@ -42,6 +43,19 @@ class LoadedModel:
     identity: str
     dtype: torch.dtype
     device: torch.device
+
+    def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """Paged K/V storage shaped for this model, in its dtype and on its device."""
+        c = self.config
+        return PagedKVCache(
+            c.num_hidden_layers,
+            num_blocks,
+            block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+        )
 
 
 def resolve_model_path(name_or_dir: str) -> Path:

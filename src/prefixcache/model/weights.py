@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -77,7 +78,8 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
         raise WeightLoadError(f"missing tensor {missing[0]!r}{more} in checkpoint {path}")
 
 
-def _load_one(handle, name: str, targets: dict[str, _Target], config: ModelConfig) -> bool:  # noqa: ANN001
+def _load_one(handle: Any, name: str, targets: dict[str, _Target], config: ModelConfig) -> bool:
+    """Copy one checkpoint tensor into place; False when it is deliberately skipped."""
     if name.endswith(_IGNORED_SUFFIXES):
         return False
     if name == "lm_head.weight" and config.tie_word_embeddings:
