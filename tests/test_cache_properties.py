@@ -224,7 +224,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert event.parent_block_hash == parent
             last = first + len(event.block_hashes)
             assert event.token_ids == seq.token_ids[first * BS : last * BS]
-        self.cached.update(chain[:end])
+        self.cached.update(chain[start:end])
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, 3), num=st.integers(1, 6))
