@@ -1,0 +1,109 @@
+"""Unit tests of the block pool: the intrusive free queue, lazy eviction, the digest map."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.cache import AllBlocksCleared, BlockRemoved
+from prefixcache.cache.block_pool import BlockPool
+
+
+def pool_with(num_blocks: int = 6, **kwargs: object) -> BlockPool:
+    return BlockPool(num_blocks, 4, **kwargs)  # type: ignore[arg-type]
+
+
+def check(pool: BlockPool, held: list[int]) -> None:
+    refs: dict[int, int] = {}
+    for block_id in held:
+        refs[block_id] = refs.get(block_id, 0) + 1
+    pool.check_integrity(refs)
+
+
+def test_take_pops_lowest_first_and_release_orders_by_digest() -> None:
+    pool = pool_with()
+    blocks = pool.take(4)
+    assert [b.block_id for b in blocks] == [0, 1, 2, 3]
+    assert pool.free_block_ids() == [4, 5] and pool.num_free == 2
+    assert pool.stats.min_free_blocks == 2
+    assert pool.store(blocks[0], b"d0", b"t0") and pool.store(blocks[1], b"d1", b"t1")
+    assert not pool.store(blocks[2], b"d0", b"t0")  # a duplicate stays out of the map
+    check(pool, [0, 1, 2, 3])
+    pool.release(reversed(blocks))
+    assert pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
+    check(pool, [])
+
+
+def test_touch_removes_from_the_middle_without_eviction() -> None:
+    pool = pool_with()
+    blocks = pool.take(3)
+    pool.store(blocks[1], b"d1", b"t1")
+    pool.release(reversed(blocks))
+    assert pool.free_block_ids() == [0, 2, 3, 4, 5, 1]
+    pool.touch([pool.blocks[3], pool.blocks[1]])
+    assert pool.free_block_ids() == [0, 2, 4, 5]
+    assert pool.cached[b"d1"] is pool.blocks[1]
+    check(pool, [3, 1])
+    pool.touch([pool.blocks[1]])  # already held: only the count moves
+    check(pool, [3, 1, 1])
+
+
+def test_lazy_eviction_on_pop_emits_removed_and_bumps_epoch() -> None:
+    pool = pool_with(num_blocks=2)
+    blocks = pool.take(2)
+    pool.store(blocks[0], b"d0", b"t0")
+    pool.release(reversed(blocks))
+    assert pool.free_block_ids() == [1, 0]
+    epoch = pool.epoch
+    assert [b.block_id for b in pool.take(1)] == [1]
+    assert pool.epoch == epoch and pool.take_events() == []
+    assert [b.block_id for b in pool.take(1)] == [0]
+    assert pool.take_events() == [BlockRemoved(block_hashes=[b"d0"], block_ids=[0])]
+    assert pool.epoch == epoch + 1 and pool.stats.num_evictions == 1
+    assert b"d0" not in pool.cached and pool.blocks[0].digest is None
+    check(pool, [0, 1])
+    with pytest.raises(RuntimeError, match="free blocks"):
+        pool.take(1)
+
+
+def test_reset_refuses_while_held() -> None:
+    pool = pool_with()
+    (block,) = pool.take(1)
+    pool.store(block, b"d", b"t")
+    assert pool.reset() is False and pool.cached
+    pool.release([block])
+    assert pool.reset() is True
+    assert not pool.cached and pool.blocks[0].digest is None
+    assert pool.take_events() == [AllBlocksCleared()]
+    check(pool, [])
+
+
+def test_zero_on_reuse_tracks_owner_namespace() -> None:
+    pool = pool_with(num_blocks=2, zero_on_reuse=True)
+    blocks = pool.take(2, b"ns-a")
+    assert pool.take_blocks_to_zero() == [0, 1]
+    pool.release(blocks)  # both undigested: each goes to the head
+    assert pool.free_block_ids() == [1, 0]
+    assert [b.block_id for b in pool.take(1, b"ns-a")] == [1]
+    assert [b.block_id for b in pool.take(1, b"ns-b")] == [0]
+    pool.cancel_zero(1)  # not queued: nothing happens
+    assert pool.take_blocks_to_zero() == [0]
+
+
+def test_integrity_catches_broken_links_and_stale_map() -> None:
+    pool = pool_with()
+    pool.blocks[2].prev = pool.blocks[4]
+    with pytest.raises(AssertionError, match="links consistent"):
+        check(pool, [])
+    pool = pool_with()
+    (block,) = pool.take(1)
+    pool.store(block, b"d", b"t")
+    block.digest = None
+    with pytest.raises(AssertionError, match="map entry points to a block with its digest"):
+        check(pool, [0])
+
+
+def test_constructor_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockPool(4, 0)
