@@ -1,0 +1,150 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))` runs a batch to completion.
+
+    from prefixcache import LLM, SamplingParams
+    llm = LLM(model="tiny")
+    outs = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=16, temperature=0.0))
+    outs[0].text, outs[0].token_ids, outs[0].num_cached_tokens, outs[0].finish_reason
+
+A thin loop over `LLMEngine`; everything that matters happens there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.engine.outputs import CompletionOutput, GenerationOutput
+from prefixcache.engine.request import Request
+from prefixcache.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM"]
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Offline generation. Extra keyword arguments go to `LLMEngine` (``max_num_seqs``,
+    ``max_num_batched_tokens``, ``policy``, ``check_integrity``, ...)."""
+
+    def __init__(
+        self,
+        model: Any = "tiny",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        prefix_cache: str = "hash",
+        hash_algo: str = "sha256",
+        seed: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.engine = LLMEngine(
+            model,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_cache=prefix_cache,
+            hash_algo=hash_algo,
+            seed=seed,
+            **engine_kwargs,
+        )
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | bytes | None = None,
+        use_cache: bool = True,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (a string, a token-id list, or a list of either); outputs
+        come back in prompt order. A bad prompt raises ValueError before anything runs."""
+        batch = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(batch))
+        requests = self._add_all(batch, params, cache_salt, use_cache)
+        while any(not r.all_finished for r in requests):
+            self.engine.step()
+        return [_result(r, p) for r, p in zip(requests, batch, strict=True)]
+
+    def _add_all(
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        cache_salt: str | bytes | None,
+        use_cache: bool,
+    ) -> list[Request]:
+        requests: list[Request] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = f"generate-{next(self._ids)}"
+                requests.append(
+                    self.engine.add_request(
+                        request_id, prompt, p, cache_salt=cache_salt, use_cache=use_cache
+                    )
+                )
+        except ValueError as exc:
+            for request in requests:
+                self.engine.abort(request.request_id)
+            raise ValueError(f"prompt {len(requests)}: {exc}") from None
+        return requests
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (refused, False, while requests hold blocks)."""
+        return self.engine.reset_prefix_cache()
+
+    def stats(self) -> dict[str, Any]:
+        """Hit tokens, queries, evictions, preemptions, TTFT per request, and cache counters."""
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if not items:
+        raise ValueError("no prompts given")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]  # one prompt given as token ids
+    for item in items:
+        if not isinstance(item, (str, list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {item!r}")
+    return items
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    items = list(params)
+    if len(items) != num_prompts:
+        raise ValueError(f"{len(items)} sampling params for {num_prompts} prompts")
+    return items
+
+
+def _result(request: Request, prompt: Prompt) -> GenerationOutput:
+    outputs = [
+        CompletionOutput(
+            index=r.index,
+            token_ids=list(r.output_token_ids),
+            text=r.text,
+            finish_reason=r.finish_reason,
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+        )
+        for r in request.choices
+    ]
+    return GenerationOutput(
+        request_id=request.request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=outputs,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        ttft=request.timing.ttft,
+    )

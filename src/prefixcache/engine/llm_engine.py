@@ -1,0 +1,367 @@
+"""`LLMEngine`: requests in, incremental outputs out, one bounded `step()` at a time.
+
+The engine wires the parts together: the prefix cache (block ids), the scheduler (who runs), the
+runner (tensors), the sampler (next tokens) and the stop rules and detokenizer (what the user
+sees). It is single-threaded: a server drives it from one thread and calls `add_request` /
+`abort` between steps.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+import torch
+
+from prefixcache.cache import PrefixCache, Sequence, make_prefix_cache
+from prefixcache.engine.outputs import RequestOutput
+from prefixcache.engine.request import Request, RequestStatus
+from prefixcache.engine.runner import ModelRunner, blocks_for_budget
+from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
+from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
+from prefixcache.engine.stop import check_stop, emittable_text
+
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
+
+DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024
+_MAX_HISTORY = 10_000  # finished requests whose timing `stats()` still reports
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged, prefix-cached KV pool.
+
+    ``model`` is a preset name (``"tiny"``, ``"small"``), a checkpoint directory or a
+    `LoadedModel`. ``num_kv_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
+    ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
+    invariant after each step (tests).
+    """
+
+    def __init__(
+        self,
+        model: Any = "tiny",
+        *,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_memory_bytes: int = DEFAULT_KV_MEMORY_BYTES,
+        enable_prefix_caching: bool = True,
+        prefix_cache: str = "hash",
+        hash_algo: str = "sha256",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        policy: str = "fcfs",
+        lpm_max_wait_steps: int = 16,
+        dedup: bool = True,
+        zero_freed_blocks: bool = False,
+        seed: int = 0,
+        dtype: str = "float32",
+        check_integrity: bool = False,
+    ) -> None:
+        self.loaded = _load(model, dtype)
+        self.config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len: int = self.config.max_model_len
+        self.block_size = block_size
+        num_blocks = num_kv_blocks or self._default_num_blocks(kv_memory_bytes, max_num_seqs)
+        self.cache: PrefixCache = make_prefix_cache(
+            prefix_cache,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            hash_algo=hash_algo,
+            enable_caching=enable_prefix_caching,
+            model_id=self.loaded.identity,
+            zero_on_reuse=zero_freed_blocks,
+        )
+        self.runner = ModelRunner(
+            self.loaded.model, self.config, num_blocks=num_blocks, block_size=block_size
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy=policy,
+            lpm_max_wait_steps=lpm_max_wait_steps,
+            dedup=dedup,
+        )
+        self.sampler = Sampler()
+        self.check_integrity = check_integrity
+        self._seed_rng = random.Random(seed)
+        self._groups: dict[str, Request] = {}  # request id -> its first choice (the parent)
+        self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step
+        self._num_added = 0
+        self._history: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.num_steps = 0
+        self.last_scheduled: SchedulerOutput | None = None  # the latest step's batch
+
+    def _default_num_blocks(self, memory_bytes: int, max_num_seqs: int) -> int:
+        dtype = next(self.loaded.model.parameters()).dtype
+        fit = blocks_for_budget(memory_bytes, self.config, self.block_size, dtype)
+        useful = max_num_seqs * -(-self.max_model_len // self.block_size)
+        num_blocks = min(fit, useful)
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {memory_bytes} bytes holds no block")
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | SequenceABC[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: SequenceABC[int] | None = None,
+        cache_salt: str | bytes | None = None,
+        use_cache: bool = True,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. Bad input raises ValueError and leaves the engine unchanged."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already running")
+        token_ids = self._prompt_ids(prompt, prompt_token_ids)
+        self._validate_length(len(token_ids), params)
+        request = self._new_request(request_id, token_ids, params, cache_salt, use_cache)
+        if arrival_time is not None:
+            request.timing.arrival_time = arrival_time
+        self._groups[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def _prompt_ids(
+        self, prompt: str | SequenceABC[int] | None, prompt_token_ids: SequenceABC[int] | None
+    ) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return list(self.tokenizer.encode(prompt))
+        ids = prompt if prompt_token_ids is None else prompt_token_ids
+        token_ids = list(ids)  # type: ignore[arg-type]
+        vocab = self.config.vocab_size
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
+            if not 0 <= token_id < vocab:
+                raise ValueError(
+                    f"prompt token id {token_id} is outside the vocabulary [0, {vocab})"
+                )
+        if not token_ids:
+            raise ValueError("the prompt is empty (no token ids)")
+        return token_ids
+
+    def _validate_length(self, num_prompt: int, params: SamplingParams) -> None:
+        total = num_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context length of {self.max_model_len} tokens"
+            )
+        # one choice must fit in the whole pool, else it could never finish
+        needed = -(-total // self.block_size)
+        if needed > self.cache.num_blocks:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
+                f"KV blocks of {self.block_size} tokens, but the pool has only "
+                f"{self.cache.num_blocks}"
+            )
+
+    def _new_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | bytes | None,
+        use_cache: bool,
+    ) -> Request:
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(request_id, token_ids, cache_salt, use_cache=use_cache)
+        generator = None if params.greedy else make_generator(derive_seed(base_seed, 0))
+        self._num_added += 1
+        return Request(
+            request_id=request_id,
+            seq=seq,
+            params=params,
+            generator=generator,
+            base_seed=base_seed,
+            arrival_index=self._num_added,
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output comes with the next step.
+        Returns False for an unknown (or already finished) request."""
+        parent = self._groups.get(request_id)
+        if parent is None:
+            return False
+        now = time.monotonic()
+        for request in parent.choices:
+            if not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+                request.timing.finish_time = now
+                self._pending.append(self._output(request, [], []))
+        self._retire_if_done(request_id)
+        if self.check_integrity:
+            self.cache.check_integrity()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def get_request(self, request_id: str) -> list[Request]:
+        """The live choices of a request (empty once it finished)."""
+        parent = self._groups.get(request_id)
+        return parent.choices if parent is not None else []
+
+    # ---- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one batch; returns what each touched choice gained."""
+        outputs, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        self.last_scheduled = out
+        self.num_steps += 1
+        if not out.is_empty:
+            self._mark_scheduled(out)
+            logits = self.runner.execute(out)
+            targets = self.scheduler.update_from_step(out)
+            outputs.extend(self._sample(logits, targets))
+        if self.check_integrity:
+            self.cache.check_integrity()
+        return outputs
+
+    def _mark_scheduled(self, out: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for chunk in out.chunks:
+            timing = chunk.request.timing
+            if timing.first_scheduled_time is None:
+                timing.first_scheduled_time = now
+
+    def _sample(
+        self, logits: torch.Tensor, targets: list[tuple[Request, int]]
+    ) -> list[RequestOutput]:
+        if not targets:
+            return []
+        rows = torch.tensor([row for _, row in targets], dtype=torch.long)
+        sampled = self.sampler.sample(
+            logits.index_select(0, rows),
+            [r.params for r, _ in targets],
+            [r.generator for r, _ in targets],
+        )
+        now = time.monotonic()
+        outputs = []
+        for (request, _), token in zip(targets, sampled, strict=True):
+            outputs.append(self._process_token(request, token.token_id, token.logprob, now))
+            if token.logprob is not None:
+                request.logprobs.append({"logprob": token.logprob, "top": token.top_logprobs})
+        return outputs
+
+    def _process_token(
+        self, request: Request, token_id: int, logprob: float | None, now: float
+    ) -> RequestOutput:
+        request.append_output(token_id)
+        if request.timing.first_token_time is None:
+            request.timing.first_token_time = now
+        if request.detokenizer is None:
+            request.detokenizer = self._detokenizer()
+        status = check_stop(request, token_id, self.tokenizer.eos_token_ids)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            request.timing.finish_time = now
+        new_logprobs = [] if logprob is None else [{"token_id": token_id, "logprob": logprob}]
+        output = self._output(request, [token_id], new_logprobs)
+        if status is not None:
+            output.request_finished = self._retire_if_done(request.request_id)
+        return output
+
+    def _detokenizer(self) -> Any:
+        from prefixcache.model.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer)
+
+    def _output(
+        self, request: Request, new_token_ids: list[int], new_logprobs: list[dict[str, Any]]
+    ) -> RequestOutput:
+        text = emittable_text(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            index=request.index,
+            new_token_ids=new_token_ids,
+            text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            request_finished=self._group_done(request.request_id),
+            new_logprobs=new_logprobs,
+        )
+
+    def _group_done(self, request_id: str) -> bool:
+        parent = self._groups.get(request_id)
+        return parent is None or parent.all_finished
+
+    def _retire_if_done(self, request_id: str) -> bool:
+        if not self._group_done(request_id):
+            return False
+        parent = self._groups.pop(request_id, None)
+        if parent is not None:
+            self._record(parent)
+        return True
+
+    def _record(self, request: Request) -> None:
+        timing = request.timing
+        self._history[request.request_id] = {
+            "ttft": timing.ttft,
+            "queue_time": timing.queue_time,
+            "num_cached_tokens": max(request.num_cached_tokens, 0),
+            "num_prompt_tokens": request.num_prompt_tokens,
+        }
+        while len(self._history) > _MAX_HISTORY:
+            self._history.popitem(last=False)
+
+    # ---- cache control and stats ----------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; refused (False) while requests hold blocks."""
+        return self.cache.reset()
+
+    def stats(self) -> dict[str, Any]:
+        """Cache counters, scheduler counters and per-request timing of finished requests."""
+        stats = self.cache.stats
+        return {
+            "hit_tokens": stats.num_hit_tokens,
+            "queried_tokens": stats.num_queried_tokens,
+            "queries": stats.num_requests,
+            "hit_requests": stats.num_hit_requests,
+            "hit_rate": stats.hit_rate,
+            "evictions": stats.num_evictions,
+            "preemptions": self.scheduler.num_preemptions,
+            "deferred_by_dedup": self.scheduler.num_deferred,
+            "num_steps": self.num_steps,
+            "num_kv_blocks": self.cache.num_blocks,
+            "num_free_blocks": self.cache.num_free_blocks,
+            "kv_cache_usage": self.cache.usage,
+            "ttft": {rid: h["ttft"] for rid, h in self._history.items()},
+            "requests": dict(self._history),
+            "cache": stats.as_dict(),
+        }
+
+
+def _load(model: Any, dtype: str) -> Any:
+    if isinstance(model, str):
+        from prefixcache.model.loader import load_model
+
+        return load_model(model, dtype=dtype)
+    for name in ("config", "model", "tokenizer", "identity"):
+        if not hasattr(model, name):
+            raise ValueError(
+                f"model must be a preset name, a checkpoint dir or a LoadedModel, "
+                f"got {type(model).__name__}"
+            )
+    return model

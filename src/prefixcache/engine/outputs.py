@@ -1,0 +1,65 @@
+"""What the engine hands back: per-step increments (`RequestOutput`) and, for the offline `LLM`,
+whole results (`GenerationOutput` of `CompletionOutput` choices). Plain data, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CompletionOutput", "GenerationOutput", "RequestOutput"]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step added to one choice of a request (``index`` among its ``n``).
+
+    ``text`` is the new text only (stop strings cut, a possible stop-string prefix held back
+    until it is decided). ``request_finished`` is True on the last output of the whole request.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    request_finished: bool = False
+    new_logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One finished choice."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """A finished request; ``token_ids``/``text``/``finish_reason`` are the first choice's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    ttft: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,76 @@
+"""Execute one scheduled step on the model: block copies, zeroing, one flattened forward pass.
+
+The runner owns the paged KV tensors. It sees block ids (tables, copies, blocks to zero), never
+hashes or cache policy: copy-on-write and zero-on-reuse instructions come from the cache through
+the `SchedulerOutput` and are executed *before* the step's KV writes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixcache.attention import AttentionMetadata, PagedKVCache, bytes_per_block
+from prefixcache.engine.scheduler import SchedulerOutput
+
+__all__ = ["ModelRunner", "blocks_for_budget"]
+
+
+def blocks_for_budget(
+    memory_bytes: int, config: object, block_size: int, dtype: torch.dtype
+) -> int:
+    """How many KV blocks of ``block_size`` tokens fit in ``memory_bytes`` for this model."""
+    per_block = bytes_per_block(
+        config.num_hidden_layers,  # type: ignore[attr-defined]
+        block_size,
+        config.num_key_value_heads,  # type: ignore[attr-defined]
+        config.head_dim,  # type: ignore[attr-defined]
+        dtype,
+    )
+    return int(memory_bytes // per_block)
+
+
+class ModelRunner:
+    """Runs the model over a step's chunks, all tokens flattened into one batch."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: object,
+        *,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        parameter = next(model.parameters())
+        self.model = model
+        self.device = parameter.device
+        self.block_size = block_size
+        self.kv_cache = PagedKVCache(
+            config.num_hidden_layers,  # type: ignore[attr-defined]
+            num_blocks,
+            block_size,
+            config.num_key_value_heads,  # type: ignore[attr-defined]
+            config.head_dim,  # type: ignore[attr-defined]
+            dtype=parameter.dtype,
+            device=self.device,
+        )
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [num_chunks, vocab] at each chunk's last token (empty step: [0, 0])."""
+        # zero first: a freshly reused block may also be a copy-on-write destination
+        self.kv_cache.zero_blocks(out.blocks_to_zero)
+        self.kv_cache.copy_blocks(out.block_copies)
+        if out.is_empty:
+            return torch.empty((0, 0))
+        token_ids: list[int] = []
+        for chunk in out.chunks:
+            token_ids.extend(chunk.token_ids)
+        metadata = AttentionMetadata.build(
+            [c.block_table for c in out.chunks],
+            [c.num_computed_tokens for c in out.chunks],
+            [c.num_new_tokens for c in out.chunks],
+            self.block_size,
+            device=self.device,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        logits: torch.Tensor = self.model(input_ids, metadata.positions, self.kv_cache, metadata)
+        return logits
