@@ -1,0 +1,192 @@
+"""Structured JSON logs, and an opt-in log of every cache decision that carries no secrets.
+
+`JsonFormatter` renders each log record as one JSON object per line. `CacheDecisionLog` wraps a
+prefix cache (`attach(engine)` installs it on a running engine) and, at DEBUG level on the
+``prefixcache.cache.decisions`` logger, records for each block a lookup or commit touches: the
+namespace digest (short), block index, parent digest (short), token count, hit/miss, ref count and
+physical block id. It never logs prompt text, token ids, salts or keys: only digests and counts.
+
+Enable with ``PREFIXCACHE_LOG=json`` (see `configure_from_env`) or by calling `configure` and
+`attach` directly. Nothing here runs unless it was installed: the engine's hot path is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+__all__ = [
+    "DECISION_LOGGER",
+    "LOG_ENV",
+    "CacheDecisionLog",
+    "JsonFormatter",
+    "attach",
+    "configure",
+    "configure_from_env",
+    "short",
+]
+
+LOG_ENV = "PREFIXCACHE_LOG"  # "json": JSON lines on stderr plus cache decisions at DEBUG
+DECISION_LOGGER = "prefixcache.cache.decisions"
+SHORT_DIGEST_CHARS = 12
+_STANDARD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+logger = logging.getLogger(DECISION_LOGGER)
+
+
+def short(digest: bytes | None) -> str | None:
+    """A digest's first 12 hex characters: enough to correlate, useless to invert."""
+    return None if digest is None else digest.hex()[:SHORT_DIGEST_CHARS]
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message and any ``extra`` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD_ATTRS and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info and record.exc_info[0] is not None:
+            out["exc_type"] = record.exc_info[0].__name__  # type only: messages may echo input
+        return json.dumps(out, default=str)
+
+
+def configure(fmt: str = "json", level: str = "info", decisions: bool = True) -> logging.Handler:
+    """Route the root logger to stderr in ``fmt`` ("json" or "text"); ``decisions`` turns the
+    cache-decision log on (DEBUG on its own logger)."""
+    if fmt not in ("json", "text"):
+        raise ValueError(f"log format must be 'json' or 'text', got {fmt!r}")
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logger.setLevel(logging.DEBUG if decisions else logging.NOTSET)
+    return handler
+
+
+def configure_from_env(engine: Any = None) -> bool:
+    """``PREFIXCACHE_LOG=json``: JSON logs, and the decision log attached to ``engine``."""
+    if os.environ.get(LOG_ENV, "").lower() != "json":
+        return False
+    configure("json")
+    if engine is not None:
+        attach(engine)
+    return True
+
+
+class CacheDecisionLog:
+    """A transparent wrapper over a `PrefixCache` that logs its decisions (no secrets)."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+        self._committed: dict[str, int] = {}  # seq id -> blocks already logged as committed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def match(self, seq: Any) -> Any:
+        start = time.perf_counter_ns()
+        hit = self._cache.match(seq)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_match(seq, hit, time.perf_counter_ns() - start)
+        return hit
+
+    def commit(self, seq: Any, num_computed_tokens: int) -> None:
+        self._cache.commit(seq, num_computed_tokens)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_commit(seq, num_computed_tokens)
+
+    def free(self, seq: Any) -> None:
+        table = self._cache.block_table(seq)
+        self._cache.free(seq)
+        self._committed.pop(seq.seq_id, None)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("free", extra={"event": "free", "num_blocks": len(table)})
+
+    def _chain(self, seq: Any) -> tuple[bytes, list[bytes]]:
+        cache = self._cache
+        return seq.root_digest(cache.hasher, cache.model_id), seq.digests(
+            cache.hasher, cache.model_id
+        )
+
+    def _block_fields(self, root: bytes, digests: list[bytes], index: int) -> dict[str, Any]:
+        parent = digests[index - 1] if index > 0 else root
+        return {
+            "namespace": short(root),
+            "block_index": index,
+            "digest": short(digests[index]) if index < len(digests) else None,
+            "parent": short(parent),
+            "num_tokens": self._cache.block_size,
+        }
+
+    def _log_match(self, seq: Any, hit: Any, lookup_ns: int) -> None:
+        if not seq.use_cache or not self._cache.enable_caching:
+            logger.debug("lookup skipped", extra={"event": "lookup", "cache": False})
+            return
+        root, digests = self._chain(seq)
+        for index, block_id in enumerate(hit.block_ids):
+            fields = self._block_fields(root, digests, index)
+            fields.update(
+                event="lookup",
+                hit=True,
+                block_id=block_id,
+                ref_cnt=_ref_count(self._cache, block_id),
+            )
+            logger.debug("block hit", extra=fields)
+        index = len(hit.block_ids)
+        fields = self._block_fields(root, digests, index)
+        fields.update(
+            event="lookup",
+            hit=False,
+            block_id=None,
+            ref_cnt=None,
+            hit_tokens=hit.num_tokens,
+            lookup_us=lookup_ns // 1000,
+        )
+        logger.debug("first miss", extra=fields)
+
+    def _log_commit(self, seq: Any, num_computed_tokens: int) -> None:
+        if not seq.use_cache or not self._cache.enable_caching:
+            return
+        root, digests = self._chain(seq)
+        table = self._cache.block_table(seq)
+        done = min(num_computed_tokens // self._cache.block_size, len(digests), len(table))
+        for index in range(self._committed.get(seq.seq_id, 0), done):
+            fields = self._block_fields(root, digests, index)
+            fields.update(
+                event="commit", block_id=table[index], ref_cnt=_ref_count(self._cache, table[index])
+            )
+            logger.debug("block committed", extra=fields)
+        self._committed[seq.seq_id] = max(done, self._committed.get(seq.seq_id, 0))
+
+
+def _ref_count(cache: Any, block_id: int) -> int | None:
+    """The block's reference count, where the implementation exposes its block pool."""
+    pool = getattr(cache, "pool", None)
+    blocks = getattr(pool, "blocks", None)
+    if blocks is None or not 0 <= block_id < len(blocks):
+        return None
+    return int(blocks[block_id].ref_cnt)
+
+
+def attach(engine: Any) -> CacheDecisionLog:
+    """Wrap ``engine``'s prefix cache (engine and scheduler share the wrapper); idempotent."""
+    cache = engine.cache
+    if isinstance(cache, CacheDecisionLog):
+        return cache
+    wrapped = CacheDecisionLog(cache)
+    engine.cache = wrapped
+    if getattr(engine, "scheduler", None) is not None and engine.scheduler.cache is cache:
+        engine.scheduler.cache = wrapped
+    return wrapped
