@@ -304,3 +304,11 @@ PROPERTY_SETTINGS = settings(
 )
 TestHashCacheProperties = HashCacheMachine.TestCase
 TestHashCacheProperties.settings = PROPERTY_SETTINGS
+
+
+class RadixCacheMachine(CacheMachine):
+    kind = "radix"
+
+
+TestRadixCacheProperties = RadixCacheMachine.TestCase
+TestRadixCacheProperties.settings = PROPERTY_SETTINGS
