@@ -7,9 +7,14 @@ Scenarios shared with the hash cache live in test_cache_conformance.py. Block si
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize
 
 from prefixcache.cache import BlockRemoved, BlockStored, Sequence, make_prefix_cache
 from prefixcache.cache.radix_cache import RadixPrefixCache
+from test_cache_properties import BS as PROPERTY_BS
+from test_cache_properties import CacheMachine
 
 BS = 16
 
@@ -269,3 +274,45 @@ def test_bad_arguments_are_clear_errors(bad: dict[str, object]) -> None:
     kwargs: dict[str, object] = {"num_blocks": 4, "block_size": BS, **bad}
     with pytest.raises(ValueError):
         RadixPrefixCache(**kwargs)  # type: ignore[arg-type]
+
+
+def test_integrity_check_names_broken_invariants() -> None:
+    cache = radix(10)
+    a = Sequence("a", tokens(3 * BS) + [1])
+    admit(cache, a)
+    node = cache._root.children[a.root_digest(cache.hasher, "")].children[a.block_digests[0]]
+    node.lock_ref += 1
+    with pytest.raises(AssertionError, match="lock_ref"):
+        cache.check_integrity()
+    node.lock_ref -= 1
+    cache._num_evictable += 1
+    with pytest.raises(AssertionError, match="evictable count"):
+        cache.check_integrity()
+    cache._num_evictable -= 1
+    cache._free.append(node.block_ids[0])
+    with pytest.raises(AssertionError, match="no block is both free and cached"):
+        cache.check_integrity()
+    cache._free.pop()
+    cache.check_integrity()
+
+
+class RadixLfuMachine(CacheMachine):
+    """The shared state machine against the radix cache with the LFU policy."""
+
+    kind = "radix"
+
+    @initialize(num_blocks=st.integers(4, 12))
+    def build(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.cache = make_prefix_cache(
+            "radix", num_blocks=num_blocks, block_size=PROPERTY_BS, eviction_policy="lfu"
+        )
+
+
+TestRadixLfuProperties = RadixLfuMachine.TestCase
+TestRadixLfuProperties.settings = settings(
+    max_examples=50,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
