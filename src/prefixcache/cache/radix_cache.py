@@ -100,6 +100,7 @@ class _SeqState:
 class _HitHandle:
     """Where `match` stopped: the node holding the last hit block, and the namespace root."""
 
+    cache: object
     node: _Node
     num_blocks: int
     root: bytes
@@ -197,7 +198,7 @@ class RadixPrefixCache(PrefixCache):
                 break
             block_ids += node.block_ids[: num_hit - node.start]
             last = node
-        handle = _HitHandle(last, num_hit, root) if num_hit else None
+        handle = _HitHandle(self, last, num_hit, root) if num_hit else None
         return CacheHit(num_hit * self.block_size, block_ids, num_hit, num_matched, handle)
 
     # -- allocate -------------------------------------------------------------------------------
@@ -248,7 +249,7 @@ class RadixPrefixCache(PrefixCache):
             raise ValueError(f"hit of {num_hit} blocks leaves no prompt token to compute")
         handle = hit.handle
         root = seq.root_digest(self.hasher, self.model_id)
-        if not isinstance(handle, _HitHandle) or handle.root != root:
+        if not isinstance(handle, _HitHandle) or handle.cache is not self or handle.root != root:
             raise ValueError("the hit was not produced by this cache's match() for this sequence")
         node = handle.node
         while node.attached and node.start >= num_hit:  # a split moved the prefix upward
@@ -657,7 +658,7 @@ class RadixPrefixCache(PrefixCache):
     @property
     def num_cached_blocks(self) -> int:
         """Blocks that are hittable now (locked or not)."""
-        return sum(len(n.block_ids) for n in self._nodes())
+        return self.num_blocks - len(self._free) - self._num_held
 
     @property
     def num_nodes(self) -> int:
@@ -814,6 +815,9 @@ class RadixPrefixCache(PrefixCache):
                 evictable += len(node.block_ids)
         num_held = sum(1 for ref in self._refs if ref)
         check_invariant(num_held == self._num_held, f"held count {self._num_held} == {num_held}")
+        check_invariant(
+            self.num_cached_blocks == evictable + protected, "cached count == blocks in the tree"
+        )
         check_invariant(
             evictable == self._num_evictable,
             f"evictable count {self._num_evictable} == {evictable} unlocked cached blocks",
