@@ -46,11 +46,12 @@ class ScheduledChunk:
     num_computed_tokens: int
     num_new_tokens: int
     block_table: list[int]
+    # the chunk reaches the end of the sequence: its last logits give the next token
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the sequence: its last logits give the next token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        end = self.num_computed_tokens + self.num_new_tokens
+        self.samples = end == self.request.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
