@@ -12,7 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixcache.tools.cachelog import DECISION_LOGGER, JsonFormatter, attach, configure
+from prefixcache.tools.cachelog import (
+    DECISION_LOGGER,
+    LOG_ENV,
+    CacheDecisionLog,
+    JsonFormatter,
+    configure,
+)
 from server_harness import start_server, wait_idle
 
 
@@ -52,18 +58,20 @@ def _completion(url: str, key: str, prompt: str, stream: bool = False) -> dict:
     return {} if stream else response.json()
 
 
-def test_server_logs_hold_no_prompt_text(tenants: str, capfd: pytest.CaptureFixture[str]) -> None:
+def test_server_logs_hold_no_prompt_text(
+    tenants: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = logging.getLogger()
+    old_level, root_handlers = root.level, list(root.handlers)
+    monkeypatch.setenv(LOG_ENV, "json")  # the operator's switch: JSON logs + decision log
+    running = start_server(["--tenants", tenants, "--num-kv-blocks", "64", "--log-level", "debug"])
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
     handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    old_level, root_handlers = root.level, list(root.handlers)
     root.addHandler(handler)
-    root.setLevel(logging.DEBUG)  # everything any logger emits, the decision log included
-    logging.getLogger(DECISION_LOGGER).setLevel(logging.DEBUG)
-    running = start_server(["--tenants", tenants, "--num-kv-blocks", "64", "--log-level", "debug"])
+    root.setLevel(logging.DEBUG)  # everything any logger emits, at every level
     try:
-        attach(running.engine)
+        assert isinstance(running.engine.cache, CacheDecisionLog)
         url = running.base_url
         first = _completion(url, KEYS["alice"], PROMPT)
         second = _completion(url, KEYS["alice"], PROMPT)
@@ -79,15 +87,16 @@ def test_server_logs_hold_no_prompt_text(tenants: str, capfd: pytest.CaptureFixt
         wait_idle(running)
     finally:
         running.stop()
-        root.removeHandler(handler)
         root.handlers[:] = root_handlers
         root.setLevel(old_level)
+        logging.getLogger(DECISION_LOGGER).setLevel(logging.NOTSET)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert cross["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     captured = capfd.readouterr()
     everything = buffer.getvalue() + captured.out + captured.err
     records = [json.loads(line) for line in buffer.getvalue().splitlines()]
+    assert any(line.startswith('{"ts"') for line in captured.err.splitlines())  # JSON on stderr
     decisions = [r for r in records if r["logger"] == DECISION_LOGGER]
     hits = [r for r in decisions if r.get("hit") is True]
     commits = [r for r in decisions if r.get("event") == "commit"]
