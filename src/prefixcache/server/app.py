@@ -1,0 +1,133 @@
+"""The FastAPI application: routes, authentication and lifecycle around one `LLMEngine`.
+
+``create_app(engine, ...)`` wires the engine thread (`AsyncEngine`), tenancy, metrics and the
+OpenAI endpoints; starting the app starts the engine thread, stopping it stops the thread. The
+endpoint logic itself lives in `serving`, the wire format in `protocol`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from prefixcache.server import protocol
+from prefixcache.server.async_engine import AsyncEngine
+from prefixcache.server.errors import ApiError, install_error_handlers
+from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
+from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixcache.server.serving import OpenAIServing
+from prefixcache.server.tenancy import Tenant, TenantRegistry
+
+__all__ = ["block_bytes", "create_app"]
+
+logger = logging.getLogger("prefixcache.server")
+
+
+def block_bytes(engine: Any) -> int:
+    """Bytes of K and V one KV block holds for this engine's model."""
+    from prefixcache.attention import bytes_per_block
+
+    config = engine.config
+    dtype = next(engine.loaded.model.parameters()).dtype
+    return int(bytes_per_block(config.num_hidden_layers, engine.block_size,
+                               config.num_key_value_heads, config.head_dim, dtype))
+
+
+def create_app(
+    engine: Any,
+    *,
+    model_name: str,
+    tenants: TenantRegistry,
+    max_queue_len: int = 256,
+    default_max_tokens: int = 256,
+    log_interval_s: float = 10.0,
+) -> FastAPI:
+    """An OpenAI-compatible app over ``engine`` (an `LLMEngine`, driven from its own thread)."""
+    metrics = ServerMetrics(model_name, block_bytes(engine))
+    max_pending = engine.scheduler.max_num_seqs + max_queue_len
+    async_engine = AsyncEngine(engine, max_pending=max_pending, metrics=metrics,
+                               log_interval_s=log_interval_s)
+    serving = OpenAIServing(async_engine, model_name=model_name, tenants=tenants,
+                            metrics=metrics, default_max_tokens=default_max_tokens)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="prefixcache", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    _add_routes(app, serving, tenants)
+    return app
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _auth_dependency(tenants: TenantRegistry) -> Any:
+    def authenticate(request: Request) -> Tenant:
+        tenant = tenants.authenticate(_bearer(request))
+        if tenant is None:
+            reason = "missing" if _bearer(request) is None else "invalid"
+            raise ApiError(401, f"{reason} API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        return tenant
+
+    return authenticate
+
+
+def _add_routes(app: FastAPI, serving: OpenAIServing, tenants: TenantRegistry) -> None:
+    auth = _auth_dependency(tenants)
+    async_engine = serving.engine
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request,
+                          tenant: Tenant = Depends(auth)) -> Any:
+        return await serving.completions(body, tenant, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request,
+                   tenant: Tenant = Depends(auth)) -> Any:
+        return await serving.chat(body, tenant, request)
+
+    @app.get("/v1/models")
+    async def models(tenant: Tenant = Depends(auth)) -> Any:
+        return protocol.model_list(serving.model_name, protocol.now(), serving.max_model_len)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(tenant: Tenant = Depends(auth)) -> Any:
+        return await _reset(async_engine, tenant)
+
+
+async def _reset(async_engine: AsyncEngine, tenant: Tenant) -> JSONResponse:
+    if not tenant.admin:
+        raise ApiError(403, "resetting the prefix cache needs an admin API key")
+    done = await async_engine.call(async_engine.engine.reset_prefix_cache)
+    if not done:
+        raise ApiError(409, "the prefix cache was not reset: requests still hold KV blocks; "
+                       "retry when the server is idle", code="cache_in_use")
+    logger.info("prefix cache reset by an admin of %s", tenant.domain)
+    return JSONResponse({"reset": True})

@@ -1,0 +1,257 @@
+"""`AsyncEngine`: the single-threaded `LLMEngine` driven from a background thread for asyncio.
+
+The engine thread owns the engine. The event loop hands it commands (add, abort, reset) through a
+locked queue and awaits their results as futures; the thread runs them between steps, steps while
+any request is unfinished, and delivers each step's incremental outputs to the per-request
+asyncio queues with ``loop.call_soon_threadsafe``. Admission control (the 429 limit) is counted on
+the event loop side. Nothing here knows about HTTP or the OpenAI format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
+
+__all__ = ["AsyncEngine", "EngineFailure", "EngineOverloaded"]
+
+logger = logging.getLogger("prefixcache.server")
+T = TypeVar("T")
+
+
+class EngineOverloaded(Exception):
+    """The request queue is full: answer 429 and let the client retry later."""
+
+
+class EngineFailure(Exception):
+    """The engine failed while running a step; the request it carried was dropped."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a thread while work is pending; outputs go to asyncio queues.
+
+    ``max_pending`` bounds the requests accepted and not yet finished (running + waiting); one
+    more gets `EngineOverloaded`.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        max_pending: int,
+        metrics: ServerMetrics | None = None,
+        log_interval_s: float = 10.0,
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.engine = engine
+        self.max_pending = max_pending
+        self.metrics = metrics
+        self.log_interval_s = log_interval_s
+        self.snapshot = EngineSnapshot()
+        self.num_pending = 0  # event-loop side only
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Condition()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._log = _PeriodicLog(log_interval_s)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="prefixcache-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- event-loop API -------------------------------------------------------------------------
+
+    async def add(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, salt: str | None,
+        use_cache: bool,
+    ) -> asyncio.Queue[Any]:
+        """Queue a request; its outputs arrive on the returned queue, the last one with
+        ``request_finished``. Raises ValueError (bad request) or `EngineOverloaded`."""
+        if self.num_pending >= self.max_pending:
+            raise EngineOverloaded(
+                f"the server is at its limit of {self.max_pending} queued and running requests; "
+                "retry later"
+            )
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+        def add_in_thread() -> None:
+            self.engine.add_request(request_id, None, params, prompt_token_ids=prompt_token_ids,
+                                    cache_salt=salt, use_cache=use_cache)
+            self._streams[request_id] = stream
+
+        self.num_pending += 1
+        try:
+            await self.call(add_in_thread)
+        except BaseException:
+            self.num_pending -= 1
+            raise
+        return stream.queue
+
+    def release(self) -> None:
+        """The caller is done with a request added by `add` (finished or aborted)."""
+        self.num_pending -= 1
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op once finished); fire and forget, thread safe."""
+        self._submit(lambda: self._abort_in_thread(request_id))
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                future.set_exception(exc)
+
+        self._submit(run)
+        return await asyncio.wrap_future(future)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            commands = self._next_commands()
+            if commands is None:
+                break
+            for command in commands:
+                command()
+            if self.engine.has_unfinished():
+                self._step()
+            self._log.maybe_log(self.snapshot)
+        self._fail_all("the server is shutting down")
+
+    def _next_commands(self) -> list[Callable[[], None]] | None:
+        """Pending commands; blocks while there is neither a command nor engine work."""
+        with self._wakeup:
+            while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                self._wakeup.wait(self.log_interval_s)
+                self._log.maybe_log(self.snapshot)
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+        return commands
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.error("engine step failed: %s; failing its requests", type(exc).__name__,
+                         exc_info=exc)
+            self._fail_all(f"the engine failed while running this request ({type(exc).__name__})")
+            return
+        self._deliver(outputs)
+        self.snapshot = EngineSnapshot.take(self.engine)
+        if self.metrics is not None:
+            self.metrics.update(self.snapshot)
+        self._log.count(outputs)
+
+    def _deliver(self, outputs: list[Any]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+            if output.request_finished:
+                del self._streams[output.request_id]
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _abort_in_thread(self, request_id: str) -> None:
+        if self.engine.abort(request_id):
+            self._streams.pop(request_id, None)
+
+    def _fail_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the engine is already broken; keep failing
+                pass
+            _call_soon(stream.loop, stream.queue.put_nowait, EngineFailure(message))
+        try:
+            if self.engine.has_unfinished():
+                self.engine.step()  # collect the abort outputs so the engine is idle again
+        except Exception:  # noqa: BLE001 - already reported by the caller
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], arg: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+class _PeriodicLog:
+    """Every ``interval_s`` with activity: running/waiting, KV usage, hit rate, token rate."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last_time = time.monotonic()
+        self._last = EngineSnapshot()
+        self._num_tokens = 0
+
+    def count(self, outputs: list[Any]) -> None:
+        self._num_tokens += sum(len(o.new_token_ids) for o in outputs)
+
+    def maybe_log(self, snap: EngineSnapshot) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return
+        queried = snap.queried_tokens - self._last.queried_tokens
+        if self._num_tokens or queried or snap.num_running or snap.num_waiting:
+            hits = snap.hit_tokens - self._last.hit_tokens
+            logger.info(
+                "running=%d waiting=%d kv_usage=%.1f%% prefix_hit_rate=%.1f%% (total %.1f%%) "
+                "generation=%.1f tok/s",
+                snap.num_running, snap.num_waiting, 100 * snap.kv_cache_usage,
+                100 * hits / queried if queried else 0.0, 100 * snap.hit_rate,
+                self._num_tokens / elapsed,
+            )
+        self._last_time, self._last, self._num_tokens = now, snap, 0

@@ -1,0 +1,131 @@
+"""``prefixcache serve``: load a model, build the engine and app, run uvicorn.
+
+Flags map one to one onto `LLMEngine` and `create_app`; bad values become a one-line `CliError`.
+Heavy imports (torch, fastapi, uvicorn) happen inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from prefixcache.errors import CliError
+
+__all__ = ["add_arguments", "build_app", "run"]
+
+logger = logging.getLogger("prefixcache.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="built-in name (tiny, small) or dir")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients send (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="TOML file of API keys -> tenants (see examples/tenants.toml); "
+                             "without it the server is single-tenant and trusts client salts")
+    parser.add_argument("--secret-file", default=None,
+                        help="server secret for salt derivation (else $PREFIXCACHE_SECRET, "
+                             "else random per process)")
+    parser.add_argument("--prefix-cache", choices=("hash", "radix"), default="hash")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--hash-algo", default="sha256", help="sha256, blake2b or xxh3 (fast)")
+    parser.add_argument("--policy", default="fcfs", help="scheduling policy: fcfs or lpm")
+    parser.add_argument("--max-queue-len", type=int, default=256,
+                        help="waiting requests beyond --max-num-seqs before answering 429")
+    parser.add_argument("--default-max-tokens", type=int, default=256,
+                        help="chat max_tokens when the client sends none")
+    parser.add_argument("--zero-freed-blocks", action="store_true",
+                        help="zero a block's KV when it is reused for another namespace")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens")
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        raise CliError("--num-kv-blocks must be >= 1")
+    if args.max_queue_len < 0:
+        raise CliError("--max-queue-len must be >= 0")
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    if args.log_interval <= 0:
+        raise CliError("--log-interval must be > 0")
+
+
+def _tenants(args: argparse.Namespace) -> Any:
+    from prefixcache.server.tenancy import TenancyError, TenantRegistry, load_secret, load_tenants
+
+    try:
+        by_key = load_tenants(args.tenants) if args.tenants else None
+        secret, source = load_secret(args.secret_file)
+    except TenancyError as exc:
+        raise CliError(str(exc)) from None
+    registry = TenantRegistry(by_key, secret)
+    if registry.trusted:
+        logger.warning("no --tenants file: single-tenant mode, every caller is trusted, client "
+                       "cache_salt values are used as given and anyone may reset the cache")
+    else:
+        logger.info("tenants: %d API keys; server secret from %s", registry.num_keys, source)
+        if source == "random":
+            logger.info("the server secret is random: cache namespaces change on restart")
+    return registry
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from prefixcache.engine.llm_engine import LLMEngine
+
+    try:
+        return LLMEngine(
+            args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            enable_prefix_caching=not args.no_prefix_cache, prefix_cache=args.prefix_cache,
+            hash_algo=args.hash_algo, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
+            zero_freed_blocks=args.zero_freed_blocks, seed=args.seed,
+        )
+    except (ValueError, OSError) as exc:
+        raise CliError(f"cannot start the engine: {exc}") from None
+
+
+def build_app(args: argparse.Namespace) -> Any:
+    """The app for parsed ``serve`` arguments (tests use this without uvicorn's CLI)."""
+    from prefixcache.server.app import create_app
+
+    _check_args(args)
+    tenants = _tenants(args)
+    engine = _engine(args)
+    from prefixcache.tools.cachelog import configure_from_env
+
+    configure_from_env(engine)  # PREFIXCACHE_LOG=json: JSON logs + cache decisions (no text)
+    logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s",
+                args.model, engine.max_model_len, engine.cache.num_blocks, args.block_size,
+                "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}")
+    return create_app(engine, model_name=args.served_model_name or args.model, tenants=tenants,
+                      max_queue_len=args.max_queue_len,
+                      default_max_tokens=args.default_max_tokens,
+                      log_interval_s=args.log_interval)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(args)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    access_log=False)
+    except OSError as exc:
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    return 0

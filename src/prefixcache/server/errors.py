@@ -1,0 +1,114 @@
+"""OpenAI-style API errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Owns the `ApiError` exception and the FastAPI exception handlers that turn validation failures
+(FastAPI's default 422), HTTP errors and unexpected exceptions into that body. Messages name the
+problem and never echo prompt text.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+__all__ = ["ApiError", "error_body", "install_error_handlers"]
+
+logger = logging.getLogger("prefixcache.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client with ``status`` and an OpenAI error body."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.param, self.code),
+                            status_code=self.status)
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _field_path(loc: Sequence[Any]) -> str | None:
+    """``messages.0.role`` from a pydantic location, without "body" and union member tags."""
+    parts = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
+    return ".".join(parts) or None
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """One line for the first validation error, plus the offending parameter's name."""
+    first = errors[0] if errors else {}
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return f"malformed JSON body: {first.get('msg', 'cannot parse')}", None
+    param = _field_path(first.get("loc", ()))
+    same = [e.get("msg", "") for e in errors if _field_path(e.get("loc", ())) == param]
+    msg = "; or ".join(dict.fromkeys(same)) or first.get("msg", "invalid value")
+    if kind == "missing":
+        return f"missing required parameter {param!r}", param
+    if kind == "extra_forbidden":
+        return f"unknown parameter {param!r}", param
+    if param is None:
+        return f"invalid request body: {msg}", None
+    return f"invalid value for {param!r}: {msg}", param
+
+
+async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = _validation_message(exc.errors())
+    return ApiError(400, message, param=param).response()
+
+
+async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _on_http(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return ApiError(exc.status_code, str(exc.detail)).response()
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.error("internal error: %s", type(exc).__name__, exc_info=exc)
+    return ApiError(500, "internal server error").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(Exception, _on_unexpected)

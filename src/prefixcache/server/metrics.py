@@ -1,0 +1,142 @@
+"""Prometheus metrics of the server, on a private registry, names under ``prefixcache:``.
+
+Names mirror vLLM's. Pool and cache figures come from an `EngineSnapshot` the engine thread takes
+after each step (counters advance by the snapshot's delta); per-request figures (TTFT, end-to-end
+latency, token counts) come from the serving layer. Histograms are labelled by isolation domain
+(an operator-configured tenant class) and, for TTFT, by whether the prompt hit the cache — never
+by prompt text, token ids or client-supplied strings.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "EngineSnapshot", "ServerMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "prefixcache:"
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """Engine figures after one step: cumulative counters and current levels."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    min_free_blocks: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    preemptions: int = 0
+    duplicate_blocks: int = 0
+
+    @classmethod
+    def take(cls, engine: Any) -> EngineSnapshot:
+        """Read an `LLMEngine`'s counters; call from the engine thread only."""
+        stats = engine.cache.stats
+        free = engine.cache.num_free_blocks
+        return cls(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            kv_cache_usage=engine.cache.usage,
+            num_free_blocks=free,
+            min_free_blocks=stats.min_free_blocks if stats.min_free_blocks >= 0 else free,
+            queried_tokens=stats.num_queried_tokens,
+            hit_tokens=stats.num_hit_tokens,
+            evictions=stats.num_evictions,
+            preemptions=engine.scheduler.num_preemptions,
+            duplicate_blocks=stats.num_duplicate_blocks,
+        )
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class ServerMetrics:
+    """Every metric of the server; ``render()`` is the /metrics body."""
+
+    def __init__(self, model_name: str, block_bytes: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.block_bytes = block_bytes
+        self._lock = threading.Lock()
+        self._last = EngineSnapshot()
+        self._make_engine_metrics()
+        self._make_request_metrics()
+        info = Gauge(PREFIX + "model_info", "Served model (value 1).", ["model_name"],
+                     registry=self.registry)
+        info.labels(model_name=model_name).set(1)
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, registry=self.registry)
+
+    def _make_engine_metrics(self) -> None:
+        self.queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the "
+                                     "prefix cache.")
+        self.hits = self._counter("prefix_cache_hits", "Prompt tokens served from the cache.")
+        self.evictions = self._counter("cache_evictions", "Cached blocks evicted for reuse.")
+        self.preemptions = self._counter("num_preemptions", "Requests preempted for KV space.")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.running = self._gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.free_min = self._gauge("kv_free_blocks_min", "Low watermark of free KV blocks.")
+        self.free_now = self._gauge("kv_free_blocks", "Free KV blocks now.")
+        self.dup_bytes = self._gauge(
+            "duplicate_block_bytes",
+            "KV bytes computed for blocks whose digest was already cached (cumulative).",
+        )
+
+    def _make_request_metrics(self) -> None:
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens.")
+        self.requests = self._counter("request_success", "Finished requests by finish reason.",
+                                      ("finished_reason",))
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to first token, server side.",
+            ["domain", "cache"], buckets=_TTFT_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
+            ["domain"], buckets=_E2E_BUCKETS, registry=self.registry,
+        )
+
+    def update(self, snap: EngineSnapshot) -> None:
+        """Apply an engine snapshot: counters advance by its delta, gauges take its levels."""
+        with self._lock:
+            last, self._last = self._last, snap
+        deltas = {f.name: getattr(snap, f.name) - getattr(last, f.name) for f in fields(snap)}
+        for counter, name in ((self.queries, "queried_tokens"), (self.hits, "hit_tokens"),
+                              (self.evictions, "evictions"), (self.preemptions, "preemptions")):
+            if deltas[name] > 0:
+                counter.inc(deltas[name])
+        self.kv_usage.set(snap.kv_cache_usage)
+        self.running.set(snap.num_running)
+        self.waiting.set(snap.num_waiting)
+        self.free_min.set(snap.min_free_blocks)
+        self.free_now.set(snap.num_free_blocks)
+        self.dup_bytes.set(snap.duplicate_blocks * self.block_bytes)
+
+    def observe_first_token(self, domain: str, seconds: float, num_cached: int) -> None:
+        self.ttft.labels(domain=domain, cache="hit" if num_cached > 0 else "miss").observe(seconds)
+
+    def observe_finished(
+        self, domain: str, seconds: float, reason: str | None
+    ) -> None:
+        self.e2e.labels(domain=domain).observe(seconds)
+        self.requests.labels(finished_reason=reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
