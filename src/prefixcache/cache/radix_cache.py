@@ -297,7 +297,7 @@ class RadixPrefixCache(PrefixCache):
     def _copy_on_write(self, state: _SeqState, index: int, *, copy: bool) -> None:
         """Give ``state`` its own block at ``index``: a shared block is never written."""
         src = state.table[index]
-        dst = self._take_one(self._owner_root(state.seq))
+        (dst,) = self._take_ids(1, self._owner_root(state.seq))
         if copy:
             self._copies.append((src, dst))
             if self._to_zero and self._to_zero[-1] == dst:
@@ -311,23 +311,29 @@ class RadixPrefixCache(PrefixCache):
     def _take(self, state: _SeqState, num: int) -> None:
         """Append ``num`` new blocks to ``state``'s table: free ones first, then evicted ones."""
         if num > 0:
-            owner_root = self._owner_root(state.seq)
-            table, refs = state.table, self._refs
-            for _ in range(num):
-                block_id = self._take_one(owner_root)
+            block_ids = self._take_ids(num, self._owner_root(state.seq))
+            refs = self._refs
+            for block_id in block_ids:
                 refs[block_id] = 1
-                table.append(block_id)
+            state.table += block_ids
             self._num_held += num
             self._flush_evictions()
         self._note_watermark()
 
-    def _take_one(self, owner_root: bytes | None) -> int:
-        block_id = self._free.popleft() if self._free else self._evict_one()
+    def _take_ids(self, num: int, owner_root: bytes | None) -> list[int]:
+        """``num`` blocks out of the free list, then out of the cache (the caller checked)."""
+        free = self._free
+        popleft = free.popleft
+        block_ids = [popleft() for _ in range(min(num, len(free)))]
+        if len(block_ids) < num:
+            self._evict(num - len(block_ids), block_ids)
         if self.zero_on_reuse:
-            if owner_root is None or self._owner[block_id] != owner_root:
-                self._to_zero.append(block_id)
-            self._owner[block_id] = owner_root
-        return block_id
+            owners, to_zero = self._owner, self._to_zero
+            for block_id in block_ids:
+                if owner_root is None or owners[block_id] != owner_root:
+                    to_zero.append(block_id)
+                owners[block_id] = owner_root
+        return block_ids
 
     def _owner_root(self, seq: Sequence) -> bytes | None:
         if not self.zero_on_reuse:
@@ -344,29 +350,41 @@ class RadixPrefixCache(PrefixCache):
 
     # -- eviction -------------------------------------------------------------------------------
 
-    def _evict_one(self) -> int:
-        """Drop the tail block of the first valid eviction candidate and return its id."""
+    def _evict(self, num: int, out: list[int]) -> None:
+        """Drop ``num`` cached blocks, leaf tails first in policy order, appending their ids."""
+        heap = self._heap
+        while num:
+            node = self._candidate()
+            block_ids, digests = node.block_ids, node.digests
+            cut = max(0, len(block_ids) - num)
+            taken = block_ids[cut:]
+            taken.reverse()  # the deepest block goes first
+            dropped = digests[cut:]
+            dropped.reverse()
+            out += taken
+            self._evicted_ids += taken
+            self._evicted_digests += dropped
+            del block_ids[cut:], digests[cut:], node.tokens[cut:]
+            self._num_evictable -= len(taken)
+            num -= len(taken)
+            if not block_ids:
+                heapq.heappop(heap)
+                self._detach(node)
+
+    def _candidate(self) -> _Node:
+        """The first valid entry of the eviction heap (stale entries are dropped on the way)."""
         heap = self._heap
         while True:
-            _, _, stamp, node = heap[0]
+            node = heap[0][3]
             if (
-                stamp == node.stamp
+                heap[0][2] == node.stamp
                 and node.attached
                 and not node.lock_ref
                 and not node.children
                 and node.block_ids
             ):
-                break
+                return node
             heapq.heappop(heap)
-        block_id = node.block_ids.pop()
-        self._evicted_digests.append(node.digests.pop())
-        self._evicted_ids.append(block_id)
-        node.tokens.pop()
-        self._num_evictable -= 1
-        if not node.block_ids:
-            heapq.heappop(heap)
-            self._detach(node)
-        return block_id
 
     def _detach(self, node: _Node) -> None:
         parent = node.parent
