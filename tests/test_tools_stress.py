@@ -54,3 +54,9 @@ def test_stress_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[
             main(["stress", *argv])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and "error:" in err and "Traceback" not in err
+
+
+def test_stress_radix_runs_clean() -> None:
+    report = run_stress(StressConfig(num_kv_blocks=8, seconds=8, prefix_cache="radix", seed=3))
+    assert report.violation is None, report.violation
+    assert report.evictions > 0 and report.preemptions > 0 and report.forks > 0
