@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from server_harness import RunningServer, start_server, wait_idle
 
 MODEL = "tiny"
