@@ -11,7 +11,7 @@ import pytest
 
 from prefixcache.cache import Namespace
 from prefixcache.cli import main
-from prefixcache.tools.explain import Prompt, explain, load_model_view, read_prompt
+from prefixcache.tools.explain import ModelView, Prompt, explain, load_model_view, read_prompt
 
 BASE = (
     "You are a careful assistant. Answer the question using the document below and cite the "
@@ -152,3 +152,35 @@ def test_read_prompt_keeps_text_for_warnings() -> None:
     tok = load_model_view("tiny").tokenizer
     prompt = read_prompt("abc", tok)
     assert prompt.kind == "text" and prompt.text == "abc" and prompt.token_ids == tok.encode("abc")
+
+
+def test_explain_predicts_what_the_engine_hits() -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model's ops are too small to split
+    try:
+        _engine_hits_match(load_model_view("tiny"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_hits_match(view: ModelView) -> None:
+    from prefixcache.engine.llm_engine import LLMEngine
+    from prefixcache.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine("tiny", num_kv_blocks=64)
+    a = read_prompt(BASE, view.tokenizer)
+    cases = [(BASE[:70] + "X" + BASE[71:], None), (BASE + " more", None), (BASE, "other-salt")]
+    engine.add_request("a", BASE, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    for i, (text, salt) in enumerate(cases):
+        b = read_prompt(text, view.tokenizer)
+        ex = explain(a, b, Namespace(view.identity), Namespace(view.identity, salt=salt))
+        engine.add_request(
+            f"b{i}", text, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt
+        )
+        while engine.has_unfinished():
+            outputs = engine.step()
+        assert outputs[-1].num_cached_tokens == ex.usable_tokens, text
