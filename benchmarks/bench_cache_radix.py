@@ -256,7 +256,7 @@ def print_branching(name: str, result: dict[str, dict[str, dict[str, float]]]) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=200, help="prompt lives per case")
-    parser.add_argument("--workload-repeats", type=int, default=3)
+    parser.add_argument("--workload-repeats", type=int, default=5)
     parser.add_argument("--requests", type=int, default=0, help="trace prefix (0: all)")
     parser.add_argument("--skip-replay", action="store_true")
     args = parser.parse_args()
