@@ -136,7 +136,7 @@ def ks_test(hit: list[float], miss: list[float]) -> tuple[float, float]:
     scipy's ``alternative="greater"`` means the first sample's CDF exceeds the second's somewhere;
     a CDF that rises earlier belongs to smaller values, i.e. faster hits.
     """
-    from scipy.stats import ks_2samp
+    from scipy.stats import ks_2samp  # type: ignore[import-untyped]
 
     result = ks_2samp(hit, miss, alternative="greater")
     return float(result.statistic), float(result.pvalue)

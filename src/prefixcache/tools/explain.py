@@ -72,7 +72,7 @@ class Explanation:
     warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        out = {name: getattr(self, name) for name in self.__slots__}
         out["first_miss_span"] = list(self.first_miss_span) if self.first_miss_span else None
         return out
 
@@ -218,7 +218,8 @@ def text_warnings(a: Prompt, b: Prompt) -> list[str]:
     same_tokens = a.token_ids == b.token_ids
     if a.text == b.text:
         return [] if same_tokens else ["the texts are equal but their tokens differ"]
-    out = [_look_alike(a.text, b.text)] if _look_alike(a.text, b.text) else []
+    look_alike = _look_alike(a.text, b.text)
+    out = [look_alike] if look_alike else []
     if same_tokens:
         out.append("the texts differ but their tokens are equal")
     return out
@@ -262,7 +263,7 @@ def _miss_lines(ex: Explanation) -> list[str]:
         return [head, f"why: the namespace differs: {', '.join(ex.namespace_diff)}"]
     if ex.reason == "a_shorter":
         return [head, f"why: A ends at token {ex.num_tokens_a}; B continues past it"]
-    pos = ex.divergence_position
+    pos = ex.divergence_position if ex.divergence_position is not None else start
     return [head, f"why: the tokens differ at position {pos} (offset {pos - start} in the block)"]
 
 
