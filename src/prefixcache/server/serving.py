@@ -268,12 +268,12 @@ class OpenAIServing:
 
     def _chunk(self, job: _Job, output: Any) -> dict[str, Any] | None:
         reason = _finish_reason(output.finish_reason) if output.finished else None
-        if not output.text and reason is None:
-            return None
+        if not (output.text or output.new_token_ids or reason):
+            return None  # nothing new: no token, no text, no finish
         if job.kind == "completion":
             return protocol.completion_chunk(job.request_id, job.model, job.created,
                                              output.index, output.text, reason)
-        delta = {"content": output.text} if output.text else {}
+        delta = {"content": output.text}
         return protocol.chat_chunk(job.request_id, job.model, job.created, output.index,
                                    delta, reason)
 
