@@ -255,3 +255,18 @@ def test_reset_prefix_cache(server: RunningServer, client: openai.OpenAI) -> Non
     assert response.status_code == 200 and response.json() == {"reset": True}
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **greedy())
     assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_radix_cache_server_reuses_prefixes() -> None:
+    running = start_server(["--model", MODEL, "--prefix-cache", "radix", "--num-kv-blocks", "64",
+                            "--max-num-seqs", "4"])
+    try:
+        client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="x", max_retries=0)
+        prompt = unique_prompt(100)
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, **greedy())
+        second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, **greedy())
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == 96
+        assert second.choices[0].text == first.choices[0].text
+    finally:
+        running.stop()
