@@ -4,6 +4,8 @@ server (tiny model, single-tenant mode) on a free localhost port."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import uuid
 
 import httpx
@@ -17,10 +19,34 @@ MODEL = "tiny"
 NUM_KV_BLOCKS = 256  # 4,096 tokens of KV: a 4,200-token prompt does not fit, 8,192 is the context
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(self.format(record))
+
+
 @pytest.fixture(scope="module")
-def server() -> RunningServer:
+def server_logs() -> list[str]:
+    """Every log line of the server's loggers while this module runs."""
+    handler = _Records()
+    loggers = [logging.getLogger(name) for name in ("prefixcache", "uvicorn")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.DEBUG)
+        lg.addHandler(handler)
+    yield handler.messages
+    for lg, level in zip(loggers, levels, strict=True):
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def server(server_logs: list[str]) -> RunningServer:
     running = start_server(["--model", MODEL, "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                            "--max-num-seqs", "32", "--log-interval", "5"])
+                            "--max-num-seqs", "32", "--log-interval", "1"])
     yield running
     running.stop()
 
@@ -270,3 +296,19 @@ def test_radix_cache_server_reuses_prefixes() -> None:
         assert second.choices[0].text == first.choices[0].text
     finally:
         running.stop()
+
+
+def test_logs_state_trust_and_load_but_never_prompts(
+    server: RunningServer, client: openai.OpenAI, server_logs: list[str]
+) -> None:
+    prompt = unique_prompt(60)
+    ids = server.engine.tokenizer.encode(prompt)
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, **greedy())
+    time.sleep(1.2)  # one --log-interval
+    client.completions.create(model=MODEL, prompt=ids, max_tokens=3, **greedy())
+    time.sleep(1.2)
+    text = "\n".join(server_logs)
+    assert "client cache_salt values are used as given" in text
+    assert "running=" in text and "kv_usage=" in text and "prefix_hit_rate=" in text
+    assert "quick brown" not in text and prompt[:12] not in text
+    assert str(ids[1:9])[1:-1] not in text
