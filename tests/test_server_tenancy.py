@@ -202,3 +202,20 @@ def test_queue_full_is_429_and_disconnect_aborts(server: RunningServer) -> None:
     assert server.engine.cache.num_free_blocks == NUM_KV_BLOCKS
     time.sleep(0.1)
     assert cached(server, ACME, "after the burst") == 0
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--tenants", "/nonexistent/tenants.toml"], "cannot read tenants file"),
+    (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--model", "/nonexistent/model"], "neither a built-in model"),
+])
+def test_serve_cli_user_errors_are_one_line(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixcache.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--port", "1", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("prefixcache serve: error:") and fragment in err[-1]
