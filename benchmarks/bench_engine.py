@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -153,16 +154,22 @@ def run(args: argparse.Namespace) -> dict:
     hf = None if args.skip_hf else HFReference(loaded)
     warm_up(list(engines.values()), hf, loaded.config.vocab_size)
     results: dict[str, list[RunResult]] = {"on": [], "off": [], "hf": []}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, engine in engines.items():
             results[name].append(run_engine(engine, prompts, args.max_tokens))
+            _progress(repeat, name, results[name][-1])
         if hf is not None:
             results["hf"].append(hf.run(prompts, args.max_tokens))
+            _progress(repeat, "hf", results["hf"][-1])
     cached = args.prefix // args.block_size * args.block_size
     ideal = workload_flops(loaded, args.requests, prompt_len, 0, args.max_tokens) / workload_flops(
         loaded, args.requests, prompt_len, cached, args.max_tokens
     )
     return summarise(args, results, ideal, engines["on"].stats())
+
+
+def _progress(repeat: int, name: str, result: RunResult) -> None:
+    print(f"repeat {repeat} {name}: {result.total_s:.2f} s", file=sys.stderr, flush=True)
 
 
 def _median(runs: list[RunResult], attr: str) -> float:
