@@ -259,3 +259,35 @@ def test_n3_output_shape(tiny):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert out.token_ids == out.outputs[0].token_ids
     assert all(len(c.token_ids) == 5 for c in out.outputs)
+
+
+def test_streamed_text_equals_final_text_with_a_stop_string(tiny):
+    llm = LLM(tiny, num_kv_blocks=64, block_size=8)
+    prompt = list(range(60, 90))
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    text = plain[0].text
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].isprintable())
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    engine = llm.engine
+    engine.add_request("s", prompt_token_ids=prompt, sampling_params=params)
+    streamed, last = "", None
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.text
+            last = out
+    assert last.finished and last.finish_reason == "stop"
+    assert streamed == text[: text.index(stop)]
+
+
+def test_abort_n3_after_fork_frees_every_choice(tiny):
+    engine = LLMEngine(tiny, num_kv_blocks=64, block_size=8, check_integrity=True)
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=1, n=3, ignore_eos=True)
+    engine.add_request("x", prompt_token_ids=list(range(40, 61)), sampling_params=params)
+    engine.step()
+    engine.step()
+    assert len(engine.get_request("x")) == 3
+    assert engine.abort("x")
+    outs = engine.step()
+    assert sorted((o.index, o.finish_reason) for o in outs) == [(i, "abort") for i in range(3)]
+    assert outs[-1].request_finished
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
