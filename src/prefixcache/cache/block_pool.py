@@ -262,11 +262,15 @@ class BlockPool:
         blocks = self.blocks
         check_invariant(len(blocks) == self.num_blocks, "block count conserved")
         for i, block in enumerate(blocks):
-            check_invariant(block.block_id == i, f"block count conserved: slot {i} holds {block!r}")
+            check_invariant(
+                block.block_id == i, "block count conserved: slot {} holds {!r}", i, block
+            )
             expected = table_refs.get(i, 0)
             check_invariant(
                 block.ref_cnt == expected,
-                f"ref count equals live table references: {block!r} has {expected}",
+                "ref count equals live table references: {!r} has {}",
+                block,
+                expected,
             )
         self._check_queue()
         self._check_map()
@@ -276,10 +280,10 @@ class BlockPool:
         prev, block = self._head, self._head.next
         while block is not self._tail:
             check_invariant(
-                block.block_id not in seen, f"free queue holds each block once: {block!r}"
+                block.block_id not in seen, "free queue holds each block once: {!r}", block
             )
-            check_invariant(block.prev is prev, f"free queue links consistent at {block!r}")
-            check_invariant(block.ref_cnt == 0, f"no block is both free and in use: {block!r}")
+            check_invariant(block.prev is prev, "free queue links consistent at {!r}", block)
+            check_invariant(block.ref_cnt == 0, "no block is both free and in use: {!r}", block)
             seen.add(block.block_id)
             check_invariant(len(seen) <= self.num_blocks, "free queue is not a cycle")
             prev, block = block, block.next
@@ -287,30 +291,35 @@ class BlockPool:
         num_zero = sum(1 for b in self.blocks if b.ref_cnt == 0)
         check_invariant(len(seen) == num_zero, "free queue holds exactly the ref-0 blocks")
         check_invariant(
-            self.num_free == num_zero, f"num_free {self.num_free} != {num_zero} free blocks"
+            self.num_free == num_zero, "num_free {} != {} free blocks", self.num_free, num_zero
         )
 
     def _check_map(self) -> None:
         for digest, block in self.cached.items():
             check_invariant(
-                block.digest == digest, f"map entry points to a block with its digest: {block!r}"
+                block.digest == digest, "map entry points to a block with its digest: {!r}", block
             )
             check_invariant(
-                block.token_bytes is not None, f"mapped block keeps its tokens: {block!r}"
+                block.token_bytes is not None, "mapped block keeps its tokens: {!r}", block
             )
         for block in self.blocks:
             if block.digest is not None:
                 check_invariant(
                     self.cached.get(block.digest) is block,
-                    f"a block with a digest is the map's block for it: {block!r}",
+                    "a block with a digest is the map's block for it: {!r}",
+                    block,
                 )
             else:
                 check_invariant(
-                    block.token_bytes is None, f"undigested block keeps no tokens: {block!r}"
+                    block.token_bytes is None, "undigested block keeps no tokens: {!r}", block
                 )
 
 
-def check_invariant(condition: bool, invariant: str) -> None:
-    """Raise AssertionError naming ``invariant`` unless ``condition`` holds."""
+def check_invariant(condition: bool, invariant: str, *args: object) -> None:
+    """Raise AssertionError naming ``invariant`` unless ``condition`` holds.
+
+    ``invariant`` is a ``str.format`` template filled with ``args`` only on failure, so checking
+    after every operation costs no string building.
+    """
     if not condition:
-        raise AssertionError(f"integrity: {invariant}")
+        raise AssertionError("integrity: " + (invariant.format(*args) if args else invariant))

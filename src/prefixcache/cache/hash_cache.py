@@ -412,15 +412,17 @@ class HashPrefixCache(PrefixCache):
     def _check_table(self, seq_id: str, table: _Table) -> None:
         bs = self.block_size
         blocks = table.blocks
-        check_invariant(table.seq.seq_id == seq_id, f"table of {seq_id!r} belongs to its sequence")
+        check_invariant(table.seq.seq_id == seq_id, "table of {!r} belongs to its sequence", seq_id)
         check_invariant(
             [b.block_id for b in blocks] == table.block_ids,
-            f"block ids of {seq_id!r} match its blocks",
+            "block ids of {!r} match its blocks",
+            seq_id,
         )
         check_invariant(
             table.num_committed_blocks == table.num_computed_tokens // bs
             and table.num_computed_tokens <= table.num_alloc_tokens <= len(blocks) * bs,
-            f"computed <= allocated <= table size for {seq_id!r}",
+            "computed <= allocated <= table size for {!r}",
+            seq_id,
         )
         self._check_digests(table)
         first_write = table.num_computed_tokens // bs
@@ -429,7 +431,7 @@ class HashPrefixCache(PrefixCache):
             last_write = first_write
         for block in blocks[first_write:last_write]:
             check_invariant(
-                block.ref_cnt == 1, f"a shared block is never a write target: {block!r}"
+                block.ref_cnt == 1, "a shared block is never a write target: {!r}", block
             )
 
     def _check_digests(self, table: _Table) -> None:
@@ -437,7 +439,7 @@ class HashPrefixCache(PrefixCache):
         committed = table.num_committed_blocks
         for block in table.blocks[committed:]:
             check_invariant(
-                block.digest is None, f"no digest on uncommitted KV: {block!r} of {seq!r}"
+                block.digest is None, "no digest on uncommitted KV: {!r} of {!r}", block, seq
             )
         if not any(b.digest is not None for b in table.blocks[:committed]):
             return
@@ -447,5 +449,7 @@ class HashPrefixCache(PrefixCache):
             if block.digest is not None:
                 check_invariant(
                     block.digest == digests[i] and block.token_bytes == chunks[i],
-                    f"block {i} of {seq!r} carries that sequence's digest and tokens",
+                    "block {} of {!r} carries that sequence's digest and tokens",
+                    i,
+                    seq,
                 )

@@ -729,7 +729,8 @@ class RadixPrefixCache(PrefixCache):
         for root, ns in self._root.children.items():
             check_invariant(
                 ns.key == root and ns.parent is self._root and ns.attached and not ns.block_ids,
-                f"namespace node {root.hex()[:8]} is keyed by its root and owns no blocks",
+                "namespace node {} is keyed by its root and owns no blocks",
+                root.hex()[:8],
             )
             check_invariant(not ns.lock_ref, "namespace nodes are never locked")
         for node in self._nodes():
@@ -737,19 +738,22 @@ class RadixPrefixCache(PrefixCache):
             parent = node.parent
             check_invariant(
                 node.attached and parent is not None and parent.children.get(node.key) is node,
-                f"node links consistent at block {node.start}",
+                "node links consistent at block {}",
+                node.start,
             )
             assert parent is not None
             check_invariant(
                 len(node.block_ids) == len(node.digests) == len(node.tokens)
                 and node.key == node.digests[0],
-                f"node at block {node.start} keeps one digest and token run per block, keyed by "
-                "its first digest",
+                "node at block {} keeps one digest and token run per block, keyed by its first",
+                node.start,
             )
             check_invariant(
-                node.start == parent.end, f"node at block {node.start} starts where its parent ends"
+                node.start == parent.end,
+                "node at block {} starts where its parent ends",
+                node.start,
             )
-            check_invariant(node.lock_ref >= 0, f"lock_ref >= 0 at block {node.start}")
+            check_invariant(node.lock_ref >= 0, "lock_ref >= 0 at block {}", node.start)
         check_invariant(num_nodes == self._num_nodes, "node count kept incrementally")
 
     def _check_blocks(self) -> set[int]:
@@ -766,7 +770,9 @@ class RadixPrefixCache(PrefixCache):
             in_tree_or_free = block_id in tree or block_id in free
             check_invariant(
                 (ref > 0) != in_tree_or_free,
-                f"block {block_id} is exactly one of free, cached or held (refs {ref})",
+                "block {} is exactly one of free, cached or held (refs {})",
+                block_id,
+                ref,
             )
         return tree
 
@@ -780,7 +786,11 @@ class RadixPrefixCache(PrefixCache):
                 locks[state.node] += 1
         for block_id, ref in enumerate(self._refs):
             check_invariant(
-                ref == held[block_id], f"block {block_id}: refs {ref} == {held[block_id]} holders"
+                ref == held[block_id],
+                "block {}: refs {} == {} holders",
+                block_id,
+                ref,
+                held[block_id],
             )
         check_invariant(not tree & set(held), "a held block is never in the tree")
         return locks
@@ -788,23 +798,26 @@ class RadixPrefixCache(PrefixCache):
     def _check_state(self, seq_id: str, state: _SeqState) -> None:
         bs = self.block_size
         seq = state.seq
-        check_invariant(seq.seq_id == seq_id, f"state of {seq_id!r} belongs to its sequence")
+        check_invariant(seq.seq_id == seq_id, "state of {!r} belongs to its sequence", seq_id)
         check_invariant(
             state.num_path * bs
             <= seq.num_computed_tokens
             <= state.num_alloc_tokens
             <= len(state.table) * bs,
-            f"locked path <= computed <= allocated <= table size for {seq_id!r}",
+            "locked path <= computed <= allocated <= table size for {!r}",
+            seq_id,
         )
         path: list[int] = []
         node = state.node
         while node is not None and node.block_ids:
-            check_invariant(node.attached, f"{seq_id!r} locks only nodes in the tree")
+            check_invariant(node.attached, "{!r} locks only nodes in the tree", seq_id)
             path[:0] = node.block_ids
             node = node.parent
-        check_invariant(len(path) == state.num_path, f"{seq_id!r}'s locked path covers num_path")
+        check_invariant(len(path) == state.num_path, "{!r}'s locked path covers num_path", seq_id)
         check_invariant(
-            state.table[: state.num_path] == path, f"{seq_id!r}'s table starts with its locked path"
+            state.table[: state.num_path] == path,
+            "{!r}'s table starts with its locked path",
+            seq_id,
         )
         refs = self._refs
         first, last = seq.num_computed_tokens // bs, -(-state.num_alloc_tokens // bs)
@@ -812,7 +825,7 @@ class RadixPrefixCache(PrefixCache):
             last = first  # nothing is about to be written
         for block_id in state.table[first:last]:
             check_invariant(
-                refs[block_id] == 1, f"a shared block is never a write target: {block_id}"
+                refs[block_id] == 1, "a shared block is never a write target: {}", block_id
             )
 
     def _check_locks(self, locks: Counter[_Node]) -> None:
@@ -820,8 +833,10 @@ class RadixPrefixCache(PrefixCache):
             expected = locks[node] + sum(c.lock_ref for c in node.children.values())
             check_invariant(
                 node.lock_ref == expected,
-                f"lock_ref {node.lock_ref} at block {node.start} == sequences through it "
-                f"({expected})",
+                "lock_ref {} at block {} == sequences through it ({})",
+                node.lock_ref,
+                node.start,
+                expected,
             )
 
     def _check_accounting(self) -> None:
@@ -832,13 +847,15 @@ class RadixPrefixCache(PrefixCache):
             else:
                 evictable += len(node.block_ids)
         num_held = sum(1 for ref in self._refs if ref)
-        check_invariant(num_held == self._num_held, f"held count {self._num_held} == {num_held}")
+        check_invariant(num_held == self._num_held, "held count {} == {}", self._num_held, num_held)
         check_invariant(
             self.num_cached_blocks == evictable + protected, "cached count == blocks in the tree"
         )
         check_invariant(
             evictable == self._num_evictable,
-            f"evictable count {self._num_evictable} == {evictable} unlocked cached blocks",
+            "evictable count {} == {} unlocked cached blocks",
+            self._num_evictable,
+            evictable,
         )
         check_invariant(
             len(self._free) + evictable + protected + num_held == self.num_blocks,
@@ -850,14 +867,18 @@ class RadixPrefixCache(PrefixCache):
         for node in self._nodes():
             if not node.lock_ref and not node.children:
                 check_invariant(
-                    node.stamp in current, f"unlocked leaf at block {node.start} is in the heap"
+                    node.stamp in current, "unlocked leaf at block {} is in the heap", node.start
                 )
 
 
-def check_invariant(condition: bool, invariant: str) -> None:
-    """Raise AssertionError naming ``invariant`` unless ``condition`` holds."""
+def check_invariant(condition: bool, invariant: str, *args: object) -> None:
+    """Raise AssertionError naming ``invariant`` unless ``condition`` holds.
+
+    ``invariant`` is a ``str.format`` template filled with ``args`` only on failure, so checking
+    after every operation costs no string building.
+    """
     if not condition:
-        raise AssertionError(f"integrity: {invariant}")
+        raise AssertionError("integrity: " + (invariant.format(*args) if args else invariant))
 
 
 def _check_args(num_blocks: int, block_size: int, eviction_policy: str) -> None:
