@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -95,6 +96,8 @@ class LLMEngine:
         self._history: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.num_steps = 0
         self.last_scheduled: SchedulerOutput | None = None  # the latest step's batch
+        # called on the engine's thread with the first choice of each finished request
+        self.on_request_finished: Callable[[Request], None] | None = None
 
     def _default_num_blocks(self, memory_bytes: int, max_num_seqs: int) -> int:
         dtype = next(self.loaded.model.parameters()).dtype
@@ -312,6 +315,8 @@ class LLMEngine:
         parent = self._groups.pop(request_id, None)
         if parent is not None:
             self._record(parent)
+            if self.on_request_finished is not None:
+                self.on_request_finished(parent)
         return True
 
     def _record(self, request: Request) -> None:

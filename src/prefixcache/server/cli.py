@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--hash-algo", default="sha256", help="sha256, blake2b or xxh3 (fast)")
+    parser.add_argument("--hash-algo", default="sha256", choices=("sha256", "blake2b", "xxh3_128"),
+                        help="block digest; xxh3_128 is fast but not collision resistant")
     parser.add_argument("--policy", default="fcfs", help="scheduling policy: fcfs or lpm")
     parser.add_argument("--max-queue-len", type=int, default=256,
                         help="waiting requests beyond --max-num-seqs before answering 429")
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="zero a block's KV when it is reused for another namespace")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument("--record-trace", default=None, metavar="FILE",
+                        help="append each finished request's token counts and block digests "
+                             "(never text) to FILE, for `prefixcache simulate`")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
 
@@ -98,6 +102,26 @@ def _engine(args: argparse.Namespace) -> Any:
         raise CliError(f"cannot start the engine: {exc}") from None
 
 
+def _record_trace(engine: Any, path: str) -> None:
+    """Record every finished request (counts and prompt block digests) for the simulator."""
+    from prefixcache.sim.record import TraceRecorder
+
+    try:
+        recorder = TraceRecorder(path, engine.block_size, engine.cache.hasher.algo)
+    except OSError as exc:
+        raise CliError(f"cannot write --record-trace {path}: {exc.strerror}") from None
+    cache = engine.cache
+
+    def record(request: Any) -> None:
+        num_blocks = request.num_prompt_tokens // engine.block_size
+        digests = request.seq.digests(cache.hasher, cache.model_id)[:num_blocks]
+        recorder.record(request.num_prompt_tokens, len(request.output_token_ids), digests,
+                        max(request.num_cached_tokens, 0))
+
+    engine.on_request_finished = record
+    logger.info("recording finished requests (counts and block digests only) to %s", path)
+
+
 def build_app(args: argparse.Namespace) -> Any:
     """The app for parsed ``serve`` arguments (tests use this without uvicorn's CLI)."""
     from prefixcache.server.app import create_app
@@ -108,6 +132,8 @@ def build_app(args: argparse.Namespace) -> Any:
     from prefixcache.tools.cachelog import configure_from_env
 
     configure_from_env(engine)  # PREFIXCACHE_LOG=json: JSON logs + cache decisions (no text)
+    if args.record_trace:
+        _record_trace(engine, args.record_trace)
     logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s",
                 args.model, engine.max_model_len, engine.cache.num_blocks, args.block_size,
                 "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}")
