@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer, KVCacheEvent
 from prefixcache.cache.stats import CacheStats
 
 __all__ = ["DEFAULT_MAX_EVENTS", "BlockPool", "KVBlock", "check_invariant"]
@@ -72,15 +72,12 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.stats = stats if stats is not None else CacheStats()
-        self.enable_kv_events = enable_kv_events
-        self.max_events = max_events
+        self.events = EventBuffer(enable_kv_events, max_events)
         self.zero_on_reuse = zero_on_reuse
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.cached: dict[bytes, KVBlock] = {}
         self.num_free = num_blocks
         self.epoch = 0
-        self.num_dropped_events = 0
-        self._events: list[KVCacheEvent] = []
         self._to_zero: list[int] = []
         self._head = KVBlock(-1)
         self._tail = KVBlock(-2)
@@ -233,18 +230,20 @@ class BlockPool:
 
     # -- side channels: events and zero-on-reuse ------------------------------------------------
 
+    @property
+    def enable_kv_events(self) -> bool:
+        return self.events.enabled
+
+    @property
+    def num_dropped_events(self) -> int:
+        return self.events.num_dropped
+
     def emit(self, event: KVCacheEvent) -> None:
         """Buffer a KV event (bounded: beyond ``max_events`` new events are dropped and counted)."""
-        if not self.enable_kv_events:
-            return
-        if len(self._events) >= self.max_events:
-            self.num_dropped_events += 1
-            return
-        self._events.append(event)
+        self.events.emit(event)
 
     def take_events(self) -> list[KVCacheEvent]:
-        events, self._events = self._events, []
-        return events
+        return self.events.take()
 
     def cancel_zero(self, block_id: int) -> None:
         """``block_id`` is about to be overwritten whole (a copy-on-write target): no zeroing."""

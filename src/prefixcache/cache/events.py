@@ -37,3 +37,29 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBuffer:
+    """Buffered KV events, bounded: beyond ``max_events`` undrained events, new ones are dropped
+    and counted in ``num_dropped`` (a consumer that never drains cannot grow memory)."""
+
+    __slots__ = ("enabled", "max_events", "num_dropped", "_events")
+
+    def __init__(self, enabled: bool = True, max_events: int = 100_000) -> None:
+        self.enabled = enabled
+        self.max_events = max_events
+        self.num_dropped = 0
+        self._events: list[KVCacheEvent] = []
+
+    def emit(self, event: KVCacheEvent) -> None:
+        if not self.enabled:
+            return
+        if len(self._events) >= self.max_events:
+            self.num_dropped += 1
+            return
+        self._events.append(event)
+
+    def take(self) -> list[KVCacheEvent]:
+        """Drain the buffered events, oldest first."""
+        events, self._events = self._events, []
+        return events

@@ -45,7 +45,13 @@ from dataclasses import dataclass, field
 
 from prefixcache.cache.base import CacheHit, PrefixCache, Sequence
 from prefixcache.cache.block_hash import BlockHasher
-from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefixcache.cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBuffer,
+    KVCacheEvent,
+)
 from prefixcache.cache.stats import CacheStats
 
 __all__ = ["EVICTION_POLICIES", "RadixPrefixCache"]
@@ -135,11 +141,9 @@ class RadixPrefixCache(PrefixCache):
         self.enable_caching = enable_caching
         self.model_id = model_id
         self.zero_on_reuse = zero_on_reuse
-        self.enable_kv_events = enable_kv_events
+        self._events = EventBuffer(enable_kv_events, max_events)
         self.events_with_tokens = events_with_tokens
         self.eviction_policy = eviction_policy
-        self.max_events = max_events
-        self.num_dropped_events = 0
         self.hasher = BlockHasher(block_size, hash_algo)
         self.stats = CacheStats()
         self._lfu = eviction_policy == "lfu"
@@ -154,7 +158,6 @@ class RadixPrefixCache(PrefixCache):
         self._heap: list[tuple[int, int, int, _Node]] = []
         self._clock = 0
         self._stamp = 0
-        self._events: list[KVCacheEvent] = []
         self._copies: list[tuple[int, int]] = []
         self._to_zero: list[int] = []
         self._evicted_ids: list[int] = []
@@ -683,17 +686,19 @@ class RadixPrefixCache(PrefixCache):
         """Tree nodes that own blocks."""
         return self._num_nodes
 
+    @property
+    def enable_kv_events(self) -> bool:
+        return self._events.enabled
+
+    @property
+    def num_dropped_events(self) -> int:
+        return self._events.num_dropped
+
     def _emit(self, event: KVCacheEvent) -> None:
-        if not self.enable_kv_events:
-            return
-        if len(self._events) >= self.max_events:
-            self.num_dropped_events += 1
-            return
-        self._events.append(event)
+        self._events.emit(event)
 
     def take_events(self) -> list[KVCacheEvent]:
-        events, self._events = self._events, []
-        return events
+        return self._events.take()
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
