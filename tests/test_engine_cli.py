@@ -5,18 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from prefixcache.cli import main
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny-model ops are too small to split; extra threads only spin on a loaded box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _run(argv: list[str]) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,7 @@ from prefixcache.cli import main
 from prefixcache.tools.audit import PromptMaker, ks_test
 from server_harness import start_server
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The tiny model's ops are too small to split: extra threads only spin on a loaded box."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 KEYS = ("key-alice-0001", "key-bob-000002")

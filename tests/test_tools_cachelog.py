@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,16 +20,7 @@ from prefixcache.tools.cachelog import (
 )
 from server_harness import start_server, wait_idle
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The tiny model's ops are too small to split: extra threads only spin on a loaded box."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SECRET = "the launch code is swordfish-7781 and the vault opens at dawn; "

@@ -4,7 +4,6 @@ corrupted by the test-only fault injection, 2 on a bad workload."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,16 +11,7 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.tools.check import FAULT_CORRUPT_BLOCK, FAULT_ENV, RunOutput, WorkItem, compare
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The tiny model's ops are too small to split: extra threads only spin on a loaded box."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SYSTEM = "System: answer briefly and cite the policy. Policy: refunds in 30 days. "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,16 +10,7 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.tools.stress import StressConfig, run_stress
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The tiny model's ops are too small to split: extra threads only spin on a loaded box."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_stress_hash_runs_clean_for_30_seconds(capsys: pytest.CaptureFixture[str]) -> None:

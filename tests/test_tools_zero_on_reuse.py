@@ -3,24 +3,13 @@ not written yet, with ``zero_freed_blocks=True``; without it the old tenant's KV
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.sampling_params import SamplingParams
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The tiny model's ops are too small to split: extra threads only spin on a loaded box."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 BLOCK = 16
