@@ -1,0 +1,163 @@
+"""Batched decode attention: every sequence of a step with one new query token, in one pass.
+
+The keys of a decode sequence already sit in the paged cache (its new token was written before
+attention), so its attention reads only the cache, reached through its block table. K/V are
+gathered by block, not by slot, and all decode sequences are computed together with a length mask.
+Sequences whose tables start with the same physical blocks (what prefix caching produces) form a
+group: attention over those shared blocks is computed once for the group's queries and merged with
+each sequence's own remainder by log-sum-exp (cascade attention), so a shared prefix is read once
+per step instead of once per sequence. The module knows block ids and lengths, never requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["DecodePlan", "SharedPrefix", "decode_attention"]
+
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """Leading blocks that several decode sequences hold in common (full in each of them)."""
+
+    seq_indices: torch.Tensor  # [n] int64: rows of the decode batch, n >= 2
+    block_ids: torch.Tensor  # [num_shared_blocks] int64
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """Where each decode sequence's keys lie: a group's shared blocks, then its own tail blocks.
+
+    A shared block never holds a sequence's last token, so every tail has at least one key.
+    """
+
+    tail_block_ids: torch.Tensor  # [B, R] int64: blocks after the shared ones, padded with 0
+    tail_padding: torch.Tensor  # [B, 1, 1, R * block_size] bool: True past the sequence's end
+    shared: list[SharedPrefix]
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        block_size: int,
+        device: str | torch.device = "cpu",
+    ) -> DecodePlan:
+        """block_tables: [B, max_blocks] int, seq_lens: [B] int (keys per sequence, >= 1)."""
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        shared_blocks, shared = _shared_prefixes(block_tables, lens, block_size, device)
+        num_blocks = -(-lens // block_size)
+        width = int((num_blocks - shared_blocks).max())
+        offsets = shared_blocks[:, None] + np.arange(width)
+        in_seq = offsets < num_blocks[:, None]
+        rows = np.arange(len(lens))[:, None]
+        tail = np.where(in_seq, block_tables[rows, np.minimum(offsets, num_blocks[:, None] - 1)], 0)
+        key_pos = shared_blocks[:, None] * block_size + np.arange(width * block_size)
+        padding = (key_pos >= lens[:, None])[:, None, None, :]
+        return cls(
+            tail_block_ids=torch.as_tensor(tail, dtype=torch.int64, device=device),
+            tail_padding=torch.as_tensor(padding, device=device),
+            shared=shared,
+        )
+
+
+def _shared_prefixes(
+    table: np.ndarray, lens: np.ndarray, block_size: int, device: str | torch.device
+) -> tuple[np.ndarray, list[SharedPrefix]]:
+    """Shared leading blocks per sequence ([B]) and the groups; groups key on the first block."""
+    shareable = (lens - 1) // block_size  # full blocks before the one holding the last token
+    shared_blocks = np.zeros(len(lens), dtype=np.int64)
+    groups: dict[int, list[int]] = {}
+    for b in np.flatnonzero(shareable > 0).tolist():
+        groups.setdefault(int(table[b, 0]), []).append(b)
+    shared: list[SharedPrefix] = []
+    for rows in groups.values():
+        if len(rows) < 2:
+            continue
+        limit = int(shareable[rows].min())
+        same = (table[rows, :limit] == table[rows[0], :limit]).all(axis=0)
+        count = limit if same.all() else int(np.argmin(same))
+        shared_blocks[rows] = count
+        shared.append(
+            SharedPrefix(
+                seq_indices=torch.as_tensor(rows, dtype=torch.int64, device=device),
+                block_ids=torch.as_tensor(table[rows[0], :count], dtype=torch.int64, device=device),
+            )
+        )
+    return shared_blocks, shared
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output [B, num_heads, head_dim] for one query per sequence.
+
+    q: [B, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    with every key of every sequence already written.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    # GQA without repeating K/V: the query heads of one kv head become rows of one matmul
+    q_grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out, lse = _attend_tail(q_grouped, k_cache, v_cache, plan, scale)
+    for group in plan.shared:
+        rows = group.seq_indices
+        shared_out, shared_lse = _attend_shared(q_grouped[rows], k_cache, v_cache, group, scale)
+        out[rows], lse[rows] = _merge(out[rows], lse[rows], shared_out, shared_lse)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _attend_tail(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_seqs, num_kv_heads, _, head_dim = q.shape
+    # k, v: [B, R, block_size, kv_heads, head_dim] -> [B, kv_heads, R * block_size, head_dim]
+    k = k_cache[plan.tail_block_ids].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[plan.tail_block_ids].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, kv_heads, group, keys]
+    scores.masked_fill_(plan.tail_padding, -torch.inf)
+    return _softmax_values(scores, v)
+
+
+def _attend_shared(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: SharedPrefix,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_seqs, num_kv_heads, group_size, head_dim = q.shape
+    # every sequence of the group sees the same keys: its queries stack as rows per kv head
+    rows = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_seqs * group_size, head_dim)
+    k = k_cache[group.block_ids].view(-1, num_kv_heads, head_dim).permute(1, 2, 0)
+    v = v_cache[group.block_ids].view(-1, num_kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(rows, k).mul_(scale)  # [kv_heads, n * group, shared keys]
+    out, lse = _softmax_values(scores, v)
+    out = out.view(num_kv_heads, num_seqs, group_size, head_dim).transpose(0, 1)
+    return out, lse.view(num_kv_heads, num_seqs, group_size).transpose(0, 1)
+
+
+def _softmax_values(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scores) @ v and the log-sum-exp of each row (scores are overwritten)."""
+    row_max = scores.amax(-1, keepdim=True)
+    probs = scores.sub_(row_max).exp_()
+    total = probs.sum(-1, keepdim=True)
+    out = torch.matmul(probs, v).div_(total)
+    return out, (row_max + total.log()).squeeze(-1)
+
+
+def _merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key sets, from each set's output and lse."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = (lse_a - lse).exp_().unsqueeze(-1)
+    weight_b = (lse_b - lse).exp_().unsqueeze(-1)
+    return out_a * weight_a + out_b * weight_b, lse
