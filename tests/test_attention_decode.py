@@ -106,7 +106,7 @@ def test_plan_computes_shared_blocks_once_per_group():
     # tails: seq 0 has 13 keys = 4 blocks, 3 shared -> 1 own; the loner keeps its 2 blocks
     assert plan.tail_block_ids.shape == (6, 4)  # seq 5: 9 blocks, 5 shared
     assert plan.tail_block_ids[3, :2].tolist() == batch.tables[3][:2]
-    assert (~plan.tail_padding[3, 0, 0]).sum().item() == 7
+    assert plan.tail_mask[3, 0, 0].sum().item() == 7
 
 
 def test_paged_attention_routes_a_mixed_batch():
