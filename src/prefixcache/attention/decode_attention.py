@@ -116,6 +116,10 @@ def decode_attention(
     q_grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out, lse = _attend_tail(q_grouped, k_cache, v_cache, plan, scale)
     for group in plan.shared:
+        if len(group.seq_indices) == num_seqs:  # rows are ascending: the group is every row
+            shared_out, shared_lse = _attend_shared(q_grouped, k_cache, v_cache, group, scale)
+            out, lse = _merge(out, lse, shared_out, shared_lse)
+            continue
         rows = group.seq_indices
         shared_out, shared_lse = _attend_shared(q_grouped[rows], k_cache, v_cache, group, scale)
         out[rows], lse[rows] = _merge(out[rows], lse[rows], shared_out, shared_lse)
