@@ -2,14 +2,18 @@
 
 Each sequence's queries attend its cached context (gathered from the paged cache through its
 block table) plus its new tokens, causal within the new ones. A sequence without cached context
-takes the fast path: causal attention on its fresh K/V, no gather, no explicit mask.
+takes the fast path: causal attention on its fresh K/V, no gather, no explicit mask. Decode
+sequences (one new token) are computed together by `decode_attention`, which reads prefix blocks
+shared between them once.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 from prefixcache.attention.metadata import AttentionMetadata
 
 __all__ = ["paged_attention", "write_kv"]
@@ -49,9 +53,14 @@ def paged_attention(
     if metadata.num_seqs == 1 and metadata.context_slots[0] is None:
         return _attend(q, k, v, None, True, scale, gqa)
     out = torch.empty_like(q)
+    decode_rows = [b for b, n in enumerate(metadata.num_new) if n == 1]
+    if decode_rows:
+        _attend_decodes(q, k_cache, v_cache, metadata, decode_rows, scale, out)
     starts = metadata.query_starts
     for b, slots in enumerate(metadata.context_slots):
         start, end = starts[b], starts[b + 1]
+        if end - start == 1:
+            continue
         if slots is None:
             out[start:end] = _attend(
                 q[start:end], k[start:end], v[start:end], None, True, scale, gqa
@@ -62,6 +71,26 @@ def paged_attention(
         mask = metadata.causal_masks[b]
         out[start:end] = _attend(q[start:end], k_ctx, v_ctx, mask, False, scale, gqa)
     return out
+
+
+def _attend_decodes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    rows: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Fill ``out`` at the decode sequences' tokens; their K/V are already in the cache."""
+    table = metadata.block_tables.cpu().numpy()[rows]
+    seq_lens = np.asarray(metadata.num_computed)[rows] + 1
+    plan = DecodePlan.build(table, seq_lens, metadata.block_size, device=q.device)
+    if len(rows) == metadata.num_seqs:  # a pure decode step: token i belongs to sequence i
+        out.copy_(decode_attention(q, k_cache, v_cache, plan, scale))
+        return
+    tokens = torch.tensor([metadata.query_starts[b] for b in rows], device=q.device)
+    out[tokens] = decode_attention(q[tokens], k_cache, v_cache, plan, scale)
 
 
 def _attend(
