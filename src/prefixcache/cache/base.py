@@ -17,9 +17,11 @@ Life of a sequence::
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixcache.cache.block_hash import BlockExtra, BlockHasher, Namespace
 from prefixcache.cache.events import KVCacheEvent
@@ -182,12 +184,23 @@ class PrefixCache(abc.ABC):
     hasher: BlockHasher
     stats: CacheStats
 
-    @abc.abstractmethod
     def match(self, seq: Sequence) -> CacheHit:
         """Longest cached prefix of ``seq``, capped at ``num_tokens - 1`` rounded down to a block.
         Changes no ref count; counts the lookup in `stats`."""
+        start_ns = time.perf_counter_ns()
+        stats = self.stats
+        stats.num_requests += 1
+        stats.num_queried_tokens += len(seq.token_ids)
+        hit = self._lookup(seq) if self.enable_caching and seq.use_cache else CacheHit()
+        num_hit_blocks = len(hit.block_ids)
+        if num_hit_blocks:
+            stats.num_hit_requests += 1
+            stats.num_hit_tokens += hit.num_tokens
+        misses = stats.first_miss_blocks
+        misses[num_hit_blocks] = misses.get(num_hit_blocks, 0) + 1
+        stats.lookup_time_ns += time.perf_counter_ns() - start_ns
+        return hit
 
-    @abc.abstractmethod
     def allocate(
         self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None = None
     ) -> list[int] | None:
@@ -195,6 +208,32 @@ class PrefixCache(abc.ABC):
 
         On the first call, ``hit`` (from `match`) supplies the computed prefix. Returns the whole
         block table, or None when the blocks do not fit (and then nothing changed)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        state = self._state_of(seq.seq_id)
+        if state is None:
+            return self._allocate_first(seq, num_new_tokens, hit)
+        if state.seq is not seq:
+            raise ValueError(f"sequence id {seq.seq_id!r} is already live in this cache")
+        return self._allocate_more(state, num_new_tokens)
+
+    @abc.abstractmethod
+    def _lookup(self, seq: Sequence) -> CacheHit:
+        """The uncounted walk behind `match` (caching enabled for ``seq``)."""
+
+    @abc.abstractmethod
+    def _state_of(self, seq_id: str) -> Any:
+        """The per-sequence state of a live sequence (with a ``seq`` attribute), or None."""
+
+    @abc.abstractmethod
+    def _allocate_first(
+        self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None
+    ) -> list[int] | None:
+        """`allocate` for a sequence that holds no blocks yet."""
+
+    @abc.abstractmethod
+    def _allocate_more(self, state: Any, num_new_tokens: int) -> list[int] | None:
+        """`allocate` for a live sequence (decode, or its next prefill chunk)."""
 
     @abc.abstractmethod
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:

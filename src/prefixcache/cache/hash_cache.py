@@ -11,7 +11,6 @@ collision can cost a miss, never wrong KV.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -98,26 +97,8 @@ class HashPrefixCache(PrefixCache):
 
     # -- match ----------------------------------------------------------------------------------
 
-    def match(self, seq: Sequence) -> CacheHit:
-        start_ns = time.perf_counter_ns()
-        stats = self.stats
+    def _lookup(self, seq: Sequence) -> CacheHit:
         num_tokens = len(seq.token_ids)
-        stats.num_requests += 1
-        stats.num_queried_tokens += num_tokens
-        if self.enable_caching and seq.use_cache:
-            hit = self._lookup(seq, num_tokens)
-        else:
-            hit = CacheHit()
-        num_hit_blocks = len(hit.block_ids)
-        if num_hit_blocks:
-            stats.num_hit_requests += 1
-            stats.num_hit_tokens += hit.num_tokens
-        misses = stats.first_miss_blocks
-        misses[num_hit_blocks] = misses.get(num_hit_blocks, 0) + 1
-        stats.lookup_time_ns += time.perf_counter_ns() - start_ns
-        return hit
-
-    def _lookup(self, seq: Sequence, num_tokens: int) -> CacheHit:
         digests = seq.digests(self.hasher, self.model_id)
         blocks = self._walk(digests, seq.block_token_bytes)
         num_matched = len(blocks)
@@ -148,17 +129,8 @@ class HashPrefixCache(PrefixCache):
 
     # -- allocate -------------------------------------------------------------------------------
 
-    def allocate(
-        self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None = None
-    ) -> list[int] | None:
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        table = self._tables.get(seq.seq_id)
-        if table is None:
-            return self._allocate_first(seq, num_new_tokens, hit)
-        if table.seq is not seq:
-            raise ValueError(f"sequence id {seq.seq_id!r} is already live in this cache")
-        return self._allocate_more(table, num_new_tokens)
+    def _state_of(self, seq_id: str) -> _Table | None:
+        return self._tables.get(seq_id)
 
     def _allocate_first(
         self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None

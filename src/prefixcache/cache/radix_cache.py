@@ -38,7 +38,6 @@ hit that ends inside a node, so that a sequence's locked path covers exactly its
 from __future__ import annotations
 
 import heapq
-import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -171,21 +170,6 @@ class RadixPrefixCache(PrefixCache):
 
     # -- match ----------------------------------------------------------------------------------
 
-    def match(self, seq: Sequence) -> CacheHit:
-        start_ns = time.perf_counter_ns()
-        stats = self.stats
-        stats.num_requests += 1
-        stats.num_queried_tokens += len(seq.token_ids)
-        hit = self._lookup(seq) if self.enable_caching and seq.use_cache else CacheHit()
-        num_hit_blocks = len(hit.block_ids)
-        if num_hit_blocks:
-            stats.num_hit_requests += 1
-            stats.num_hit_tokens += hit.num_tokens
-        misses = stats.first_miss_blocks
-        misses[num_hit_blocks] = misses.get(num_hit_blocks, 0) + 1
-        stats.lookup_time_ns += time.perf_counter_ns() - start_ns
-        return hit
-
     def _lookup(self, seq: Sequence) -> CacheHit:
         digests = seq.digests(self.hasher, self.model_id)
         root = seq.root_digest(self.hasher, self.model_id)
@@ -206,17 +190,8 @@ class RadixPrefixCache(PrefixCache):
 
     # -- allocate -------------------------------------------------------------------------------
 
-    def allocate(
-        self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None = None
-    ) -> list[int] | None:
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        state = self._seqs.get(seq.seq_id)
-        if state is None:
-            return self._allocate_first(seq, num_new_tokens, hit)
-        if state.seq is not seq:
-            raise ValueError(f"sequence id {seq.seq_id!r} is already live in this cache")
-        return self._allocate_more(state, num_new_tokens)
+    def _state_of(self, seq_id: str) -> _SeqState | None:
+        return self._seqs.get(seq_id)
 
     def _allocate_first(
         self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None
