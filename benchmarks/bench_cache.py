@@ -29,7 +29,9 @@ from typing import Any
 from prefixcache.cache import BlockHasher, Sequence
 from prefixcache.cache.hash_cache import HashPrefixCache
 
-TRACE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
+# the shared traces sit beside the checkout (../shared/traces)
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+TRACE = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
 PROMPT_TOKENS = 4096
 BS = 16
 MOONCAKE_BS = 512
