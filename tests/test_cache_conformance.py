@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from cache_helpers import Checked
 from prefixcache.cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,23 +33,6 @@ KINDS = ["hash", "radix"]
 TRACE = Path(__file__).parent / "fixtures" / "mooncake_conversation_300.jsonl"
 
 
-class Checked:
-    """A cache whose every method call is followed by `check_integrity()`."""
-
-    def __init__(self, cache: PrefixCache) -> None:
-        self.cache = cache
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.cache, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            out = attr(*args, **kwargs)
-            self.cache.check_integrity()
-            return out
-
-        return call
 
 
 @pytest.fixture(params=KINDS)

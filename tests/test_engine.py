@@ -10,7 +10,6 @@ import random
 from collections import defaultdict
 
 import pytest
-import torch
 
 from prefixcache.engine import LLM, LLMEngine, SamplingParams
 from prefixcache.model.loader import load_model
@@ -18,14 +17,7 @@ from prefixcache.model.loader import load_model
 NUM_REQUESTS = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The tiny model's ops are too small to split: extra threads only spin (and thrash on a
-    loaded 2-core box, ~10x slower). Restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

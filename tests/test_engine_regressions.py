@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 from prefixcache.engine import LLM, LLMEngine, SamplingParams
 from prefixcache.model.loader import load_model
@@ -30,12 +28,7 @@ NUM_REQUESTS = 48
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
