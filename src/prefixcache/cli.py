@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("prefixcache.engine.cli", "generate completions offline"),
     "lab": ("prefixcache.tools.lab", "the specification's hash-chain lab, on the real code"),
     "simulate": ("prefixcache.sim.cli", "replay traces through the real caches"),
+    "bench": ("prefixcache.tools.bench", "the same shared-prefix batch with the cache off and on"),
     "explain": ("prefixcache.tools.explain", "why two prompts do (not) share a prefix"),
     "check": ("prefixcache.tools.check", "compare outputs with the cache on and off"),
     "stress": ("prefixcache.tools.stress", "stress the allocator on a tiny pool"),
