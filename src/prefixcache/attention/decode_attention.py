@@ -17,20 +17,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixcache.attention.shared_prefix import SharedPrefix, find_shared_prefixes, merge_by_lse
+
 __all__ = ["DecodePlan", "SharedPrefix", "decode_attention"]
 
 # Without a merge, tails are gathered a few sequences at a time: a gather above glibc's mmap
 # threshold (at most 32 MiB) gets fresh pages that fault on every call, which made one 34 MB
 # gather of 16 x 2,048 keys 2-4x slower than 16 small ones on the 2-core development box.
 _MAX_GATHER_BYTES = 4 << 20
-
-
-@dataclass(slots=True)
-class SharedPrefix:
-    """Leading blocks that several decode sequences hold in common (full in each of them)."""
-
-    seq_indices: torch.Tensor  # [n] int64: rows of the decode batch, n >= 2
-    block_ids: torch.Tensor  # [num_shared_blocks] int64
 
 
 @dataclass(slots=True)
@@ -54,7 +48,9 @@ class DecodePlan:
     ) -> DecodePlan:
         """block_tables: [B, max_blocks] int, seq_lens: [B] int (keys per sequence, >= 1)."""
         lens = np.asarray(seq_lens, dtype=np.int64)
-        shared_blocks, shared = _shared_prefixes(block_tables, lens, block_size, device)
+        # a shared block never holds a sequence's last token: full blocks before that one
+        shareable = (lens - 1) // block_size
+        shared_blocks, shared = find_shared_prefixes(block_tables, shareable, device)
         num_blocks = -(-lens // block_size)
         width = int((num_blocks - shared_blocks).max())
         offsets = shared_blocks[:, None] + np.arange(width)
@@ -68,32 +64,6 @@ class DecodePlan:
             tail_mask=torch.as_tensor(inside, device=device),
             shared=shared,
         )
-
-
-def _shared_prefixes(
-    table: np.ndarray, lens: np.ndarray, block_size: int, device: str | torch.device
-) -> tuple[np.ndarray, list[SharedPrefix]]:
-    """Shared leading blocks per sequence ([B]) and the groups; groups key on the first block."""
-    shareable = (lens - 1) // block_size  # full blocks before the one holding the last token
-    shared_blocks = np.zeros(len(lens), dtype=np.int64)
-    groups: dict[int, list[int]] = {}
-    for b in np.flatnonzero(shareable > 0).tolist():
-        groups.setdefault(int(table[b, 0]), []).append(b)
-    shared: list[SharedPrefix] = []
-    for rows in groups.values():
-        if len(rows) < 2:
-            continue
-        limit = int(shareable[rows].min())
-        same = (table[rows, :limit] == table[rows[0], :limit]).all(axis=0)
-        count = limit if same.all() else int(np.argmin(same))
-        shared_blocks[rows] = count
-        shared.append(
-            SharedPrefix(
-                seq_indices=torch.as_tensor(rows, dtype=torch.int64, device=device),
-                block_ids=torch.as_tensor(table[rows[0], :count], dtype=torch.int64, device=device),
-            )
-        )
-    return shared_blocks, shared
 
 
 def decode_attention(
@@ -118,11 +88,11 @@ def decode_attention(
     for group in plan.shared:
         if len(group.seq_indices) == num_seqs:  # rows are ascending: the group is every row
             shared_out, shared_lse = _attend_shared(q_grouped, k_cache, v_cache, group, scale)
-            out, lse = _merge(out, lse, shared_out, shared_lse)
+            out, lse = merge_by_lse(out, lse, shared_out, shared_lse)
             continue
         rows = group.seq_indices
         shared_out, shared_lse = _attend_shared(q_grouped[rows], k_cache, v_cache, group, scale)
-        out[rows], lse[rows] = _merge(out[rows], lse[rows], shared_out, shared_lse)
+        out[rows], lse[rows] = merge_by_lse(out[rows], lse[rows], shared_out, shared_lse)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -196,13 +166,3 @@ def _softmax_values(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor
     total = probs.sum(-1, keepdim=True)
     out = torch.matmul(probs, v).div_(total)
     return out, (row_max + total.log()).squeeze(-1)
-
-
-def _merge(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two disjoint key sets, from each set's output and lse."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    weight_a = (lse_a - lse).exp_().unsqueeze(-1)
-    weight_b = (lse_b - lse).exp_().unsqueeze(-1)
-    return out_a * weight_a + out_b * weight_b, lse

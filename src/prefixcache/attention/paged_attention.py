@@ -3,8 +3,8 @@
 Each sequence's queries attend its cached context (gathered from the paged cache through its
 block table) plus its new tokens, causal within the new ones. A sequence without cached context
 takes the fast path: causal attention on its fresh K/V, no gather, no explicit mask. Decode
-sequences (one new token) are computed together by `decode_attention`, which reads prefix blocks
-shared between them once.
+sequences (one new token) are computed together by `decode_attention`, and prefill sequences
+that share cached leading blocks by `cascade_prefill`: both read those shared blocks once.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixcache.attention.cascade_prefill import cascade_prefill
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 from prefixcache.attention.metadata import AttentionMetadata
 
@@ -56,10 +57,11 @@ def paged_attention(
     decode_rows = [b for b, n in enumerate(metadata.num_new) if n == 1]
     if decode_rows:
         _attend_decodes(q, k_cache, v_cache, metadata, decode_rows, scale, out)
+    grouped = set(cascade_prefill(q, k, v, k_cache, v_cache, metadata, scale, out))
     starts = metadata.query_starts
     for b, slots in enumerate(metadata.context_slots):
         start, end = starts[b], starts[b + 1]
-        if end - start == 1:
+        if end - start == 1 or b in grouped:
             continue
         if slots is None:
             out[start:end] = _attend(
