@@ -1,6 +1,8 @@
 """Scenario tests of the hash-chain prefix cache: exact block ids, free-queue and eviction order.
 
 Block size 16 and a pool of 10 blocks unless stated; `check_integrity()` runs after every call.
+Scenarios that hold for both caches word for word live in test_cache_conformance.py (run for
+`hash` too); this file keeps what is specific to the hash cache: exact queue and eviction order.
 """
 
 from __future__ import annotations
@@ -116,19 +118,6 @@ def snapshot(cache: Any) -> tuple[object, ...]:
     )
 
 
-def test_salt_acts_through_the_root() -> None:
-    cache = new_cache()
-    run_prompt(cache, Sequence("a", range(40), salt="org_1"))
-    same = Sequence("b", range(40), salt="org_1")
-    other = Sequence("c", range(40), salt="org_2")
-    unsalted = Sequence("d", range(40))
-    assert cache.match(same).num_tokens == 32
-    assert cache.match(other).num_tokens == 0
-    assert cache.match(unsalted).num_tokens == 0
-    assert not set(same.block_digests) & set(other.block_digests)
-    assert not set(same.block_digests) & set(unsalted.block_digests)
-
-
 def test_block_aligned_prompt_recomputes_its_last_block() -> None:
     cache = new_cache()
     run_prompt(cache, Sequence("a", range(48)))
@@ -140,28 +129,6 @@ def test_block_aligned_prompt_recomputes_its_last_block() -> None:
     assert cache.stats.num_duplicate_blocks == 1
     assert cache.pool.blocks[3].digest is None
     assert cache.stats.first_miss_blocks == {0: 1, 2: 1}
-
-
-def test_decode_fills_partial_block_then_commits_one_digest() -> None:
-    cache = new_cache()
-    a = Sequence("a", range(20))
-    assert run_prompt(cache, a) == [0, 1]
-    cache.take_events()
-    num_free = cache.num_free_blocks
-    for token in range(100, 112):
-        a.append(token)
-        assert cache.allocate(a, 1) == [0, 1]
-        assert cache.num_free_blocks == num_free
-        cache.commit(a, a.num_tokens)
-    stored = cache.take_events()
-    assert len(stored) == 1 and isinstance(stored[0], BlockStored)
-    assert stored[0].block_ids == [1]
-    assert stored[0].parent_block_hash == a.block_digests[0]
-    assert stored[0].token_ids == [*range(16, 20), *range(100, 112)]
-    a.append(7)
-    assert cache.allocate(a, 1) == [0, 1, 2]
-    b = Sequence("b", [*range(20), *range(100, 112), 5])
-    assert cache.match(b).num_tokens == 32
 
 
 def test_reset_refuses_while_held_then_clears() -> None:
