@@ -1,8 +1,10 @@
 """Chained block hashing: cost per token, and the encoding's overhead over the bare digest.
 
-For each algorithm, hash a 50,000-token prompt at block size 16 with `BlockHasher.chain` (the real
-code path: canonical encoding + chaining), and compare with the bare digest function applied to the
-very same payload bytes, precomputed. The ratio is the price of the canonical encoding.
+For each algorithm, hash a 50,000-token prompt (a list of Python ints, as a tokenizer returns it) at
+block size 16 with `BlockHasher.chain` (the real code path: packing the ids, canonical encoding,
+chaining), and compare with the bare digest function applied to the very same payload bytes,
+precomputed. The two are timed alternately, median of the repeats. The ratio is the price of the
+canonical encoding.
 
     python benchmarks/bench_hash.py [--tokens 50000] [--block-size 16] [--repeats 7]
 """
@@ -34,14 +36,18 @@ def bare_digest(algo: str) -> Callable[[bytes], bytes]:
     return fn
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def paired_medians(
+    first: Callable[[], object], second: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Median seconds of each, timed alternately so that drift in machine load hits both alike."""
+    first(), second()  # warm-up
+    a, b = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, times in ((first, a), (second, b)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b)
 
 
 def payloads_of(hasher: BlockHasher, tokens: list[int], namespace: Namespace) -> list[bytes]:
@@ -58,13 +64,18 @@ def bench_algo(algo: str, tokens: list[int], block_size: int, repeats: int) -> d
         hasher = BlockHasher(block_size, algo)
     namespace = Namespace(model="bench", salt="tenant")
     payloads = payloads_of(hasher, tokens, namespace)
-    chained_s = median_seconds(lambda: hasher.chain(tokens, namespace), repeats)
     bare = bare_digest(algo)
     if algo == "sha256":  # the loop as tight as Python allows: the constructor bound locally
         sha = hashlib.sha256
-        bare_s = median_seconds(lambda: [sha(p).digest() for p in payloads], repeats)
+
+        def bare_loop() -> object:
+            return [sha(p).digest() for p in payloads]
     else:
-        bare_s = median_seconds(lambda: [bare(p) for p in payloads], repeats)
+
+        def bare_loop() -> object:
+            return [bare(p) for p in payloads]
+
+    chained_s, bare_s = paired_medians(lambda: hasher.chain(tokens, namespace), bare_loop, repeats)
     n = len(tokens)
     return {
         "chained_ns_per_token": chained_s / n * 1e9,

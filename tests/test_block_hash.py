@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings
@@ -124,6 +125,35 @@ def test_bulk_and_small_paths_agree_with_the_reference_encoding(algo: str, num_t
         parent = hasher.block(parent, tokens[i * 16 : (i + 1) * 16])
         expected.append(parent)
     assert hasher.chain(tokens, LAB_NS) == expected
+
+
+def test_bulk_path_across_layout_batches_with_chunks_equals_block_by_block() -> None:
+    # Block size 512 makes a layout row 2,063 bytes, so 300 blocks take two table batches; ids
+    # that are multiples of 256 end in a NUL byte, which the token chunks must keep.
+    hasher = _hasher("sha256", block_size=512)
+    tokens = [(i * 256) % 2**32 if i % 3 else (i * 7919) % 150_000 for i in range(512 * 311)]
+    root = hasher.root(LAB_NS)
+    digests: list[bytes] = []
+    chunks: list[bytes] = []
+    assert hasher.extend(digests, root, tokens[: 512 * 10 + 7], chunks=chunks) == 10
+    assert hasher.extend(digests, root, tokens, chunks=chunks) == 301
+    expected, parent = [], root
+    for i in range(311):
+        parent = hasher.block(parent, tokens[i * 512 : (i + 1) * 512])
+        expected.append(parent)
+    assert digests == expected
+    assert chunks == [
+        b"".join(t.to_bytes(4, "big") for t in tokens[i * 512 : (i + 1) * 512]) for i in range(311)
+    ]
+
+
+def test_one_hasher_shared_by_threads_gives_each_its_own_digests() -> None:
+    hasher = _hasher("sha256", block_size=16)
+    prompts = [[(i * 31 + k) % 150_000 for i in range(16 * (200 + k))] for k in range(6)]
+    expected = [hasher.chain(p, LAB_NS) for p in prompts]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        for _ in range(5):
+            assert list(pool.map(lambda p: hasher.chain(p, LAB_NS), prompts)) == expected
 
 
 def test_incremental_extension_equals_one_shot_and_never_rehashes() -> None:

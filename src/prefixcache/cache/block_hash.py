@@ -17,11 +17,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+import sys
+import threading
 import warnings
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "HASH_ALGOS",
@@ -162,20 +167,24 @@ def encode_namespace(namespace: Namespace) -> bytes:
     return namespace.encode()
 
 
-def encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as big-endian u32, validated."""
+def _pack_tokens(token_ids: Sequence[int]) -> array[int]:
+    """Token ids as native-endian u32 (the fastest conversion from Python ints), validated."""
     try:
-        packed = array("I", token_ids)
+        return array("I", token_ids)
     except OverflowError as exc:
         raise ValueError("token ids must be integers in [0, 2**32)") from exc
-    if packed.itemsize != 4:  # pragma: no cover - every mainstream platform has 4-byte "I"
-        return struct.pack(f">{len(token_ids)}I", *token_ids)
-    if _LITTLE_ENDIAN:
+
+
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as big-endian u32, validated."""
+    packed = _pack_tokens(token_ids)
+    if sys.byteorder == "little":
         packed.byteswap()
     return packed.tobytes()
 
 
-_LITTLE_ENDIAN = array("I", [1]).tobytes()[0] == 1
+if array("I").itemsize != 4:  # pragma: no cover - every platform CPython supports has 4 bytes
+    raise ImportError("prefixcache needs a C unsigned int of 4 bytes")
 
 
 def encode_block(
@@ -201,18 +210,31 @@ def _parent_header(digest_size: int) -> bytes:
     return struct.pack(">BI", TAG_PARENT, digest_size)
 
 
-# Below this many new blocks, bodies are built one by one; above, in one vectorized pass.
+# Below this many new blocks, bodies are built one by one; above, through a layout table.
 _BULK_MIN_BLOCKS = 8
+# A layout table holds at most this many bytes (one per thread and hasher, reused across calls).
+_TABLE_BYTES = 1 << 19
+
+
+class _Layout(threading.local):
+    """Per-thread scratch for `BlockHasher`: rows of ``prefix ‖ tokens ‖ suffix``, where only the
+    token columns change between calls (the constant columns are written once)."""
+
+    table: npt.NDArray[np.uint8] | None = None
+    tokens: npt.NDArray[Any] | None = None  # big-endian u32 view of the token columns
 
 
 class BlockHasher:
     """Computes namespace roots and chained block digests for one algorithm and block size.
 
-    The hot path (`extend`) packs all new tokens once, lays out every block's body (magic, token
-    field, parent field header) in one vectorized pass, then per block hashes ``body + parent``.
+    The hot path (`extend`) packs all new tokens once, writes them big-endian into the token
+    columns of a per-thread layout table whose magic and field-header columns are pre-filled, splits
+    the rows into bytes with one C call, then per block hashes ``body + parent``.
     """
 
-    __slots__ = ("algo", "block_size", "digest_size", "_hash", "_new", "_prefix", "_suffix")
+    __slots__ = (
+        "algo", "block_size", "digest_size", "_hash", "_new", "_prefix", "_suffix", "_layout"
+    )
 
     def __init__(self, block_size: int, algo: str = "sha256") -> None:
         if block_size < 1:
@@ -225,7 +247,7 @@ class BlockHasher:
         # body = _prefix ‖ token bytes ‖ _suffix  (no extras)
         self._prefix = BLOCK_MAGIC + struct.pack(">BI", TAG_TOKENS, 4 * block_size)
         self._suffix = _parent_header(self.digest_size)
-        assert self._suffix[-1] != 0, "bodies must not end in NUL (see _bodies)"
+        self._layout = _Layout()
 
     def root(self, namespace: Namespace) -> bytes:
         """The parent digest of a namespace's first block."""
@@ -256,55 +278,66 @@ class BlockHasher:
         num_new = len(token_ids) // bs - start
         if num_new <= 0:
             return 0
-        width = 4 * bs
-        if start == 0:  # encode all and cut the bytes: cheaper than copying the list first
-            token_bytes = encode_tokens(token_ids)[: num_new * width]
-        else:
-            token_bytes = encode_tokens(token_ids[start * bs : (start + num_new) * bs])
-        if chunks is not None:
-            chunks.extend(token_bytes[i * width : (i + 1) * width] for i in range(num_new))
         parent = digests[-1] if digests else root
-        if extras is not None and any(extras(start + i) for i in range(num_new)):
-            self._extend_with_extras(digests, parent, token_bytes, start, extras)
+        if num_new < _BULK_MIN_BLOCKS or (
+            extras is not None and any(extras(start + i) for i in range(num_new))
+        ):
+            token_bytes = encode_tokens(token_ids[start * bs : (start + num_new) * bs])
+            width = 4 * bs
+            blocks = [token_bytes[i * width : (i + 1) * width] for i in range(num_new)]
+            if chunks is not None:
+                chunks.extend(blocks)
+            self._extend_each(digests, parent, blocks, start, extras)
             return num_new
-        bodies = self._bodies(token_bytes, num_new)
+        # Validate and pack every new token once (a copy of the list costs more than the tail).
+        packed = _pack_tokens(token_ids if start == 0 else token_ids[start * bs :])
+        ids = np.frombuffer(packed, dtype=np.uint32, count=num_new * bs).reshape(num_new, bs)
+        table, columns = self._table(num_new)
         new = self._new
-        if new is not None:  # sha256 / blake2b: call hashlib directly, no wrapper frame
-            digests.extend([parent := new(body + parent).digest() for body in bodies])
-        else:
-            h = self._hash
-            digests.extend([parent := h(body + parent) for body in bodies])
+        h = self._hash
+        step = len(table)
+        for first in range(0, num_new, step):
+            n = min(step, num_new - first)
+            columns[:n] = ids[first : first + n]  # byte-swaps to big-endian as it copies
+            if chunks is not None:
+                chunks.extend(np.ascontiguousarray(columns[:n]).view(f"V{4 * bs}").ravel().tolist())
+            # One C call splits the rows into bytes objects ("V" keeps trailing NULs).
+            bodies: list[bytes] = table[:n].view(f"V{table.shape[1]}").ravel().tolist()
+            if new is not None:  # sha256 / blake2b: call hashlib directly, no wrapper frame
+                digests.extend([parent := new(body + parent).digest() for body in bodies])
+            else:
+                digests.extend([parent := h(body + parent) for body in bodies])
         return num_new
 
-    def _bodies(self, token_bytes: bytes, num_blocks: int) -> list[bytes]:
-        """Each block's body ``prefix ‖ tokens_i ‖ suffix`` (everything but the parent digest)."""
-        width = 4 * self.block_size
-        pre, suf = self._prefix, self._suffix
-        if num_blocks < _BULK_MIN_BLOCKS:
-            return [pre + token_bytes[i * width : (i + 1) * width] + suf for i in range(num_blocks)]
-        import numpy as np
+    def _table(self, num_blocks: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[Any]]:
+        """This thread's layout table (at least ``num_blocks`` rows, or as many as fit the cap)
+        and the big-endian u32 view of its token columns."""
+        layout = self._layout
+        table, columns = layout.table, layout.tokens
+        width = len(self._prefix) + 4 * self.block_size + len(self._suffix)
+        rows = min(num_blocks, max(_BULK_MIN_BLOCKS, _TABLE_BYTES // width))
+        if table is None or columns is None or len(table) < rows:
+            table = np.empty((rows, width), dtype=np.uint8)
+            table[:, : len(self._prefix)] = np.frombuffer(self._prefix, dtype=np.uint8)
+            table[:, width - len(self._suffix) :] = np.frombuffer(self._suffix, dtype=np.uint8)
+            columns = np.ndarray(
+                (rows, self.block_size), dtype=">u4", buffer=table.data,
+                offset=len(self._prefix), strides=(width, 4),
+            )
+            layout.table, layout.tokens = table, columns
+        return table, columns
 
-        table = np.empty((num_blocks, len(pre) + width + len(suf)), dtype=np.uint8)
-        table[:, : len(pre)] = np.frombuffer(pre, dtype=np.uint8)
-        tokens = np.frombuffer(token_bytes, dtype=np.uint8).reshape(num_blocks, width)
-        table[:, len(pre) : len(pre) + width] = tokens
-        table[:, len(pre) + width :] = np.frombuffer(suf, dtype=np.uint8)
-        # One C call splits the rows into bytes objects. NumPy's "S" dtype drops trailing NULs,
-        # which is safe: every body ends with the parent length byte, never 0.
-        rows: list[bytes] = table.view(f"S{table.shape[1]}").ravel().tolist()
-        return rows
-
-    def _extend_with_extras(
+    def _extend_each(
         self,
         digests: list[bytes],
         parent: bytes,
-        token_bytes: bytes,
+        blocks: list[bytes],
         start: int,
-        extras: Callable[[int], Sequence[BlockExtra]],
+        extras: Callable[[int], Sequence[BlockExtra]] | None,
     ) -> None:
-        width = 4 * self.block_size
-        for i in range(len(token_bytes) // width):
-            body = _block_body(token_bytes[i * width : (i + 1) * width], extras(start + i))
+        """Block by block: few blocks, or blocks with extras."""
+        for i, token_bytes in enumerate(blocks):
+            body = _block_body(token_bytes, extras(start + i) if extras is not None else ())
             parent = self._hash(body + self._suffix + parent)
             digests.append(parent)
 
