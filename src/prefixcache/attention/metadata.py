@@ -8,7 +8,7 @@ its block table. Everything here is built once per step and shared by all layers
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +34,26 @@ class AttentionMetadata:
     # lower-right causal mask [num_new, seq_len] (None for a single query token).
     context_slots: list[torch.Tensor | None]
     causal_masks: list[torch.Tensor | None]
+    # additive forms of causal_masks, tiled for stacked heads, built on first use (`stacked_mask`)
+    _stacked_masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
+
+    def stacked_mask(self, b: int, repeats: int, dtype: torch.dtype) -> torch.Tensor:
+        """Sequence b's causal mask as an additive ``dtype`` mask (0 / -inf), tiled ``repeats``
+        times along the query axis: [repeats * num_new, seq_len], for query heads stacked into
+        one block per kv head (GQA). Built once per step; every layer reuses it (a boolean mask
+        would be converted to this by SDPA in every layer)."""
+        key = (b, repeats, dtype)
+        stacked = self._stacked_masks.get(key)
+        if stacked is None:
+            mask = self.causal_masks[b]
+            if mask is None:
+                raise ValueError(f"sequence {b} has no cached context, hence no mask")
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            additive.masked_fill_(~mask, float("-inf"))
+            stacked = self._stacked_masks[key] = additive.repeat(repeats, 1)
+        return stacked
 
     @property
     def num_seqs(self) -> int:

@@ -94,5 +94,6 @@ def _build(config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.de
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     load_weights(model, path)
+    model.store_projections_transposed()
     model.init_rotary()
     return model.eval()

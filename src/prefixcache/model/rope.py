@@ -47,14 +47,20 @@ class RotaryEmbedding:
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, head_dim] in ``dtype`` (broadcast over heads)."""
+        """cos and *signed* sin, [T, 1, head_dim] in ``dtype`` (broadcast over heads).
+
+        transformers computes ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) =
+        [-x2, x1]``; the signed sin ``[-sin, sin]`` gives the same products from ``[x2, x1]``, a
+        plain roll, so `apply_rotary` needs no negation pass.
+        """
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = freqs.sin()
+        signed_sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), signed_sin.to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] rotated by position."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] rotated by position; cos, signed_sin from `RotaryEmbedding`."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin)
