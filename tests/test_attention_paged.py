@@ -79,9 +79,10 @@ def _dense_reference(q, k, v, num_computed, scale):  # noqa: ANN001
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-def test_paged_attention_matches_dense_reference():
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (8, 1)])
+def test_paged_attention_matches_dense_reference(heads: int, kv_heads: int):
     torch.manual_seed(0)
-    heads, kv_heads, dim, block_size = 6, 2, 16, 4
+    dim, block_size = 16, 4
     computed, new = [0, 9, 13, 3], [7, 1, 5, 1]
     ids = list(range(32))
     random.Random(0).shuffle(ids)
@@ -97,7 +98,8 @@ def test_paged_attention_matches_dense_reference():
     meta = AttentionMetadata.build(tables, computed, new, block_size)
     k = torch.cat([fk[c:] for fk, c in zip(full_k, computed, strict=True)])
     v = torch.cat([fv[c:] for fv, c in zip(full_v, computed, strict=True)])
-    q = torch.randn(sum(new), heads, dim)
+    # q as the model passes it: a strided view of the fused q|k projection output
+    q = torch.randn(sum(new), heads + kv_heads, dim)[:, :heads]
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=dim**-0.5)
     for b in range(len(new)):

@@ -137,6 +137,24 @@ def test_no_weights_at_all(copy):
         load_model(str(copy))
 
 
+def test_projection_weights_are_stored_transposed_with_the_checkpoint_values(checkpoint):
+    loaded = load_model(str(checkpoint))
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    attn, mlp = loaded.model.model.layers[1].self_attn, loaded.model.model.layers[1].mlp
+    for weight in (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight):
+        assert weight.t().is_contiguous() and not weight.is_contiguous()
+    assert torch.equal(mlp.down_proj.weight, tensors["model.layers.1.mlp.down_proj.weight"])
+    q_rows = tensors["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(attn.qkv_proj.weight[: len(q_rows)], q_rows)
+    ids = list(range(3, 50))
+    transposed = _last_logits(loaded, ids)
+    for layer in loaded.model.model.layers:  # back to plain row-major storage: same logits
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.weight.data = linear.weight.data.contiguous()
+    assert torch.allclose(_last_logits(loaded, ids), transposed, atol=1e-5)
+
+
 def test_bfloat16_close_to_float32(checkpoint):
     ids = list(range(5, 60))
     f32, bf16 = load_model(str(checkpoint)), load_model(str(checkpoint), dtype="bfloat16")
