@@ -5,10 +5,12 @@
     side by side (interleaved) in one run: microseconds per request, median of repeats.
 (b) A replay of the Mooncake conversation trace at 512-token blocks through the real cache with
     unlimited, 50,000 and 10,000 blocks, next to a bare ``OrderedDict`` LRU of hash ids (the floor),
-    in one interleaved pass. Hash id h names a block whose tokens are h*512 .. h*512+511; a partial
-    tail block gets fresh tokens (computed, never hit); requests run one after another. Token lists
-    are built outside the timed region (one request at a time, to bound memory); "cache" time is
-    match+allocate+commit+free on a pre-hashed sequence, "full" adds building and hashing it.
+    in one interleaved pass. Hash id h names a block of 512 token ids derived from h (see
+    `mooncake_tokens`); a partial tail block gets fresh ids (computed, never hit); requests run
+    one after another. Token lists are built outside the timed region (one request at a time, to
+    bound memory; each cache gets its own list, which the Sequence adopts without a copy, as in the
+    simulator); "cache" time is match+allocate+commit+free on a pre-hashed sequence, "full" adds
+    building and hashing it.
 
     .venv/bin/python benchmarks/bench_cache.py [--repeats 200] [--requests N]
 
@@ -26,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from prefixcache.cache import BlockHasher, Sequence
 from prefixcache.cache.hash_cache import HashPrefixCache
 
@@ -35,6 +39,9 @@ TRACE = SHARED / "traces" / "mooncake" / "conversation_trace.jsonl"
 PROMPT_TOKENS = 4096
 BS = 16
 MOONCAKE_BS = 512
+VOCAB = 128_256
+MIX = np.uint64(0x9E3779B97F4A7C15)
+TAIL_KEYS = np.uint64(2**40)
 
 
 # -- (a) the life of one prompt ----------------------------------------------------------------
@@ -83,12 +90,19 @@ def bench_prompt(repeats: int) -> dict[str, Any]:
 # -- (b) the Mooncake replay -------------------------------------------------------------------
 
 
-def mooncake_tokens(hash_ids: list[int], input_length: int, fresh: int) -> list[int]:
+def mooncake_tokens(hash_ids: list[int], input_length: int, request_index: int) -> list[int]:
+    """Request tokens: hash id h names the block whose i-th token is ``mix(h * 512 + i)``, an id in
+    a Llama-3-size vocabulary (what a tokenizer returns: small ints, not h * 512 + i up to 2^31);
+    the partial tail block gets keys past every hash id, unique to the request."""
     num_full = input_length // MOONCAKE_BS
-    tokens: list[int] = []
-    for h in hash_ids[:num_full]:
-        tokens.extend(range(h * MOONCAKE_BS, (h + 1) * MOONCAKE_BS))
-    tokens.extend(range(fresh, fresh + input_length - num_full * MOONCAKE_BS))
+    offsets = np.arange(MOONCAKE_BS, dtype=np.uint64)
+    keys = np.asarray(hash_ids[:num_full], dtype=np.uint64)[:, None] * MOONCAKE_BS + offsets
+    tail = input_length - num_full * MOONCAKE_BS
+    tail_keys = (TAIL_KEYS + request_index) * MOONCAKE_BS + offsets[:tail]
+    # a multiplicative hash (odd 64-bit constant, top bits): deterministic, and two hash ids
+    # giving the same 512 tokens is as likely as a 512-fold collision
+    mixed = np.concatenate((keys.ravel(), tail_keys)) * MIX >> np.uint64(40)
+    tokens: list[int] = (mixed % VOCAB).tolist()
     return tokens
 
 
@@ -119,7 +133,7 @@ class LruFloor:
 def replay_one(cache: HashPrefixCache, tokens: list[int], seq_id: str) -> tuple[int, int]:
     """One request through the cache: (full ns, cache-only ns)."""
     start = time.perf_counter_ns()
-    seq = Sequence(seq_id, tokens)
+    seq = Sequence(seq_id, tokens, copy=False)  # a fresh list per request, as the simulator's
     seq.digests(cache.hasher, cache.model_id)
     hashed = time.perf_counter_ns()
     hit = cache.match(seq)
@@ -142,13 +156,11 @@ def bench_replay(requests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     full_ns = dict.fromkeys(capacities, 0)
     cache_ns = dict.fromkeys(capacities, 0)
     floor_ns = dict.fromkeys(capacities, 0)
-    fresh = 2**31
     for i, req in enumerate(requests):
         ids, length = req["hash_ids"], req["input_length"]
-        tokens = mooncake_tokens(ids, length, fresh)
-        fresh += MOONCAKE_BS
+        tokens = mooncake_tokens(ids, length, i)
         for k in capacities:
-            full, only = replay_one(caches[k], tokens, str(i))
+            full, only = replay_one(caches[k], list(tokens), str(i))
             full_ns[k] += full
             cache_ns[k] += only
             start = time.perf_counter_ns()

@@ -107,12 +107,10 @@ def bench_replay(requests: list[dict[str, Any]]) -> dict[str, dict[str, dict[str
     caches = {(cap, kind): make(kind, capacities[cap], MOONCAKE_BS) for cap, kind in keys}
     full_ns = dict.fromkeys(keys, 0)
     cache_ns = dict.fromkeys(keys, 0)
-    fresh = 2**31
     for i, req in enumerate(requests):
-        tokens = mooncake_tokens(req["hash_ids"], req["input_length"], fresh)
-        fresh += MOONCAKE_BS
+        tokens = mooncake_tokens(req["hash_ids"], req["input_length"], i)
         for key in keys:
-            full, only = replay_one(caches[key], tokens, str(i))  # type: ignore[arg-type]
+            full, only = replay_one(caches[key], list(tokens), str(i))  # type: ignore[arg-type]
             full_ns[key] += full
             cache_ns[key] += only
     input_tokens = sum(r["input_length"] for r in requests)

@@ -254,3 +254,15 @@ def test_lab_cli_and_explain() -> None:
     bad = subprocess.run([*run, "lab", "--block-size", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--block-size must be >= 1" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_sequence_copies_its_token_ids_unless_handed_a_list() -> None:
+    prompt = list(range(40))
+    seq = Sequence("s", prompt)
+    seq.append(99)
+    assert prompt == list(range(40))  # the caller's list is untouched
+    adopted = Sequence("t", prompt, copy=False)
+    assert adopted.token_ids is prompt
+    assert Sequence("u", range(40), copy=False).token_ids == list(range(40))  # not a list: copied
+    hasher = _hasher("sha256", block_size=16)
+    assert adopted.digests(hasher, "m") == seq.digests(hasher, "m")

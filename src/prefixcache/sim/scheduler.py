@@ -162,7 +162,7 @@ class TimedReplica:
         self.tally.num_preemptions += 1
         request = live.request
         prompt = live.seq.token_ids[: request.input_length]
-        fresh = _Live(request, Sequence(request.request_id, prompt))
+        fresh = _Live(request, Sequence(request.request_id, prompt, copy=False))
         fresh.num_hit = live.num_hit
         fresh.admitted = live.admitted
         self.waiting.appendleft(fresh)

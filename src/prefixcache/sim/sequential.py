@@ -169,7 +169,7 @@ def replay_sequential(
     hasher, model_id = first.hasher, first.model_id
     source = TokenSource(trace)
     for request in trace.requests:
-        seq = Sequence(request.request_id, source.prompt(request))
+        seq = Sequence(request.request_id, source.prompt(request), copy=False)
         digests = seq.digests(hasher, model_id)
         for run in runs:
             run.feed(request, seq, digests)

@@ -50,7 +50,7 @@ def replay_timed(
     hasher, model_id = replicas[0].cache.hasher, replicas[0].cache.model_id
     for request in trace.requests:
         _advance(replicas, router, request.arrival_s)
-        seq = Sequence(request.request_id, source.prompt(request))
+        seq = Sequence(request.request_id, source.prompt(request), copy=False)
         digests = seq.digests(hasher, model_id)
         index = router.choose(digests, [r.load for r in replicas]) if len(replicas) > 1 else 0
         replicas[index].add(request, seq)
