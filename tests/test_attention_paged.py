@@ -20,7 +20,8 @@ def test_metadata_slots_positions_and_offsets():
     assert meta.seq_lens.tolist() == [8, 2, 9]
     assert meta.logits_indices.tolist() == [2, 4, 5]
     assert meta.block_tables.tolist() == [[7, 2, 5], [3, 0, 0], [4, 1, 6]]
-    assert meta.context_slots[1] is None and meta.causal_masks[2] is None  # fresh / decode
+    assert meta.context_slots[1] is None and meta.causal_masks[1] is None  # fresh
+    assert meta.context_slots[2] is None and meta.causal_masks[2] is None  # decode: block table
     assert meta.context_slots[0].tolist() == [28, 29, 30, 31, 8, 9, 10, 11]
     assert meta.causal_masks[0].tolist() == [
         [True] * 6 + [False] * 2,

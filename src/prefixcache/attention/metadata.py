@@ -30,8 +30,9 @@ class AttentionMetadata:
     num_computed: list[int]
     num_new: list[int]
     query_starts: list[int]  # python copy of query_start_loc, for slicing without syncs
-    # Per sequence with cached context: the slots of all its tokens [seq_len] and the
-    # lower-right causal mask [num_new, seq_len] (None for a single query token).
+    # Per prefill sequence with cached context: the slots of all its tokens [seq_len] and the
+    # lower-right causal mask [num_new, seq_len]. None without cached context, and for a single
+    # query token (decode attends through the block table: `decode_attention`).
     context_slots: list[torch.Tensor | None]
     causal_masks: list[torch.Tensor | None]
     # additive forms of causal_masks, tiled for stacked heads, built on first use (`stacked_mask`)
@@ -143,18 +144,18 @@ def _context(
     block_size: int,
     as_tensor: Callable[[np.ndarray], torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """Slots of every token of sequences that have cached context, and their causal masks."""
+    """Slots of every token of prefill sequences that have cached context, and their masks."""
     slots: list[torch.Tensor | None] = []
     masks: list[torch.Tensor | None] = []
     for b, (n_computed, n_new) in enumerate(zip(computed, new, strict=True)):
-        if n_computed == 0:
+        if n_computed == 0 or n_new == 1:
             slots.append(None)
             masks.append(None)
             continue
         pos = np.arange(n_computed + n_new)
         seq_slots = as_tensor(table[b, pos // block_size] * block_size + pos % block_size)
         slots.append(seq_slots)
-        masks.append(None if n_new == 1 else _lower_right_mask(n_computed, n_new, seq_slots))
+        masks.append(_lower_right_mask(n_computed, n_new, seq_slots))
     return slots, masks
 
 

@@ -51,7 +51,7 @@ def paged_attention(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = q.shape[1] != num_kv_heads
-    if metadata.num_seqs == 1 and metadata.context_slots[0] is None:
+    if metadata.num_seqs == 1 and metadata.num_computed[0] == 0:
         return _attend_causal(q, k, v, scale, gqa)
     out = torch.empty_like(q)
     decode_rows = [b for b, n in enumerate(metadata.num_new) if n == 1]
