@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import subprocess
 import sys
 import warnings
@@ -145,6 +147,15 @@ def test_bulk_path_across_layout_batches_with_chunks_equals_block_by_block() -> 
     assert chunks == [
         b"".join(t.to_bytes(4, "big") for t in tokens[i * 512 : (i + 1) * 512]) for i in range(311)
     ]
+
+
+def test_hasher_survives_pickle_and_deepcopy() -> None:
+    hasher = _hasher("blake2b", block_size=16)
+    tokens = list(range(16 * 20))
+    expected = hasher.chain(tokens, LAB_NS)
+    for clone in (pickle.loads(pickle.dumps(hasher)), copy.deepcopy(hasher)):
+        assert (clone.algo, clone.block_size) == ("blake2b", 16)
+        assert clone.chain(tokens, LAB_NS) == expected
 
 
 def test_one_hasher_shared_by_threads_gives_each_its_own_digests() -> None:

@@ -249,6 +249,10 @@ class BlockHasher:
         self._suffix = _parent_header(self.digest_size)
         self._layout = _Layout()
 
+    def __reduce__(self) -> tuple[type[BlockHasher], tuple[int, str]]:
+        # pickle / deepcopy rebuild from the parameters (the per-thread scratch is not state)
+        return (BlockHasher, (self.block_size, self.algo))
+
     def root(self, namespace: Namespace) -> bytes:
         """The parent digest of a namespace's first block."""
         return self._hash(namespace.encode())
