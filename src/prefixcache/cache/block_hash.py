@@ -221,13 +221,12 @@ class _Layout(threading.local):
     token columns change between calls (the constant columns are written once)."""
 
     table: npt.NDArray[np.uint8] | None = None
-    tokens: npt.NDArray[Any] | None = None  # big-endian u32 view of the token columns
 
 
 class BlockHasher:
     """Computes namespace roots and chained block digests for one algorithm and block size.
 
-    The hot path (`extend`) packs all new tokens once, writes them big-endian into the token
+    The hot path (`extend`) packs all new tokens once as big-endian u32, copies them into the token
     columns of a per-thread layout table whose magic and field-header columns are pre-filled, splits
     the rows into bytes with one C call, then per block hashes ``body + parent``.
     """
@@ -293,19 +292,26 @@ class BlockHasher:
                 chunks.extend(blocks)
             self._extend_each(digests, parent, blocks, start, extras)
             return num_new
-        # Validate and pack every new token once (a copy of the list costs more than the tail).
+        # Validate and pack every new token once (a copy of the list costs more than the tail),
+        # then make it big-endian in place: one contiguous pass.
         packed = _pack_tokens(token_ids if start == 0 else token_ids[start * bs :])
-        ids = np.frombuffer(packed, dtype=np.uint32, count=num_new * bs).reshape(num_new, bs)
-        table, columns = self._table(num_new)
+        if sys.byteorder == "little":
+            packed.byteswap()
+        width = 4 * bs
+        token_rows = np.frombuffer(packed, dtype=np.uint8, count=num_new * width)
+        token_rows = token_rows.reshape(num_new, width)  # block i's encoded token bytes
+        table = self._table(num_new)
+        pre = len(self._prefix)
         new = self._new
         h = self._hash
         step = len(table)
         for first in range(0, num_new, step):
             n = min(step, num_new - first)
-            columns[:n] = ids[first : first + n]  # byte-swaps to big-endian as it copies
+            rows = token_rows[first : first + n]
+            table[:n, pre : pre + width] = rows
+            # One C call splits rows into bytes objects ("V" keeps trailing NULs).
             if chunks is not None:
-                chunks.extend(np.ascontiguousarray(columns[:n]).view(f"V{4 * bs}").ravel().tolist())
-            # One C call splits the rows into bytes objects ("V" keeps trailing NULs).
+                chunks.extend(rows.view(f"V{width}").ravel().tolist())
             bodies: list[bytes] = table[:n].view(f"V{table.shape[1]}").ravel().tolist()
             if new is not None:  # sha256 / blake2b: call hashlib directly, no wrapper frame
                 digests.extend([parent := new(body + parent).digest() for body in bodies])
@@ -313,23 +319,17 @@ class BlockHasher:
                 digests.extend([parent := h(body + parent) for body in bodies])
         return num_new
 
-    def _table(self, num_blocks: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[Any]]:
-        """This thread's layout table (at least ``num_blocks`` rows, or as many as fit the cap)
-        and the big-endian u32 view of its token columns."""
-        layout = self._layout
-        table, columns = layout.table, layout.tokens
+    def _table(self, num_blocks: int) -> npt.NDArray[np.uint8]:
+        """This thread's layout table: at least ``num_blocks`` rows, or as many as fit the cap."""
+        table = self._layout.table
         width = len(self._prefix) + 4 * self.block_size + len(self._suffix)
         rows = min(num_blocks, max(_BULK_MIN_BLOCKS, _TABLE_BYTES // width))
-        if table is None or columns is None or len(table) < rows:
+        if table is None or len(table) < rows:
             table = np.empty((rows, width), dtype=np.uint8)
             table[:, : len(self._prefix)] = np.frombuffer(self._prefix, dtype=np.uint8)
             table[:, width - len(self._suffix) :] = np.frombuffer(self._suffix, dtype=np.uint8)
-            columns = np.ndarray(
-                (rows, self.block_size), dtype=">u4", buffer=table.data,
-                offset=len(self._prefix), strides=(width, 4),
-            )
-            layout.table, layout.tokens = table, columns
-        return table, columns
+            self._layout.table = table
+        return table
 
     def _extend_each(
         self,
