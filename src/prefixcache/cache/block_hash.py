@@ -167,20 +167,20 @@ def encode_namespace(namespace: Namespace) -> bytes:
     return namespace.encode()
 
 
-def _pack_tokens(token_ids: Sequence[int]) -> array[int]:
-    """Token ids as native-endian u32 (the fastest conversion from Python ints), validated."""
+def _pack_big_endian(token_ids: Sequence[int]) -> array[int]:
+    """Token ids as u32 in big-endian byte order (validated): one conversion, one in-place swap."""
     try:
-        return array("I", token_ids)
+        packed = array("I", token_ids)  # the fastest conversion from Python ints
     except OverflowError as exc:
         raise ValueError("token ids must be integers in [0, 2**32)") from exc
+    if sys.byteorder == "little":
+        packed.byteswap()
+    return packed
 
 
 def encode_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as big-endian u32, validated."""
-    packed = _pack_tokens(token_ids)
-    if sys.byteorder == "little":
-        packed.byteswap()
-    return packed.tobytes()
+    return _pack_big_endian(token_ids).tobytes()
 
 
 if array("I").itemsize != 4:  # pragma: no cover - every platform CPython supports has 4 bytes
@@ -292,11 +292,8 @@ class BlockHasher:
                 chunks.extend(blocks)
             self._extend_each(digests, parent, blocks, start, extras)
             return num_new
-        # Validate and pack every new token once (a copy of the list costs more than the tail),
-        # then make it big-endian in place: one contiguous pass.
-        packed = _pack_tokens(token_ids if start == 0 else token_ids[start * bs :])
-        if sys.byteorder == "little":
-            packed.byteswap()
+        # Validate and pack every new token once (a copy of the list costs more than the tail).
+        packed = _pack_big_endian(token_ids if start == 0 else token_ids[start * bs :])
         width = 4 * bs
         token_rows = np.frombuffer(packed, dtype=np.uint8, count=num_new * width)
         token_rows = token_rows.reshape(num_new, width)  # block i's encoded token bytes
