@@ -71,14 +71,21 @@ def resolve_model_path(name_or_dir: str) -> Path:
     return path
 
 
-def load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load config, weights (cast to ``dtype``) and tokenizer; no network access."""
+def load_model(
+    name_or_dir: str, dtype: str = "float32", device: str = "cpu", pack_weights: bool = True
+) -> LoadedModel:
+    """Load config, weights (cast to ``dtype``) and tokenizer; no network access.
+
+    ``pack_weights``: on CPU in float32, also keep each projection weight in MKL's packed GEMM
+    layout (`prefixcache.model.packed_gemm`): faster steps for about the projections' size
+    again in memory.
+    """
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
     path = resolve_model_path(name_or_dir)
     config = ModelConfig.from_dir(path)
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
-    model = _build(config, path, torch_dtype, torch_device)
+    model = _build(config, path, torch_dtype, torch_device, pack_weights)
     files = weight_files(path)
     identity = model_identity(path, config, dtype, files, cache_dir() / "digests")
     return LoadedModel(
@@ -86,7 +93,9 @@ def load_model(name_or_dir: str, dtype: str = "float32", device: str = "cpu") ->
     )
 
 
-def _build(config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _build(
+    config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, pack: bool
+) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(config)
     model = model.to_empty(device=device).to(dtype)
@@ -94,6 +103,6 @@ def _build(config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.de
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     load_weights(model, path)
-    model.store_projections_transposed()
+    model.prepare_cpu_projections(pack)
     model.init_rotary()
     return model.eval()

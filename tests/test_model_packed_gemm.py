@@ -1,0 +1,82 @@
+"""MKL packed-weight GEMM: equal to F.linear for any shape and row count, used by the loaded
+model's projections, never stale after the weight changes."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.attention import AttentionMetadata
+from prefixcache.model import load_model, packed_gemm
+from prefixcache.model.packed_gemm import PackedWeight
+
+MKL_HERE = torch.backends.mkl.is_available() and platform.machine() in ("x86_64", "AMD64")
+needs_mkl = pytest.mark.skipif(not MKL_HERE, reason="packed GEMM needs the MKL of x86 torch")
+
+
+@needs_mkl
+def test_packed_gemm_is_available_where_torch_has_mkl() -> None:
+    # a failed self-check would silently turn packing off: on x86 with MKL it must pass
+    assert packed_gemm.available()
+
+
+@needs_mkl
+@settings(max_examples=60, deadline=None)
+@given(
+    out_features=st.integers(1, 300),
+    in_features=st.integers(1, 300),
+    rows=st.integers(0, 300),
+    with_bias=st.booleans(),
+    column_slice=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_matmul_equals_linear(
+    out_features, in_features, rows, with_bias, column_slice, seed
+) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    wide = torch.randn(rows, in_features + 5, generator=gen)
+    x = wide[:, 2 : 2 + in_features] if column_slice else wide[:, :in_features].contiguous()
+    got = PackedWeight.pack(weight).matmul(x, bias)
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_pack_rejects_what_it_cannot_pack() -> None:
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        PackedWeight.pack(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+def _logits(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    cache = loaded.make_kv_cache(num_blocks=16, block_size=16)
+    meta = AttentionMetadata.build([list(range(16))], [0], [len(ids)], 16)
+    return loaded.model(torch.tensor(ids), meta.positions, cache, meta)[0]
+
+
+@needs_mkl
+def test_loaded_projections_are_packed_and_agree_with_unpacked() -> None:
+    packed, plain = load_model("tiny"), load_model("tiny", pack_weights=False)
+    assert all(p.packed is not None for p in packed.model.projections())
+    assert all(p.packed is None for p in plain.model.projections())
+    ids = list(range(40, 240))
+    torch.testing.assert_close(_logits(packed, ids), _logits(plain, ids), rtol=0, atol=1e-4)
+    assert not any(p.packed is not None for p in load_model("tiny", "bfloat16").model.projections())
+
+
+@needs_mkl
+def test_a_changed_weight_is_never_served_from_a_stale_packed_copy() -> None:
+    loaded = load_model("tiny")
+    proj = loaded.model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, proj.in_features)
+    with torch.no_grad():
+        proj.weight.mul_(2.0)  # in place: same storage, new version
+    torch.testing.assert_close(proj(x), F.linear(x, proj.weight), rtol=1e-5, atol=1e-5)
+    assert proj.packed is None
+    assert proj.pack()  # re-packing picks the new values up
+    torch.testing.assert_close(proj(x), F.linear(x, proj.weight), rtol=1e-5, atol=1e-5)
