@@ -5,8 +5,8 @@ layout on every call. At a 2,048-row prefill that copy is amortised; at the 128 
 prefill after a cache hit, or the few rows of a decode step, it is a quarter of the GEMM time.
 MKL's packed API (``cblas_sgemm_pack`` once, ``cblas_sgemm_compute`` per call) keeps the packed
 copy; it is the same scheme as IPEX's packed linear and oneDNN's prepacked weights in vLLM's CPU
-backend. Measured on `small`'s 48 projections, 2 threads (`docs/model.md`): 0.76x the time at
-128 rows, 0.75x at 8, 0.85x at 2,048, 0.94x at 1.
+backend. On `small`'s 48 projections, 2 threads (`benchmarks/bench_packed_gemm.py`): 0.81-0.86x
+the time at 128 rows, 0.82x at 8, 0.96-1.00x at 2,048, parity at 1.
 
 PyTorch exports the cblas symbols of the MKL it links (``libtorch_cpu``) but no Python binding
 that takes a packed weight for any row count (``torch.ops.mkl._mkl_linear`` only uses it when the
