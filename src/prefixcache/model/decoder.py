@@ -26,7 +26,6 @@ __all__ = ["CausalLM", "RMSNorm"]
 MLP_CHUNK_ROWS = 512
 
 
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as transformers does."""
 
