@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from prefixcache.attention import AttentionMetadata
 from prefixcache.model import LoadedModel, load_model
 from prefixcache.model.decoder import Projection
+from prefixcache.model.host_memory import retain_freed_memory
 
 ROWS = (1, 8, 32, 128, 512, 2048)
 BLOCK_SIZE = 16
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    retain_freed_memory()  # as LLMEngine does
     loaded = load_model(args.model)
     projections = loaded.model.projections()
     if any(p.packed is None for p in projections):

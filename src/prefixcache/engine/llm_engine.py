@@ -25,6 +25,7 @@ from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
 from prefixcache.engine.stop import check_stop, emittable_text
+from prefixcache.model.host_memory import retain_freed_memory
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
 
@@ -38,7 +39,8 @@ class LLMEngine:
     ``model`` is a preset name (``"tiny"``, ``"small"``), a checkpoint directory or a
     `LoadedModel`. ``num_kv_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
     ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
-    invariant after each step (tests).
+    invariant after each step (tests). Creating an engine tunes the process's malloc to keep
+    freed tensor memory (`prefixcache.model.host_memory`).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class LLMEngine:
         dtype: str = "float32",
         check_integrity: bool = False,
     ) -> None:
+        retain_freed_memory()
         self.loaded = _load(model, dtype)
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
