@@ -53,6 +53,17 @@ def test_pack_rejects_what_it_cannot_pack() -> None:
         PackedWeight.pack(torch.zeros(4, 4, dtype=torch.bfloat16))
 
 
+@needs_mkl
+def test_matmul_rejects_input_it_would_misread() -> None:
+    packed = PackedWeight.pack(torch.randn(8, 6))
+    with pytest.raises(ValueError, match=r"x \[rows, 6\]"):
+        packed.matmul(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="float32 CPU"):
+        packed.matmul(torch.randn(3, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bias"):
+        packed.matmul(torch.randn(3, 6), torch.randn(7))
+
+
 def _logits(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     cache = loaded.make_kv_cache(num_blocks=16, block_size=16)
     meta = AttentionMetadata.build([list(range(16))], [0], [len(ids)], 16)

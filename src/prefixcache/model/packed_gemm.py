@@ -102,6 +102,13 @@ class PackedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] float32 CPU -> [rows, out] = x @ weight^T (+ bias)."""
+        # MKL reads raw pointers: a wrong dtype or width would read out of bounds, not fail
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"expected x [rows, {self.in_features}], got {tuple(x.shape)}")
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"expected float32 CPU input, got {x.dtype} on {x.device}")
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"expected bias [{self.out_features}], got {tuple(bias.shape)}")
         if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < self.in_features):
             x = x.contiguous()
         rows = x.shape[0]
