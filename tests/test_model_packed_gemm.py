@@ -73,8 +73,8 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
 @needs_mkl
 def test_loaded_projections_are_packed_and_agree_with_unpacked() -> None:
     packed, plain = load_model("tiny"), load_model("tiny", pack_weights=False)
-    assert all(p.packed is not None for p in packed.model.projections())
-    assert all(p.packed is None for p in plain.model.projections())
+    assert all(p.packed is not None for p in [*packed.model.projections(), packed.model.lm_head])
+    assert all(p.packed is None for p in [*plain.model.projections(), plain.model.lm_head])
     ids = list(range(40, 240))
     torch.testing.assert_close(_logits(packed, ids), _logits(plain, ids), rtol=0, atol=1e-4)
     assert not any(p.packed is not None for p in load_model("tiny", "bfloat16").model.projections())

@@ -181,7 +181,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Projection(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None
@@ -206,7 +206,9 @@ class CausalLM(nn.Module):
         ``x @ W^T`` hands sgemm an untransposed right operand (same values, shapes and names;
         on `small`'s 48 projections, 2 threads: 10% faster at 128 rows, 17% at 16, 7% at 1);
         that is the layout ``F.linear`` uses where packed GEMM is off or unavailable. With
-        ``pack``, each also keeps an MKL-packed copy (`Projection.pack`), which is faster still.
+        ``pack``, each also keeps an MKL-packed copy (`Projection.pack`), which is faster still;
+        so does the LM head (its weight left as it is: it may be the embedding's), which at a
+        16-sequence decode step of a 32k x 2,048 head takes 0.6x the time of ``F.linear``.
         """
         for linear in self.projections():
             weight = linear.weight
@@ -215,6 +217,7 @@ class CausalLM(nn.Module):
             if weight.is_contiguous():
                 weight.data = weight.data.t().contiguous().t()
             linear.pack(pack)
+        self.lm_head.pack(pack)
 
     def init_rotary(self) -> None:
         """Build rotary tables on the parameters' device (call after weights are in place)."""
