@@ -6,8 +6,8 @@ weights (stored as the view of a contiguous transpose, F.linear's fastest layout
 (a) the 48 projections of `small` (12 layers x qkv, o, gate/up, down) at 1 to 2,048 rows, each
 weight streamed once per pass as in a real step; (b) whole model steps: a 2,048-token prefill,
 128 tokens after 1,920 cached ones, and 128 tokens with no context, switching the projections
-between packed and plain before each timed step. Every case alternates with its twin, so load
-drift hits both alike. Prints a table and a final JSON line.
+and the LM head between packed and plain before each timed step (untimed). Every case
+alternates with its twin, so load drift hits both alike. Prints a table and a final JSON line.
 Usage: python benchmarks/bench_packed_gemm.py [--repeats 7] [--threads 2]
 """
 
@@ -16,39 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from prefixcache.attention import AttentionMetadata
+from bench_model import Case, Ours, median_ms  # benchmarks/ is the script's directory
 from prefixcache.model import LoadedModel, load_model
 from prefixcache.model.decoder import Projection
 from prefixcache.model.host_memory import retain_freed_memory
 
 ROWS = (1, 8, 32, 128, 512, 2048)
-BLOCK_SIZE = 16
 
 
-Case = tuple[Callable[[], object], Callable[[], object]]  # (untimed setup, timed run)
-
-
-def alternate(cases: dict[str, Case], repeats: int) -> dict[str, float]:
-    """Median ms per case over ``repeats`` rounds (plus one warm-up round), cases interleaved."""
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for round_index in range(repeats + 1):
-        for name, (setup, fn) in cases.items():
-            setup()
-            start = time.perf_counter()
-            fn()
-            if round_index:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def projection_cases(projections: list[Projection], rows: int) -> dict[str, Case]:
+def projection_cases(projections: list[Projection], rows: int) -> list[Case]:
     inputs = {p.in_features: torch.randn(rows, p.in_features) for p in projections}
 
     def plain() -> None:
@@ -60,44 +41,34 @@ def projection_cases(projections: list[Projection], rows: int) -> dict[str, Case
             assert p.packed is not None
             p.packed.matmul(inputs[p.in_features])
 
-    return {"plain": (_nothing, plain), "packed": (_nothing, packed)}
+    return [Case("plain", plain), Case("packed", packed)]
 
 
-def _nothing() -> None:
-    pass
-
-
-def step_cases(loaded: LoadedModel) -> dict[str, Case]:
-    """Model steps, each run once with packed and once with plain projections."""
-    model = loaded.model
+def step_cases(loaded: LoadedModel) -> list[Case]:
+    """Model steps (bench_model's shapes), each with packed and with plain weights; the
+    packing switch is the untimed setup of each case."""
     ids = torch.randint(0, loaded.config.vocab_size, (2048,), generator=torch.Generator())
-    table = list(range(2048 // BLOCK_SIZE))[::-1]
-    cached_kv, scratch_kv = (loaded.make_kv_cache(len(table), BLOCK_SIZE) for _ in range(2))
-
-    def step(kv, tokens: torch.Tensor, num_computed: int) -> None:  # noqa: ANN001
-        meta = AttentionMetadata.build([table], [num_computed], [len(tokens)], BLOCK_SIZE)
-        model(tokens, meta.positions, kv, meta)
-
-    step(cached_kv, ids[:1920], 0)
+    cached, scratch = Ours(loaded, len(ids)), Ours(loaded, len(ids))
+    cached.step(ids[:1920], 0)
     shapes = {
-        "full 2048": lambda: step(scratch_kv, ids, 0),
-        "1920 cached + 128": lambda: step(cached_kv, ids[1920:], 1920),
-        "128, no context": lambda: step(scratch_kv, ids[:128], 0),
+        "full 2048": lambda: scratch.step(ids, 0),
+        "1920 cached + 128": lambda: cached.step(ids[1920:], 1920),
+        "128, no context": lambda: scratch.step(ids[:128], 0),
     }
-    projections = model.projections()
+    linears = [*loaded.model.projections(), loaded.model.lm_head]
 
     def packing(enable: bool) -> Callable[[], None]:
         def setup() -> None:
-            for p in projections:
-                p.pack(enable)
+            for linear in linears:
+                linear.pack(enable)
 
         return setup
 
-    cases: dict[str, Case] = {}
-    for label, run in shapes.items():
-        for mode in ("plain", "packed"):
-            cases[f"{label}|{mode}"] = (packing(mode == "packed"), run)
-    return cases
+    return [
+        Case(f"{label}|{mode}", lambda _, run=run: run(), setup=packing(mode == "packed"))
+        for label, run in shapes.items()
+        for mode in ("plain", "packed")
+    ]
 
 
 def main() -> None:
@@ -113,10 +84,10 @@ def main() -> None:
     if any(p.packed is None for p in projections):
         raise SystemExit("packed GEMM is not available here (needs torch with MKL, x86)")
     load_start = os.getloadavg()[0]
-    gemm = {rows: alternate(projection_cases(projections, rows), args.repeats) for rows in ROWS}
-    steps = alternate(step_cases(loaded), args.repeats)
-    for p in projections:
-        p.pack(True)
+    gemm = {rows: median_ms(projection_cases(projections, rows), args.repeats) for rows in ROWS}
+    steps = median_ms(step_cases(loaded), args.repeats)
+    for linear in (*projections, loaded.model.lm_head):
+        linear.pack(True)
     result = {
         "bench": "packed_gemm",
         "model": args.model,
