@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
+
+paged_attention_module = importlib.import_module("prefixcache.attention.paged_attention")
 
 
 def test_metadata_slots_positions_and_offsets():
@@ -80,8 +83,14 @@ def _dense_reference(q, k, v, num_computed, scale):  # noqa: ANN001
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("scores_limit", [16 << 20, 0], ids=["explicit", "sdpa"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (8, 1)])
-def test_paged_attention_matches_dense_reference(heads: int, kv_heads: int):
+def test_paged_attention_matches_dense_reference(
+    heads: int, kv_heads: int, scores_limit: int, monkeypatch: pytest.MonkeyPatch
+):
+    # sequences with cached context go through GEMM-softmax-GEMM while their scores fit the
+    # limit, else through SDPA with an additive mask: both must match the reference
+    monkeypatch.setattr(paged_attention_module, "EXPLICIT_SCORES_MAX_BYTES", scores_limit)
     torch.manual_seed(0)
     dim, block_size = 16, 4
     computed, new = [0, 9, 13, 3], [7, 1, 5, 1]

@@ -35,7 +35,8 @@ class AttentionMetadata:
     # query token (decode attends through the block table: `decode_attention`).
     context_slots: list[torch.Tensor | None]
     causal_masks: list[torch.Tensor | None]
-    # additive forms of causal_masks, tiled for stacked heads, built on first use (`stacked_mask`)
+    # forms of causal_masks built on first use: additive, tiled for stacked heads (`stacked_mask`),
+    # and the new tokens' part alone (`future_mask`)
     _stacked_masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
@@ -55,6 +56,18 @@ class AttentionMetadata:
             additive.masked_fill_(~mask, float("-inf"))
             stacked = self._stacked_masks[key] = additive.repeat(repeats, 1)
         return stacked
+
+    def future_mask(self, b: int) -> torch.Tensor:
+        """Among sequence b's new tokens, [num_new, num_new] bool: True where key j comes after
+        query i (the part of its causal mask that is not all True). Built once per step."""
+        key = (b, 0, torch.bool)
+        future = self._stacked_masks.get(key)
+        if future is None:
+            mask = self.causal_masks[b]
+            if mask is None:
+                raise ValueError(f"sequence {b} has no cached context, hence no mask")
+            future = self._stacked_masks[key] = ~mask[:, self.num_computed[b] :]
+        return future
 
     @property
     def num_seqs(self) -> int:

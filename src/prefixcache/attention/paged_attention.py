@@ -5,9 +5,16 @@ block table) plus its new tokens, causal within the new ones. A sequence without
 takes the fast path: causal attention on its fresh K/V, no gather, no explicit mask. Decode
 sequences (one new token) are computed together by `decode_attention`, and prefill sequences
 that share cached leading blocks by `cascade_prefill`: both read those shared blocks once.
+
+A prefill over cached context whose score matrix is small (`EXPLICIT_SCORES_MAX_BYTES`, the
+typical cache hit: 128 new tokens over 2,048) is computed on CPU as two batched GEMMs and a
+softmax (`_attend_explicit`), which is 5-40% faster there than SDPA's fused kernel; larger ones
+go through SDPA with an additive mask (`_attend_stacked`).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -17,7 +24,15 @@ from prefixcache.attention.cascade_prefill import cascade_prefill
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 from prefixcache.attention.metadata import AttentionMetadata
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["EXPLICIT_SCORES_MAX_BYTES", "paged_attention", "write_kv"]
+
+# Largest score matrix (all heads of one sequence, float32 bytes) that `_attend_explicit` takes
+# on CPU. Up to about this size the whole matrix stays in cache between the GEMMs and the softmax,
+# and two large GEMMs beat SDPA's fused kernel, which tiles 64 query rows by 512 keys and adds
+# the mask in every tile (2 threads, `small`'s 12 x 64 heads over 4 kv heads: 0.82x the time at
+# 128 queries over 2,048 keys, 12 MiB of scores; 0.88x for 32 x 128 heads over 8 at 64 x 1,024).
+# Beyond it SDPA is faster (1.3-2x the time at 32-64 MiB), and scores need no extra memory.
+EXPLICIT_SCORES_MAX_BYTES = 16 << 20
 
 
 def write_kv(
@@ -68,6 +83,11 @@ def paged_attention(
             continue
         k_ctx = k_flat.index_select(0, slots)  # [seq_len, num_kv_heads, head_dim]
         v_ctx = v_flat.index_select(0, slots)
+        score_bytes = q.shape[1] * (end - start) * len(slots) * q.element_size()
+        if q.device.type == "cpu" and score_bytes <= EXPLICIT_SCORES_MAX_BYTES:
+            future = metadata.future_mask(b)
+            out[start:end] = _attend_explicit(q[start:end], k_ctx, v_ctx, future, scale)
+            continue
         mask = metadata.stacked_mask(b, q.shape[1] // num_kv_heads, q.dtype)
         out[start:end] = _attend_stacked(q[start:end], k_ctx, v_ctx, mask, scale)
     return out
@@ -91,6 +111,40 @@ def _attend_decodes(
         return
     tokens = torch.tensor([metadata.query_starts[b] for b in rows], device=q.device)
     out[tokens] = decode_attention(q[tokens], k_cache, v_cache, plan, scale)
+
+
+def _attend_explicit(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, future: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention as GEMM, softmax, GEMM over the whole score matrix, query heads stacked per
+    kv head (as in `_attend_stacked`).
+
+    q: [T, num_heads, head_dim]; k, v: [S, num_kv_heads, head_dim], the S - T cached tokens then
+    the T new ones; future: [T, T] bool, True where new key j comes after new query i. Only those
+    last T columns are masked: every new token sees all of the context.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    stacked = (
+        q.view(num_tokens, num_kv_heads, group, head_dim)
+        .permute(1, 2, 0, 3)  # [kv_heads, G, T, D]
+        .reshape(num_kv_heads, group * num_tokens, head_dim)
+        * scale
+    )
+    # k.permute: [kv_heads, D, S], a transposed view that the GEMM reads in place
+    scores = torch.bmm(stacked, k.permute(1, 2, 0))  # [kv_heads, G * T, S]
+    new_keys = scores[:, :, seq_len - num_tokens :]  # [kv_heads, G * T, T]
+    new_keys.view(num_kv_heads, group, num_tokens, num_tokens).masked_fill_(future, -math.inf)
+    # softmax in place (the CPU kernel reads each row before writing it): a second 12 MiB
+    # matrix per layer costs 6 ms of a 128-token cached step on `small`
+    probs = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+    out = torch.bmm(probs, v.transpose(0, 1))  # [kv_heads, G * T, D]
+    return (
+        out.view(num_kv_heads, group, num_tokens, head_dim)
+        .permute(2, 0, 1, 3)
+        .reshape(num_tokens, num_heads, head_dim)
+    )
 
 
 def _attend_stacked(
