@@ -36,7 +36,7 @@ class AttentionMetadata:
     context_slots: list[torch.Tensor | None]
     causal_masks: list[torch.Tensor | None]
     # forms of causal_masks built on first use: additive, tiled for stacked heads (`stacked_mask`),
-    # and the new tokens' part alone (`future_mask`)
+    # and the new tokens' part alone (`new_token_bias`)
     _stacked_masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
@@ -57,17 +57,22 @@ class AttentionMetadata:
             stacked = self._stacked_masks[key] = additive.repeat(repeats, 1)
         return stacked
 
-    def future_mask(self, b: int) -> torch.Tensor:
-        """Among sequence b's new tokens, [num_new, num_new] bool: True where key j comes after
-        query i (the part of its causal mask that is not all True). Built once per step."""
-        key = (b, 0, torch.bool)
-        future = self._stacked_masks.get(key)
-        if future is None:
+    def new_token_bias(self, b: int, repeats: int, dtype: torch.dtype) -> torch.Tensor:
+        """Sequence b's causal mask among its new tokens alone (the part of `causal_masks` that
+        is not all True) as an additive ``dtype`` mask, tiled ``repeats`` times along the query
+        axis: [repeats * num_new, num_new], 0 where query i may see new key j <= i, else -inf.
+        Built once per step."""
+        key = (b, -repeats, dtype)
+        bias = self._stacked_masks.get(key)
+        if bias is None:
             mask = self.causal_masks[b]
             if mask is None:
                 raise ValueError(f"sequence {b} has no cached context, hence no mask")
-            future = self._stacked_masks[key] = ~mask[:, self.num_computed[b] :]
-        return future
+            future = ~mask[:, self.num_computed[b] :]
+            bias = torch.zeros(future.shape, dtype=dtype, device=future.device)
+            bias.masked_fill_(future, float("-inf"))
+            bias = self._stacked_masks[key] = bias.repeat(repeats, 1)
+        return bias
 
     @property
     def num_seqs(self) -> int:

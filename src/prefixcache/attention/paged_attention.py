@@ -14,8 +14,6 @@ go through SDPA with an additive mask (`_attend_stacked`).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -85,8 +83,8 @@ def paged_attention(
         v_ctx = v_flat.index_select(0, slots)
         score_bytes = q.shape[1] * (end - start) * len(slots) * q.element_size()
         if q.device.type == "cpu" and score_bytes <= EXPLICIT_SCORES_MAX_BYTES:
-            future = metadata.future_mask(b)
-            out[start:end] = _attend_explicit(q[start:end], k_ctx, v_ctx, future, scale)
+            bias = metadata.new_token_bias(b, q.shape[1] // num_kv_heads, q.dtype)
+            _attend_explicit(q[start:end], k_ctx, v_ctx, bias, scale, out[start:end])
             continue
         mask = metadata.stacked_mask(b, q.shape[1] // num_kv_heads, q.dtype)
         out[start:end] = _attend_stacked(q[start:end], k_ctx, v_ctx, mask, scale)
@@ -114,37 +112,38 @@ def _attend_decodes(
 
 
 def _attend_explicit(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, future: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention as GEMM, softmax, GEMM over the whole score matrix, query heads stacked per
-    kv head (as in `_attend_stacked`).
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    new_token_bias: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention as GEMM, softmax, GEMM over the whole score matrix, written into ``out``; query
+    heads stacked per kv head (as in `_attend_stacked`).
 
-    q: [T, num_heads, head_dim]; k, v: [S, num_kv_heads, head_dim], the S - T cached tokens then
-    the T new ones; future: [T, T] bool, True where new key j comes after new query i. Only those
-    last T columns are masked: every new token sees all of the context.
+    q, out: [T, num_heads, head_dim]; k, v: [S, num_kv_heads, head_dim], the S - T cached tokens
+    then the T new ones; new_token_bias: [G * T, T] additive (0 / -inf), the causal mask of the new
+    tokens among themselves, tiled for the G stacked heads. Only those last T key columns need a
+    mask: every new token sees all of the context.
     """
     num_tokens, num_heads, head_dim = q.shape
     seq_len, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
-    stacked = (
-        q.view(num_tokens, num_kv_heads, group, head_dim)
-        .permute(1, 2, 0, 3)  # [kv_heads, G, T, D]
-        .reshape(num_kv_heads, group * num_tokens, head_dim)
-        * scale
-    )
+
+    def head_major(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [kv_heads, G, T, D] view
+        return x.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+
+    stacked = q.new_empty(num_kv_heads, group, num_tokens, head_dim)
+    torch.mul(head_major(q), scale, out=stacked)  # one pass: stack and scale
     # k.permute: [kv_heads, D, S], a transposed view that the GEMM reads in place
-    scores = torch.bmm(stacked, k.permute(1, 2, 0))  # [kv_heads, G * T, S]
-    new_keys = scores[:, :, seq_len - num_tokens :]  # [kv_heads, G * T, T]
-    new_keys.view(num_kv_heads, group, num_tokens, num_tokens).masked_fill_(future, -math.inf)
+    scores = torch.bmm(stacked.view(num_kv_heads, -1, head_dim), k.permute(1, 2, 0))
+    scores[:, :, seq_len - num_tokens :].add_(new_token_bias)  # [kv_heads, G * T, T]
     # softmax in place (the CPU kernel reads each row before writing it): a second 12 MiB
     # matrix per layer costs 6 ms of a 128-token cached step on `small`
     probs = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
-    out = torch.bmm(probs, v.transpose(0, 1))  # [kv_heads, G * T, D]
-    return (
-        out.view(num_kv_heads, group, num_tokens, head_dim)
-        .permute(2, 0, 1, 3)
-        .reshape(num_tokens, num_heads, head_dim)
-    )
+    heads_out = torch.bmm(probs, v.transpose(0, 1))  # [kv_heads, G * T, D]
+    head_major(out).copy_(heads_out.view(num_kv_heads, group, num_tokens, head_dim))
 
 
 def _attend_stacked(
