@@ -9,7 +9,14 @@ import random
 import pytest
 import torch
 
-from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
+from native_support import require_native_attention
+from prefixcache.attention import (
+    AttentionMetadata,
+    PagedKVCache,
+    native_attention,
+    paged_attention,
+    write_kv,
+)
 
 paged_attention_module = importlib.import_module("prefixcache.attention.paged_attention")
 
@@ -83,14 +90,20 @@ def _dense_reference(q, k, v, num_computed, scale):  # noqa: ANN001
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("scores_limit", [16 << 20, 0], ids=["explicit", "sdpa"])
+@pytest.mark.parametrize("path", ["native", "explicit", "sdpa"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (8, 1)])
 def test_paged_attention_matches_dense_reference(
-    heads: int, kv_heads: int, scores_limit: int, monkeypatch: pytest.MonkeyPatch
+    heads: int, kv_heads: int, path: str, monkeypatch: pytest.MonkeyPatch
 ):
-    # sequences with cached context go through GEMM-softmax-GEMM while their scores fit the
-    # limit, else through SDPA with an additive mask: both must match the reference
-    monkeypatch.setattr(paged_attention_module, "EXPLICIT_SCORES_MAX_BYTES", scores_limit)
+    # prefill sequences go through the compiled kernel where it builds; else, with cached
+    # context, through GEMM-softmax-GEMM while their scores fit the limit, else through SDPA
+    # with an additive mask: all must match the reference
+    if path == "native":
+        require_native_attention()
+    else:
+        monkeypatch.setattr(native_attention, "available", lambda: False)
+        limit = 16 << 20 if path == "explicit" else 0
+        monkeypatch.setattr(paged_attention_module, "EXPLICIT_SCORES_MAX_BYTES", limit)
     torch.manual_seed(0)
     dim, block_size = 16, 4
     computed, new = [0, 9, 13, 3], [7, 1, 5, 1]

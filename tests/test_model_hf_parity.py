@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from prefixcache.attention import AttentionMetadata, PagedKVCache
+from native_support import require_native_attention
+from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention
 from prefixcache.model import decoder, load_model
 from prefixcache.model.byte_tokenizer import write_byte_tokenizer
 
@@ -77,6 +78,16 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
             param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def attention_kernel(request, monkeypatch) -> str:  # noqa: ANN001
+    """Every case through the compiled attention kernel and through the torch paths."""
+    if request.param == "native":
+        require_native_attention()
+    else:
+        monkeypatch.setattr(native_attention, "available", lambda: False)
+    return request.param
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixcache.attention import native_attention
 from prefixcache.attention.cascade_prefill import cascade_prefill
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 from prefixcache.attention.metadata import AttentionMetadata
@@ -64,9 +65,13 @@ def paged_attention(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = q.shape[1] != num_kv_heads
+    native = _native_applies(q, k_flat, v_flat)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if metadata.num_seqs == 1 and metadata.num_computed[0] == 0:
-        return _attend_causal(q, k, v, scale, gqa)
-    out = torch.empty_like(q)
+        if not native:
+            return _attend_causal(q, k, v, scale, gqa)
+        native_attention.attend(q, k_flat, v_flat, metadata.slot_mapping, scale, out)
+        return out
     decode_rows = [b for b, n in enumerate(metadata.num_new) if n == 1]
     if decode_rows:
         _attend_decodes(q, k_cache, v_cache, metadata, decode_rows, scale, out)
@@ -75,6 +80,10 @@ def paged_attention(
     for b, slots in enumerate(metadata.context_slots):
         start, end = starts[b], starts[b + 1]
         if end - start == 1 or b in grouped:
+            continue
+        if native:  # slots: the context's and the new tokens'; without context, the new ones'
+            seq_slots = metadata.slot_mapping[start:end] if slots is None else slots
+            native_attention.attend(q[start:end], k_flat, v_flat, seq_slots, scale, out[start:end])
             continue
         if slots is None:
             out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale, gqa)
@@ -89,6 +98,18 @@ def paged_attention(
         mask = metadata.stacked_mask(b, q.shape[1] // num_kv_heads, q.dtype)
         out[start:end] = _attend_stacked(q[start:end], k_ctx, v_ctx, mask, scale)
     return out
+
+
+def _native_applies(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> bool:
+    """Whether `native_attention` takes this step's prefill sequences (CPU float32 only)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.stride(2) == 1
+        and k_flat.is_contiguous()
+        and v_flat.is_contiguous()
+        and native_attention.available()
+    )
 
 
 def _attend_decodes(

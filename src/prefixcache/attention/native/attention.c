@@ -1,0 +1,141 @@
+/* Paged attention on the CPU, float32: the prefill of one sequence over its paged K/V.
+ *
+ * Built by prefixcache.attention.native_attention (cc -O3 -march=native -fopenmp) at first use
+ * and called through ctypes. Query token t of the T new ones sits at position C + t, C = S - T,
+ * and sees keys 0 .. C + t, read through `slots` (the slot of each position 0 .. S - 1 in the
+ * flattened cache [num_slots, KV, D]). This covers a prefill after a cache hit (C > 0), a
+ * prefill chunk, and a fresh prefill (C = 0, causal).
+ *
+ * Work item = (kv head, tile of `tile_tokens` new tokens). Its G query heads are stacked into
+ * one [G * m, D] block; the scores against the keys any row of the tile may see go into a
+ * per-thread buffer sized to stay in L2, the softmax runs over each row's visible keys only (no
+ * mask), and one GEMM with V gives the output rows. The GEMMs are the Fortran BLAS sgemm that
+ * the caller passes (MKL's, from libtorch), single-threaded inside the OpenMP team.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+/* column-major C = alpha * op(A) * op(B) + beta * C (Fortran BLAS calling convention) */
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
+                         const int *k, const float *alpha, const float *a, const int *lda,
+                         const float *b, const int *ldb, const float *beta, float *c,
+                         const int *ldc);
+/* MKL_Set_Num_Threads_Local: threads MKL uses on the calling thread; returns the old value */
+typedef int (*set_threads_fn)(int);
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+#define LANES 16
+
+/* e^x for x <= 0, Cephes' expf scheme: e^x = 2^n * e^r, |r| <= ln(2) / 2, a degree-7 polynomial
+ * for e^r; relative error ~1e-7. Below -87 it returns e^-87 (~1.6e-38) instead of a subnormal. */
+static inline vfloat exp_nonpositive(vfloat x) {
+    const vfloat floor_x = x * 0.0f - 87.0f;
+    vint below = x < floor_x;
+    x = (vfloat)((below & (vint)floor_x) | (~below & (vint)x));
+    vfloat n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+    vfloat r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vfloat y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r +
+                 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    vint two_n = (__builtin_convertvector(n, vint) + 127) << 23;
+    return y * (vfloat)two_n;
+}
+
+static inline float exp_nonpositive_1(float x) {
+    vfloat v = {0};
+    v[0] = x;
+    return exp_nonpositive(v)[0];
+}
+
+/* row[0 .. visible) <- softmax(scale * row[0 .. visible)), row[visible .. width) <- 0 */
+static void softmax_row(float *row, int visible, int width, float scale) {
+    float max = -INFINITY;
+#pragma omp simd reduction(max : max)
+    for (int j = 0; j < visible; j++) max = row[j] > max ? row[j] : max;
+    vfloat sums = {0};
+    float sum = 0.0f;
+    int j = 0;
+    for (; j + LANES <= visible; j += LANES) {
+        vfloat x;
+        memcpy(&x, row + j, sizeof x);
+        x = exp_nonpositive((x - max) * scale);
+        memcpy(row + j, &x, sizeof x);
+        sums += x;
+    }
+    for (int l = 0; l < LANES; l++) sum += sums[l];
+    for (; j < visible; j++) {
+        row[j] = exp_nonpositive_1((row[j] - max) * scale);
+        sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int i = 0; i < visible; i++) row[i] *= inv;
+    if (width > visible) memset(row + visible, 0, (size_t)(width - visible) * sizeof(float));
+}
+
+/* Floats of scratch `pc_attention` needs: K and V per kv head, then per thread the stacked
+ * queries, outputs and scores of one tile. */
+int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthreads) {
+    const int64_t rows = (int64_t)(H / KV) * tile_tokens;
+    return 2 * (int64_t)KV * S * D + (int64_t)nthreads * rows * (2 * (int64_t)D + S);
+}
+
+/* q: [T, H, D] with rows q_row_stride floats apart (heads and D contiguous); k_cache, v_cache:
+ * [num_slots, KV, D]; slots: [S]; out: [T, H, D] contiguous; scratch: pc_scratch_floats. */
+void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
+                  const float *v_cache, const int64_t *slots, float *out, float *scratch, int T,
+                  int S, int H, int KV, int D, float scale, int tile_tokens, int nthreads,
+                  sgemm_fn sgemm, set_threads_fn set_threads) {
+    const int G = H / KV, C = S - T;
+    const int num_tiles = (T + tile_tokens - 1) / tile_tokens;
+    const int64_t head_floats = (int64_t)S * D, tile_rows = (int64_t)G * tile_tokens;
+    float *k_heads = scratch, *v_heads = scratch + KV * head_floats;
+    float *per_thread = v_heads + KV * head_floats;
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int previous = set_threads(1); /* MKL stays single-threaded inside the team */
+        /* gather K and V head-major: k_heads[h] is [S, D] in position order */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < (int64_t)KV * S; i++) {
+            const int64_t h = i / S, j = i % S;
+            const int64_t src = (slots[j] * KV + h) * D;
+            memcpy(k_heads + h * head_floats + j * D, k_cache + src, D * sizeof(float));
+            memcpy(v_heads + h * head_floats + j * D, v_cache + src, D * sizeof(float));
+        }
+        float *stacked_q = per_thread + omp_get_thread_num() * tile_rows * (2 * D + S);
+        float *stacked_out = stacked_q + tile_rows * D;
+        float *scores = stacked_out + tile_rows * D;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < KV * num_tiles; item++) {
+            const int h = item / num_tiles, t0 = (item % num_tiles) * tile_tokens;
+            const int m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
+            int rows = G * m, keys = C + t0 + m; /* keys: all any row of the tile may see */
+            for (int g = 0; g < G; g++)
+                for (int t = 0; t < m; t++)
+                    memcpy(stacked_q + ((int64_t)g * m + t) * D,
+                           q + (int64_t)(t0 + t) * q_row_stride + (int64_t)(h * G + g) * D,
+                           D * sizeof(float));
+            const float one = 1.0f, zero = 0.0f;
+            int ld = D;
+            /* scores (row-major [rows, keys]) = stacked_q K_h^T; column-major that is
+             * scores^T [keys, rows] = (K_h^T)^T stacked_q^T */
+            sgemm("T", "N", &keys, &rows, &ld, &one, k_heads + h * head_floats, &ld, stacked_q,
+                  &ld, &zero, scores, &keys);
+            for (int r = 0; r < rows; r++)
+                softmax_row(scores + (int64_t)r * keys, C + t0 + r % m + 1, keys, scale);
+            /* stacked_out [rows, D] = P V_h; column-major out^T [D, rows] = V_h^T P^T */
+            sgemm("N", "N", &ld, &rows, &keys, &one, v_heads + h * head_floats, &ld, scores,
+                  &keys, &zero, stacked_out, &ld);
+            for (int g = 0; g < G; g++)
+                for (int t = 0; t < m; t++)
+                    memcpy(out + ((int64_t)(t0 + t) * H + h * G + g) * D,
+                           stacked_out + ((int64_t)g * m + t) * D, D * sizeof(float));
+        }
+        set_threads(previous);
+    }
+}

@@ -1,0 +1,204 @@
+"""A compiled CPU kernel for the prefill attention of one sequence over paged K/V (float32).
+
+`native/attention.c` is built with the system C compiler (``$CC``, else ``cc``; ``-O3
+-march=native -fopenmp``) at first use into the user cache dir and called through ``ctypes``,
+like `prefixcache.model.packed_gemm`. Per kv head and tile of new tokens it stacks the G query
+heads, computes the scores against only the keys the tile may see into a buffer that stays in
+L2, runs the softmax over each row's visible keys (no mask tensor), and multiplies by V; the
+GEMMs are the sgemm of the MKL inside libtorch, single-threaded inside the kernel's OpenMP team
+(torch's own libgomp). On `small` (12 heads of 64 over 4 kv heads, 2 threads) one layer takes
+0.90x the time of the torch GEMM-softmax-GEMM path at 128 new tokens over 2,048 keys, 0.83x of
+causal SDPA for a fresh 2,048-token prefill, 0.52x for 32 heads of 128 over 8.
+
+`available()` is False, and callers keep the torch paths, when there is no compiler, no MKL in
+libtorch (ARM, macOS), the build or load fails, a one-time probe disagrees with the torch
+reference, or ``PREFIXCACHE_NATIVE_ATTENTION=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "attend", "disabled_by_env"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "attention.c"
+# New tokens per work item: their G stacked query heads' scores ([G * 32, keys] floats) stay in
+# a 2 MiB L2 up to ~5,000 keys at G = 3; on `small`, 32 is 5-10% faster than 16 or 64.
+TILE_TOKENS = 32
+_ENV = "PREFIXCACHE_NATIVE_ATTENTION"
+
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get(_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+class _Kernel:
+    def __init__(self, library: ctypes.CDLL, sgemm: int, set_threads: int) -> None:
+        self.attention = library.pc_attention
+        self.attention.restype = None
+        self.attention.argtypes = [_P, _I64, _P, _P, _P, _P, _P] + [_I] * 5
+        self.attention.argtypes += [ctypes.c_float, _I, _I, _P, _P]
+        self.scratch_floats = library.pc_scratch_floats
+        self.scratch_floats.restype = _I64
+        self.scratch_floats.argtypes = [_I] * 6
+        self.sgemm, self.set_threads = sgemm, set_threads
+
+
+def _compile_flags() -> list[str]:
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-mprefer-vector-width=512")  # zmm registers where the CPU has AVX-512
+    return flags
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags (Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _build(compiler: str) -> Path:
+    """Compile the kernel (once per source, flags, compiler and CPU) and return the library."""
+    from prefixcache.model.builtin import cache_dir  # lazy: prefixcache.model imports us
+
+    flags = _compile_flags()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"attention-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", staging],
+            capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        os.replace(staging, target)  # atomic: concurrent builders race harmlessly
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return target
+
+
+@functools.cache
+def _kernel() -> _Kernel | None:
+    if disabled_by_env() or not torch.backends.mkl.is_available():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("native attention off: no C compiler (set CC)")
+        return None
+    try:
+        torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        libtorch = ctypes.CDLL(os.path.join(torch_lib, "libtorch_cpu.so"))
+        sgemm = ctypes.cast(libtorch.sgemm_, _P).value
+        set_threads = ctypes.cast(libtorch.MKL_Set_Num_Threads_Local, _P).value
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("native attention off: %s", str(detail).strip()[:500])
+        return None
+    if not sgemm or not set_threads:
+        return None
+    return _Kernel(library, sgemm, set_threads)
+
+
+def attend(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One sequence's prefill attention into ``out``; requires `available()`.
+
+    q, out: [T, num_heads, head_dim] float32 CPU, the T new tokens (q's rows may be strided,
+    out contiguous); k_flat, v_flat: the paged cache flattened to [num_slots, num_kv_heads,
+    head_dim], already holding the new tokens' K/V; slots: [S] int64, the slot of every
+    position 0 .. S - 1 (S >= T: the cached context, then the new tokens). New token t sits at
+    position S - T + t and attends positions 0 .. S - T + t.
+    """
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("native attention is not available")
+    num_tokens, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads = slots.shape[0], k_flat.shape[1]
+    # the kernel reads raw pointers: check everything a wrong shape would turn into a bad read
+    if not (
+        q.dtype == k_flat.dtype == v_flat.dtype == out.dtype == torch.float32
+        and slots.dtype == torch.int64
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
+        and out.is_contiguous()
+        and out.shape == q.shape
+        and k_flat.is_contiguous()
+        and v_flat.is_contiguous()
+        and k_flat.shape == v_flat.shape == (k_flat.shape[0], num_kv_heads, head_dim)
+        and slots.is_contiguous()
+        and num_heads % num_kv_heads == 0
+        and 0 < num_tokens <= seq_len
+    ):
+        raise ValueError("native attention: unsupported shapes, strides or dtypes")
+    if seq_len and (int(slots.min()) < 0 or int(slots.max()) >= k_flat.shape[0]):
+        raise ValueError("native attention: slot out of range")
+    threads = torch.get_num_threads()
+    scratch = torch.empty(
+        kernel.scratch_floats(seq_len, num_heads, num_kv_heads, head_dim, TILE_TOKENS, threads),
+        dtype=torch.float32,
+    )
+    kernel.attention(
+        q.data_ptr(), q.stride(0), k_flat.data_ptr(), v_flat.data_ptr(), slots.data_ptr(),
+        out.data_ptr(), scratch.data_ptr(), num_tokens, seq_len, num_heads, num_kv_heads,
+        head_dim, scale, TILE_TOKENS, threads, kernel.sgemm, kernel.set_threads,
+    )  # fmt: skip
+
+
+@functools.cache
+def available() -> bool:
+    """True when the kernel builds here and matches a float64 reference (checked once)."""
+    if _kernel() is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, context, new = 6, 2, 16, 37, 21
+    k_flat = torch.randn(80, kv_heads, dim, generator=gen)
+    v_flat = torch.randn(80, kv_heads, dim, generator=gen)
+    slots = torch.randperm(80, generator=gen)[: context + new]
+    q = torch.randn(new, heads, dim, generator=gen)
+    out = torch.empty_like(q)
+    attend(q, k_flat, v_flat, slots, dim**-0.5, out)
+    keys = k_flat[slots].double().repeat_interleave(heads // kv_heads, 1)  # [S, heads, dim]
+    values = v_flat[slots].double().repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("thd,shd->hts", q.double(), keys) * dim**-0.5
+    visible = torch.arange(context + new) <= (torch.arange(new) + context).unsqueeze(1)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    ref = torch.einsum("hts,shd->thd", probs, values)
+    ok = torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    if not ok:
+        log.warning("native attention off: its probe disagrees with the reference")
+    return ok

@@ -1,0 +1,109 @@
+"""The compiled CPU attention kernel: builds where a compiler and MKL exist, equals a float64
+reference for any shape, thread count and slot order, refuses input it would misread, and can be
+switched off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from native_support import require_native_attention
+from prefixcache.attention import native_attention
+
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    require_native_attention()
+
+
+def _reference(q, k_flat, v_flat, slots, scale) -> torch.Tensor:  # noqa: ANN001
+    """Float64 attention of the new tokens: token t sees positions 0 .. S - T + t."""
+    new, heads, _ = q.shape
+    group = heads // k_flat.shape[1]
+    keys = k_flat[slots].double().repeat_interleave(group, 1)  # [S, heads, D]
+    values = v_flat[slots].double().repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q.double(), keys) * scale
+    context = len(slots) - new
+    visible = torch.arange(len(slots)) <= (torch.arange(new) + context).unsqueeze(1)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kv_heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 3, 8]),
+    head_dim=st.sampled_from([8, 16, 64, 80, 128]),
+    context=st.integers(0, 300),
+    new=st.integers(1, 100),
+    threads=st.sampled_from([1, 2, 3]),
+    strided_q=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_equals_reference(
+    kv_heads, group, head_dim, context, new, threads, strided_q, seed
+) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(seed)
+    heads, seq_len = kv_heads * group, context + new
+    num_slots = seq_len + 37
+    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:seq_len]  # any physical order
+    # the model hands q over as a column slice of the fused qkv output (strided rows)
+    fused = torch.randn(new, heads + 2 * kv_heads, head_dim, generator=gen) * 3
+    q = fused[:, :heads] if strided_q else fused[:, :heads].contiguous()
+    out = torch.full((new, heads, head_dim), float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native_attention.attend(q, k_flat, v_flat, slots, head_dim**-0.5, out)
+    finally:
+        torch.set_num_threads(before)
+    ref = _reference(q, k_flat, v_flat, slots, head_dim**-0.5)
+    # float32 rounding: torch's own SDPA in float32 is up to 7.8e-6 off on these cases
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_large_scores_do_not_overflow() -> None:
+    # logits in the hundreds (exp would overflow float32): the softmax must subtract each row's
+    # max first; float32 scores of that size carry ~1e-5 absolute rounding
+    gen = torch.Generator().manual_seed(1)
+    k_flat = torch.randn(64, 1, 16, generator=gen) * 10
+    v_flat = torch.randn(64, 1, 16, generator=gen)
+    slots = torch.arange(64)
+    q = torch.randn(8, 2, 16, generator=gen) * 10
+    out = torch.empty(8, 2, 16)
+    native_attention.attend(q, k_flat, v_flat, slots, 1.0, out)
+    assert torch.isfinite(out).all()
+    ref = _reference(q, k_flat, v_flat, slots, 1.0)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rejects_input_it_would_misread() -> None:
+    k_flat, v_flat = torch.randn(32, 2, 16), torch.randn(32, 2, 16)
+    q, out, slots = torch.randn(4, 4, 16), torch.empty(4, 4, 16), torch.arange(10)
+    with pytest.raises(ValueError, match="unsupported"):
+        native_attention.attend(q.double(), k_flat, v_flat, slots, 0.25, out)
+    with pytest.raises(ValueError, match="unsupported"):
+        native_attention.attend(q, k_flat, v_flat, slots.int(), 0.25, out)
+    with pytest.raises(ValueError, match="unsupported"):  # more new tokens than positions
+        native_attention.attend(q, k_flat, v_flat, slots[:3], 0.25, out)
+    with pytest.raises(ValueError, match="unsupported"):  # 4 heads over 3 kv heads
+        native_attention.attend(q, torch.randn(32, 3, 16), torch.randn(32, 3, 16), slots, 1, out)
+    with pytest.raises(ValueError, match="slot out of range"):
+        native_attention.attend(q, k_flat, v_flat, torch.arange(30, 40), 0.25, out)
+
+
+def test_switched_off_by_the_environment() -> None:
+    code = "from prefixcache.attention import native_attention as n; print(n.available())"
+    env = dict(os.environ, PREFIXCACHE_NATIVE_ATTENTION="0")
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
