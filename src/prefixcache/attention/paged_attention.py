@@ -1,4 +1,4 @@
-"""Paged attention, torch reference path: write new K/V through the slot mapping, then attend.
+"""Paged attention: write new K/V through the slot mapping, then attend.
 
 Each sequence's queries attend its cached context (gathered from the paged cache through its
 block table) plus its new tokens, causal within the new ones. A sequence without cached context
@@ -9,7 +9,9 @@ that share cached leading blocks by `cascade_prefill`: both read those shared bl
 A prefill over cached context whose score matrix is small (`EXPLICIT_SCORES_MAX_BYTES`, the
 typical cache hit: 128 new tokens over 2,048) is computed on CPU as two batched GEMMs and a
 softmax (`_attend_explicit`), which is 5-40% faster there than SDPA's fused kernel; larger ones
-go through SDPA with an additive mask (`_attend_stacked`).
+go through SDPA with an additive mask (`_attend_stacked`). Where the compiled CPU kernel builds
+(`native_attention`, float32), it takes every prefill sequence outside a cascade group instead,
+fresh or over cached context; the torch paths above are the reference and the fallback.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
  * Work item = (kv head, tile of `tile_tokens` new tokens). Its G query heads are stacked into
  * one [G * m, D] block; the scores against the keys any row of the tile may see go into a
  * per-thread buffer sized to stay in L2, the softmax runs over each row's visible keys only (no
- * mask), and one GEMM with V gives the output rows. The GEMMs are the Fortran BLAS sgemm that
+ * mask), and one GEMM with V gives the output rows, normalised there. The GEMMs are the Fortran BLAS sgemm that
  * the caller passes (MKL's, from libtorch), single-threaded inside the OpenMP team.
  */
 #include <math.h>
@@ -28,6 +28,7 @@ typedef int (*set_threads_fn)(int);
 typedef float vfloat __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
 #define LANES 16
+#define MAX_TILE_ROWS 4096 /* G * tile_tokens; checked by the caller */
 
 /* e^x for x <= 0, Cephes' expf scheme: e^x = 2^n * e^r, |r| <= ln(2) / 2, a degree-7 polynomial
  * for e^r; relative error ~1e-7. Below -87 it returns e^-87 (~1.6e-38) instead of a subnormal. */
@@ -51,8 +52,9 @@ static inline float exp_nonpositive_1(float x) {
     return exp_nonpositive(v)[0];
 }
 
-/* row[0 .. visible) <- softmax(scale * row[0 .. visible)), row[visible .. width) <- 0 */
-static void softmax_row(float *row, int visible, int width, float scale) {
+/* row[0 .. visible) <- exp(scale * (row - max)), row[visible .. width) <- 0; returns 1 / sum,
+ * the normalisation, which the caller applies to the D outputs instead of the `width` weights */
+static float softmax_row(float *row, int visible, int width, float scale) {
     float max = -INFINITY;
 #pragma omp simd reduction(max : max)
     for (int j = 0; j < visible; j++) max = row[j] > max ? row[j] : max;
@@ -71,10 +73,8 @@ static void softmax_row(float *row, int visible, int width, float scale) {
         row[j] = exp_nonpositive_1((row[j] - max) * scale);
         sum += row[j];
     }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int i = 0; i < visible; i++) row[i] *= inv;
     if (width > visible) memset(row + visible, 0, (size_t)(width - visible) * sizeof(float));
+    return 1.0f / sum;
 }
 
 /* Floats of scratch `pc_attention` needs: K and V per kv head, then per thread the stacked
@@ -126,15 +126,21 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
              * scores^T [keys, rows] = (K_h^T)^T stacked_q^T */
             sgemm("T", "N", &keys, &rows, &ld, &one, k_heads + h * head_floats, &ld, stacked_q,
                   &ld, &zero, scores, &keys);
+            float inv[MAX_TILE_ROWS];
             for (int r = 0; r < rows; r++)
-                softmax_row(scores + (int64_t)r * keys, C + t0 + r % m + 1, keys, scale);
+                inv[r] = softmax_row(scores + (int64_t)r * keys, C + t0 + r % m + 1, keys,
+                                     scale);
             /* stacked_out [rows, D] = P V_h; column-major out^T [D, rows] = V_h^T P^T */
             sgemm("N", "N", &ld, &rows, &keys, &one, v_heads + h * head_floats, &ld, scores,
                   &keys, &zero, stacked_out, &ld);
             for (int g = 0; g < G; g++)
                 for (int t = 0; t < m; t++)
-                    memcpy(out + ((int64_t)(t0 + t) * H + h * G + g) * D,
-                           stacked_out + ((int64_t)g * m + t) * D, D * sizeof(float));
+                {
+                    float *dst = out + ((int64_t)(t0 + t) * H + h * G + g) * D;
+                    const float *src = stacked_out + ((int64_t)g * m + t) * D;
+                    const float f = inv[g * m + t];
+                    for (int d = 0; d < D; d++) dst[d] = src[d] * f;
+                }
         }
         set_threads(previous);
     }
