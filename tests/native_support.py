@@ -19,5 +19,5 @@ def require_native_attention() -> None:
         or not torch.backends.mkl.is_available()
         or native_attention.disabled_by_env()
     ):
-        pytest.skip("no C compiler or MKL here: the native attention kernel cannot be built")
+        pytest.skip("native attention kernel unavailable: no C compiler or MKL, or switched off")
     assert native_attention.available(), "native attention kernel did not build or match"
