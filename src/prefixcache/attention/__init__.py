@@ -1,4 +1,4 @@
-"""Paged KV tensors, slot writes and paged attention (torch reference path).
+"""Paged KV tensors, slot writes and paged attention (torch paths and a compiled CPU kernel).
 
 The attention layer sees block ids and slots, never hashes: the scheduler turns cache block
 tables into an `AttentionMetadata` per step.

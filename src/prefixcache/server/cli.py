@@ -134,9 +134,13 @@ def build_app(args: argparse.Namespace) -> Any:
     configure_from_env(engine)  # PREFIXCACHE_LOG=json: JSON logs + cache decisions (no text)
     if args.record_trace:
         _record_trace(engine, args.record_trace)
-    logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s",
+    from prefixcache.attention import native_attention
+
+    logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s, "
+                "prefill attention %s",
                 args.model, engine.max_model_len, engine.cache.num_blocks, args.block_size,
-                "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}")
+                "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}",
+                "compiled CPU kernel" if native_attention.available() else "torch")
     return create_app(engine, model_name=args.served_model_name or args.model, tenants=tenants,
                       max_queue_len=args.max_queue_len,
                       default_max_tokens=args.default_max_tokens,
