@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
+from native_support import require_native_attention
+from prefixcache.attention import (
+    AttentionMetadata,
+    PagedKVCache,
+    native_attention,
+    paged_attention,
+    write_kv,
+)
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 
 BLOCK_SIZE = 4
@@ -80,6 +87,16 @@ CASES = {
     "shared_block_holds_a_last_token": ([("a", 4)] * 3, [16, 17, 20]),
     "identical_tables": ([("a", 3)] * 2, [12, 12]),
 }
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def attention_kernel(request, monkeypatch) -> str:  # noqa: ANN001
+    """Every test through the compiled kernel and through the torch paths."""
+    if request.param == "native":
+        require_native_attention()
+    else:
+        monkeypatch.setattr(native_attention, "available", lambda: False)
+    return request.param
 
 
 @pytest.mark.parametrize(

@@ -107,3 +107,55 @@ def test_switched_off_by_the_environment() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    kv_heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 3, 8]),
+    head_dim=st.sampled_from([16, 64, 128]),
+    num_seqs=st.integers(1, 40),
+    shared=st.integers(0, 200),
+    max_tail=st.integers(1, 50),
+    threads=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_equals_reference(
+    kv_heads, group, head_dim, num_seqs, shared, max_tail, threads, seed
+) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(seed)
+    heads, num_slots = kv_heads * group, shared + num_seqs * max_tail + 11
+    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_slots, generator=gen)
+    shared_slots = order[:shared].contiguous()
+    tail_slots = order[shared : shared + num_seqs * max_tail].view(num_seqs, max_tail).contiguous()
+    tail_lens = torch.randint(1, max_tail + 1, (num_seqs,), generator=gen, dtype=torch.int32)
+    fused = torch.randn(num_seqs, heads + 2 * kv_heads, head_dim, generator=gen) * 3
+    q = fused[:, :heads]  # strided rows, as the model hands it over
+    out = torch.full((num_seqs, heads, head_dim), float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native_attention.decode(
+            q, k_flat, v_flat, shared_slots, tail_slots, tail_lens, head_dim**-0.5, out
+        )
+    finally:
+        torch.set_num_threads(before)
+    for b in range(num_seqs):  # one query at the last position sees every key
+        slots = torch.cat([shared_slots, tail_slots[b, : tail_lens[b]]])
+        ref = _reference(q[b : b + 1], k_flat, v_flat, slots, head_dim**-0.5)
+        torch.testing.assert_close(out[b : b + 1].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rejects_input_it_would_misread() -> None:
+    k_flat, v_flat = torch.randn(32, 2, 16), torch.randn(32, 2, 16)
+    q, out = torch.randn(3, 4, 16), torch.empty(3, 4, 16)
+    shared, tails = torch.arange(4), torch.arange(4, 13).view(3, 3)
+    lens = torch.tensor([1, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="unsupported"):
+        native_attention.decode(q, k_flat, v_flat, shared, tails, lens.long(), 0.25, out)
+    with pytest.raises(ValueError, match="tail lengths"):
+        native_attention.decode(q, k_flat, v_flat, shared, tails, lens * 2, 0.25, out)
+    with pytest.raises(ValueError, match="slot out of range"):
+        native_attention.decode(q, k_flat, v_flat, shared + 30, tails, lens, 0.25, out)

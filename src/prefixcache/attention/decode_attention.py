@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixcache.attention import native_attention
 from prefixcache.attention.shared_prefix import SharedPrefix, find_shared_prefixes, merge_by_lse
 
 __all__ = ["DecodePlan", "SharedPrefix", "decode_attention"]
@@ -80,6 +81,8 @@ def decode_attention(
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if _native_applies(q, k_cache, v_cache):
+        return _attend_native(q, k_cache, v_cache, plan, scale)
     if not plan.shared:
         return _attend_tail_fused(q, k_cache, v_cache, plan, scale)
     # GQA without repeating K/V: the query heads of one kv head become rows of one matmul
@@ -94,6 +97,56 @@ def decode_attention(
         shared_out, shared_lse = _attend_shared(q_grouped[rows], k_cache, v_cache, group, scale)
         out[rows], lse[rows] = merge_by_lse(out[rows], lse[rows], shared_out, shared_lse)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.stride(2) == 1
+        and q.stride(1) == q.shape[2]
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and native_attention.available()
+    )
+
+
+def _attend_native(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+) -> torch.Tensor:
+    """The compiled kernel, once per group (its shared keys read once for all its queries, one
+    softmax per row over shared and own keys, no log-sum-exp merge) and once for the rest."""
+    num_seqs, block_size = q.shape[0], k_cache.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    offsets = torch.arange(block_size, device=q.device)
+    tail_slots = (plan.tail_block_ids.unsqueeze(2) * block_size + offsets).view(num_seqs, -1)
+    tail_lens = plan.tail_mask.view(num_seqs, -1).sum(1, dtype=torch.int32)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ungrouped = torch.ones(num_seqs, dtype=torch.bool)
+    no_shared = torch.empty(0, dtype=torch.int64, device=q.device)
+    parts = [(group.seq_indices, _block_slots(group.block_ids, offsets)) for group in plan.shared]
+    for group in plan.shared:
+        ungrouped[group.seq_indices] = False
+    if ungrouped.any():
+        parts.append((ungrouped.nonzero().view(-1), no_shared))
+    for rows, shared_slots in parts:
+        if len(rows) == num_seqs:  # rows are ascending: every sequence, in order
+            native_attention.decode(
+                q, k_flat, v_flat, shared_slots, tail_slots, tail_lens, scale, out
+            )
+            continue
+        part = torch.empty((len(rows), *q.shape[1:]), dtype=q.dtype, device=q.device)
+        native_attention.decode(
+            q[rows], k_flat, v_flat, shared_slots, tail_slots[rows], tail_lens[rows], scale, part
+        )
+        out[rows] = part
+    return out
+
+
+def _block_slots(block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return (block_ids.unsqueeze(1) * len(offsets) + offsets).view(-1)
 
 
 def _gather_tails(

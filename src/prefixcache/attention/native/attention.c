@@ -1,4 +1,5 @@
-/* Paged attention on the CPU, float32: the prefill of one sequence over its paged K/V.
+/* Paged attention on the CPU, float32: the prefill of one sequence over its paged K/V
+ * (`pc_attention`), and decode steps of sequences sharing a prefix (`pc_decode`, at the end).
  *
  * Built by prefixcache.attention.native_attention (cc -O3 -march=native -fopenmp) at first use
  * and called through ctypes. Query token t of the T new ones sits at position C + t, C = S - T,
@@ -141,6 +142,106 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
                     const float f = inv[g * m + t];
                     for (int d = 0; d < D; d++) dst[d] = src[d] * f;
                 }
+        }
+        set_threads(previous);
+    }
+}
+
+/* Floats of scratch `pc_decode` needs: shared K and V per kv head, then per thread the stacked
+ * queries and outputs of one chunk, its scores, and one tail's K and V. */
+int64_t pc_decode_scratch_floats(int shared, int max_tail, int H, int KV, int D, int chunk,
+                                 int nthreads) {
+    const int64_t rows = (int64_t)(H / KV) * chunk;
+    const int64_t per_thread = rows * (2 * (int64_t)D + shared + max_tail) +
+                               2 * (int64_t)max_tail * D;
+    return 2 * (int64_t)KV * shared * D + (int64_t)nthreads * per_thread;
+}
+
+/* Decode attention: B sequences with one query token each, all starting with the same `shared`
+ * keys (shared_slots; 0 for none), then each its own tail_lens[b] >= 1 keys (tail_slots[b *
+ * max_tail ..]). q: [B, H, D] with rows q_row_stride floats apart; out: [B, H, D] contiguous.
+ * Work item = (kv head, chunk of `chunk` sequences): their G query heads stacked, one GEMM over
+ * the shared keys for all of them, small GEMMs per tail, one softmax per row over both parts. */
+void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+               const int64_t *shared_slots, int shared, const int64_t *tail_slots,
+               const int *tail_lens, int max_tail, float *out, float *scratch, int B, int H,
+               int KV, int D, float scale, int chunk, int nthreads, sgemm_fn sgemm,
+               set_threads_fn set_threads) {
+    const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
+    const int64_t head_floats = (int64_t)shared * D, chunk_rows = (int64_t)G * chunk;
+    const int width = shared + max_tail; /* scores row stride */
+    float *k_shared = scratch, *v_shared = scratch + KV * head_floats;
+    float *per_thread = v_shared + KV * head_floats;
+    const int64_t thread_floats =
+        chunk_rows * (2 * (int64_t)D + width) + 2 * (int64_t)max_tail * D;
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int previous = set_threads(1);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < (int64_t)KV * shared; i++) {
+            const int64_t h = i / shared, j = i % shared;
+            const int64_t src = (shared_slots[j] * KV + h) * D;
+            memcpy(k_shared + h * head_floats + j * D, k_cache + src, D * sizeof(float));
+            memcpy(v_shared + h * head_floats + j * D, v_cache + src, D * sizeof(float));
+        }
+        float *stacked_q = per_thread + omp_get_thread_num() * thread_floats;
+        float *stacked_out = stacked_q + chunk_rows * D;
+        float *scores = stacked_out + chunk_rows * D;
+        float *k_tail = scores + chunk_rows * width, *v_tail = k_tail + (int64_t)max_tail * D;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < KV * num_chunks; item++) {
+            const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
+            const int nb = B - b0 < chunk ? B - b0 : chunk;
+            int rows = G * nb, ld = D, ldw = width, g_rows = G;
+            const float one = 1.0f, zero = 0.0f;
+            for (int b = 0; b < nb; b++) /* row b * G + g: sequence b0 + b, head h * G + g */
+                memcpy(stacked_q + (int64_t)b * G * D, q + (int64_t)(b0 + b) * q_row_stride +
+                       (int64_t)h * G * D, (size_t)G * D * sizeof(float));
+            if (shared > 0) {
+                int n_shared = shared;
+                sgemm("T", "N", &n_shared, &rows, &ld, &one, k_shared + h * head_floats, &ld,
+                      stacked_q, &ld, &zero, scores, &ldw);
+            }
+            float inv[MAX_TILE_ROWS];
+            for (int b = 0; b < nb; b++) {
+                int len = tail_lens[b0 + b];
+                const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
+                for (int j = 0; j < len; j++) {
+                    const int64_t src = (slots[j] * KV + h) * D;
+                    memcpy(k_tail + (int64_t)j * D, k_cache + src, D * sizeof(float));
+                }
+                float *row0 = scores + (int64_t)b * G * width;
+                sgemm("T", "N", &len, &g_rows, &ld, &one, k_tail, &ld,
+                      stacked_q + (int64_t)b * G * D, &ld, &zero, row0 + shared, &ldw);
+                for (int g = 0; g < G; g++)
+                    inv[b * G + g] = softmax_row(row0 + (int64_t)g * width, shared + len, width,
+                                                 scale);
+            }
+            if (shared > 0) {
+                int n_shared = shared;
+                sgemm("N", "N", &ld, &rows, &n_shared, &one, v_shared + h * head_floats, &ld,
+                      scores, &ldw, &zero, stacked_out, &ld);
+            } else {
+                memset(stacked_out, 0, (size_t)rows * D * sizeof(float));
+            }
+            for (int b = 0; b < nb; b++) {
+                int len = tail_lens[b0 + b];
+                const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
+                for (int j = 0; j < len; j++) {
+                    const int64_t src = (slots[j] * KV + h) * D;
+                    memcpy(v_tail + (int64_t)j * D, v_cache + src, D * sizeof(float));
+                }
+                sgemm("N", "N", &ld, &g_rows, &len, &one, v_tail, &ld,
+                      scores + (int64_t)b * G * width + shared, &ldw, &one,
+                      stacked_out + (int64_t)b * G * D, &ld);
+                for (int g = 0; g < G; g++) {
+                    float *dst = out + ((int64_t)(b0 + b) * H + h * G + g) * D;
+                    const float *src = stacked_out + ((int64_t)b * G + g) * D;
+                    const float f = inv[b * G + g];
+                    for (int d = 0; d < D; d++) dst[d] = src[d] * f;
+                }
+            }
         }
         set_threads(previous);
     }
