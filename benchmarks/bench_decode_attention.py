@@ -7,7 +7,9 @@ sequence), (b) `decode_attention` with no shared blocks (batched, gather by bloc
 `decode_attention` when the sequences share a 1,920-token prefix's blocks (cascade: the prefix is
 attended once for all 16 queries)? Same cache contents, outputs checked equal.
 
-Warm-up, then the median of interleaved repeats; prints a table and a final JSON line.
+(b) and (c) run through the compiled kernel (`native_attention`, where it builds) and through
+the torch paths. Warm-up, then the median of interleaved repeats; prints a table and a final
+JSON line.
 Usage: python benchmarks/bench_decode_attention.py [--repeats 20] [--threads 2]
 """
 
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixcache.attention import native_attention
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 
 
@@ -41,6 +44,14 @@ def per_sequence_reference(
             q[b : b + 1].transpose(0, 1).unsqueeze(0), k, v, scale=head_dim**-0.5, enable_gqa=True
         )[0, :, 0]
     return out
+
+
+def _torch_paths(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    native_attention.set_enabled(False)
+    try:
+        return fn()
+    finally:
+        native_attention.set_enabled(True)
 
 
 def make_tables(args: argparse.Namespace, shared: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -90,6 +101,10 @@ def run(args: argparse.Namespace) -> dict:
         cases[f"decode_attention incl. plan, {tag}"] = lambda t=table, n=lens: decode_attention(
             q, k_cache, v_cache, DecodePlan.build(t, n, bs), scale
         )
+        if native_attention.available():
+            cases[f"decode_attention, torch paths, {tag}"] = lambda p=plan: _torch_paths(
+                lambda: decode_attention(q, k_cache, v_cache, p, scale)
+            )
     for name, fn in cases.items():
         outputs[name] = fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -97,11 +112,12 @@ def run(args: argparse.Namespace) -> dict:
         for name, fn in cases.items():
             times[name].extend(time_ms(fn, 1))
     max_diff = {
-        tag: (outputs[f"decode_attention, {tag}"] - outputs[f"per-sequence slot gather, {tag}"])
+        name: (out - outputs[f"per-sequence slot gather, {name.rsplit(', ', 1)[1]}"])
         .abs()
         .max()
         .item()
-        for tag in ("unshared", "shared")
+        for name, out in outputs.items()
+        if name.startswith("decode_attention")
     }
     return {
         "bench": "decode_attention_layer",
@@ -110,6 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         "context": args.context,
         "shared_prefix": args.prefix,
         "repeats": args.repeats,
+        "compiled_kernel": native_attention.available(),
         "median_ms": {name: round(statistics.median(t), 3) for name, t in times.items()},
         "max_abs_diff_vs_reference": max_diff,
     }
@@ -129,6 +146,7 @@ def main() -> None:
         f"one layer, {summary['seqs']} decode seqs x ~{summary['context']} keys, "
         f"threads={summary['threads']}, median of {summary['repeats']}"
     )
+    print(f"decode_attention through the compiled kernel: {summary['compiled_kernel']}")
     print(f"{'path':<44}{'ms':>9}{'vs reference':>14}")
     for name, ms in ref.items():
         tag = name.rsplit(", ", 1)[1]

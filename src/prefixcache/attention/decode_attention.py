@@ -107,7 +107,7 @@ def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         and q.stride(1) == q.shape[2]
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and native_attention.available()
+        and native_attention.enabled()
     )
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "attend", "decode", "disabled_by_env"]
+__all__ = ["available", "attend", "decode", "disabled_by_env", "enabled", "set_enabled"]
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,21 @@ _DECODE_CHUNK = 16
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
+_switch = {"on": True}  # set_enabled: the torch paths on demand, e.g. for side-by-side benchmarks
+
+
 def disabled_by_env() -> bool:
     return os.environ.get(_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def set_enabled(flag: bool) -> None:
+    """Let the attention paths use the kernel (default) or not, process-wide."""
+    _switch["on"] = bool(flag)
+
+
+def enabled() -> bool:
+    """Whether the attention paths use the kernel now: switched on and `available()`."""
+    return _switch["on"] and available()
 
 
 class _Kernel:

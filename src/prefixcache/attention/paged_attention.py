@@ -110,7 +110,7 @@ def _native_applies(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor)
         and q.stride(2) == 1
         and k_flat.is_contiguous()
         and v_flat.is_contiguous()
-        and native_attention.available()
+        and native_attention.enabled()
     )
 
 
