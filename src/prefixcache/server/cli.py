@@ -137,7 +137,7 @@ def build_app(args: argparse.Namespace) -> Any:
     from prefixcache.attention import native_attention
 
     logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s, "
-                "prefill attention %s",
+                "attention %s",
                 args.model, engine.max_model_len, engine.cache.num_blocks, args.block_size,
                 "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}",
                 "compiled CPU kernel" if native_attention.available() else "torch")
