@@ -21,3 +21,19 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["native", "torch"])
+def attention_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through the compiled attention kernel and again through the torch paths.
+
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("attention_kernel")``.
+    """
+    from native_support import require_native_attention
+    from prefixcache.attention import native_attention
+
+    if request.param == "native":
+        require_native_attention()
+    else:
+        monkeypatch.setattr(native_attention, "available", lambda: False)
+    return str(request.param)

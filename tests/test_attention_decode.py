@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from native_support import require_native_attention
 from prefixcache.attention import (
     AttentionMetadata,
     PagedKVCache,
-    native_attention,
     paged_attention,
     write_kv,
 )
@@ -89,14 +87,8 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def attention_kernel(request, monkeypatch) -> str:  # noqa: ANN001
-    """Every test through the compiled kernel and through the torch paths."""
-    if request.param == "native":
-        require_native_attention()
-    else:
-        monkeypatch.setattr(native_attention, "available", lambda: False)
-    return request.param
+# every test through the compiled kernel and through the torch paths (conftest.py)
+pytestmark = pytest.mark.usefixtures("attention_kernel")
 
 
 @pytest.mark.parametrize(

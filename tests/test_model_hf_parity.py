@@ -13,8 +13,7 @@ import pytest
 import torch
 import transformers
 
-from native_support import require_native_attention
-from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention
+from prefixcache.attention import AttentionMetadata, PagedKVCache
 from prefixcache.model import decoder, load_model
 from prefixcache.model.byte_tokenizer import write_byte_tokenizer
 
@@ -80,14 +79,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def attention_kernel(request, monkeypatch) -> str:  # noqa: ANN001
-    """Every case through the compiled attention kernel and through the torch paths."""
-    if request.param == "native":
-        require_native_attention()
-    else:
-        monkeypatch.setattr(native_attention, "available", lambda: False)
-    return request.param
+# every test through the compiled kernel and through the torch paths (conftest.py)
+pytestmark = pytest.mark.usefixtures("attention_kernel")
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

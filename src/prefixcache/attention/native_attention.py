@@ -155,6 +155,44 @@ def _kernel() -> _Kernel | None:
     return _Kernel(library, sgemm, set_threads)
 
 
+def _kernel_or_raise() -> _Kernel:
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("native attention is not available")
+    return kernel
+
+
+def _check(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    out: torch.Tensor,
+    slot_tensors: list[torch.Tensor],
+    rows_per_head: int,
+    what: str,
+) -> None:
+    """The kernels read raw pointers: reject everything a wrong shape would turn into a bad read."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_flat.shape[1]
+    if not (
+        q.dtype == k_flat.dtype == v_flat.dtype == out.dtype == torch.float32
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
+        and out.is_contiguous()
+        and out.shape == q.shape
+        and k_flat.is_contiguous()
+        and v_flat.is_contiguous()
+        and k_flat.shape == v_flat.shape == (k_flat.shape[0], num_kv_heads, head_dim)
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads * rows_per_head <= _MAX_TILE_ROWS
+        and all(t.dtype == torch.int64 and t.is_contiguous() for t in slot_tensors)
+    ):
+        raise ValueError(f"native {what}: unsupported shapes, strides or dtypes")
+    for slots in slot_tensors:
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= k_flat.shape[0]):
+            raise ValueError(f"native {what}: slot out of range")
+
+
 def attend(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -171,30 +209,14 @@ def attend(
     position 0 .. S - 1 (S >= T: the cached context, then the new tokens). New token t sits at
     position S - T + t and attends positions 0 .. S - T + t.
     """
-    kernel = _kernel()
-    if kernel is None:
-        raise RuntimeError("native attention is not available")
+    kernel = _kernel_or_raise()
     num_tokens, num_heads, head_dim = q.shape
     seq_len, num_kv_heads = slots.shape[0], k_flat.shape[1]
-    # the kernel reads raw pointers: check everything a wrong shape would turn into a bad read
-    if not (
-        q.dtype == k_flat.dtype == v_flat.dtype == out.dtype == torch.float32
-        and slots.dtype == torch.int64
-        and q.stride(2) == 1
-        and q.stride(1) == head_dim
-        and out.is_contiguous()
-        and out.shape == q.shape
-        and k_flat.is_contiguous()
-        and v_flat.is_contiguous()
-        and k_flat.shape == v_flat.shape == (k_flat.shape[0], num_kv_heads, head_dim)
-        and slots.is_contiguous()
-        and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads * TILE_TOKENS <= _MAX_TILE_ROWS
-        and 0 < num_tokens <= seq_len
-    ):
-        raise ValueError("native attention: unsupported shapes, strides or dtypes")
-    if seq_len and (int(slots.min()) < 0 or int(slots.max()) >= k_flat.shape[0]):
-        raise ValueError("native attention: slot out of range")
+    _check(q, k_flat, v_flat, out, [slots], TILE_TOKENS, "attention")
+    if not 0 < num_tokens <= seq_len:
+        raise ValueError(
+            f"native attention: unsupported: {num_tokens} new tokens over {seq_len} positions"
+        )
     threads = torch.get_num_threads()
     scratch = torch.empty(
         kernel.scratch_floats(seq_len, num_heads, num_kv_heads, head_dim, TILE_TOKENS, threads),
@@ -224,37 +246,19 @@ def decode(
     sequence starts with (P may be 0); tail_slots: [B, max_tail] int64, then each sequence's own
     keys, tail_lens[b] (int32, 1 .. max_tail) of them.
     """
-    kernel = _kernel()
-    if kernel is None:
-        raise RuntimeError("native attention is not available")
+    kernel = _kernel_or_raise()
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, max_tail = k_flat.shape[1], tail_slots.shape[1]
+    _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], _DECODE_CHUNK, "decode")
     if not (
-        q.dtype == k_flat.dtype == v_flat.dtype == out.dtype == torch.float32
-        and shared_slots.dtype == tail_slots.dtype == torch.int64
-        and tail_lens.dtype == torch.int32
-        and q.stride(2) == 1
-        and q.stride(1) == head_dim
-        and out.is_contiguous()
-        and out.shape == q.shape
-        and k_flat.is_contiguous()
-        and v_flat.is_contiguous()
-        and k_flat.shape == v_flat.shape == (k_flat.shape[0], num_kv_heads, head_dim)
-        and shared_slots.is_contiguous()
-        and tail_slots.is_contiguous()
-        and tail_slots.shape[0] == tail_lens.shape[0] == num_seqs
+        tail_lens.dtype == torch.int32
         and tail_lens.is_contiguous()
-        and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads * _DECODE_CHUNK <= _MAX_TILE_ROWS
-        and num_seqs > 0
+        and tail_slots.shape[0] == tail_lens.shape[0] == num_seqs > 0
         and max_tail > 0
     ):
         raise ValueError("native decode: unsupported shapes, strides or dtypes")
     if int(tail_lens.min()) < 1 or int(tail_lens.max()) > max_tail:
         raise ValueError("native decode: tail lengths out of range")
-    for slots in (shared_slots, tail_slots):
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= k_flat.shape[0]):
-            raise ValueError("native decode: slot out of range")
     threads = torch.get_num_threads()
     shared = shared_slots.shape[0]
     scratch = torch.empty(

@@ -78,6 +78,19 @@ static float softmax_row(float *row, int visible, int width, float scale) {
     return 1.0f / sum;
 }
 
+/* Inside a parallel region: K and V of positions 0 .. n - 1 (slots[]) gathered head-major,
+ * k_heads[h] and v_heads[h] each [n, D] in position order; ends with the team's barrier. */
+static void gather_heads(const float *k_cache, const float *v_cache, const int64_t *slots,
+                         int n, int KV, int D, float *k_heads, float *v_heads) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < (int64_t)KV * n; i++) {
+        const int64_t h = i / n, j = i % n;
+        const int64_t src = (slots[j] * KV + h) * D, dst = (h * n + j) * D;
+        memcpy(k_heads + dst, k_cache + src, D * sizeof(float));
+        memcpy(v_heads + dst, v_cache + src, D * sizeof(float));
+    }
+}
+
 /* Floats of scratch `pc_attention` needs: K and V per kv head, then per thread the stacked
  * queries, outputs and scores of one tile. */
 int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthreads) {
@@ -100,14 +113,7 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
 #pragma omp parallel num_threads(nthreads)
     {
         const int previous = set_threads(1); /* MKL stays single-threaded inside the team */
-        /* gather K and V head-major: k_heads[h] is [S, D] in position order */
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < (int64_t)KV * S; i++) {
-            const int64_t h = i / S, j = i % S;
-            const int64_t src = (slots[j] * KV + h) * D;
-            memcpy(k_heads + h * head_floats + j * D, k_cache + src, D * sizeof(float));
-            memcpy(v_heads + h * head_floats + j * D, v_cache + src, D * sizeof(float));
-        }
+        gather_heads(k_cache, v_cache, slots, S, KV, D, k_heads, v_heads);
         float *stacked_q = per_thread + omp_get_thread_num() * tile_rows * (2 * D + S);
         float *stacked_out = stacked_q + tile_rows * D;
         float *scores = stacked_out + tile_rows * D;
@@ -178,13 +184,7 @@ void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const
 #pragma omp parallel num_threads(nthreads)
     {
         const int previous = set_threads(1);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < (int64_t)KV * shared; i++) {
-            const int64_t h = i / shared, j = i % shared;
-            const int64_t src = (shared_slots[j] * KV + h) * D;
-            memcpy(k_shared + h * head_floats + j * D, k_cache + src, D * sizeof(float));
-            memcpy(v_shared + h * head_floats + j * D, v_cache + src, D * sizeof(float));
-        }
+        gather_heads(k_cache, v_cache, shared_slots, shared, KV, D, k_shared, v_shared);
         float *stacked_q = per_thread + omp_get_thread_num() * thread_floats;
         float *stacked_out = stacked_q + chunk_rows * D;
         float *scores = stacked_out + chunk_rows * D;
