@@ -81,7 +81,7 @@ def decode_attention(
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if _native_applies(q, k_cache, v_cache):
+    if native_attention.applies(q, k_cache, v_cache):
         return _attend_native(q, k_cache, v_cache, plan, scale)
     if not plan.shared:
         return _attend_tail_fused(q, k_cache, v_cache, plan, scale)
@@ -97,18 +97,6 @@ def decode_attention(
         shared_out, shared_lse = _attend_shared(q_grouped[rows], k_cache, v_cache, group, scale)
         out[rows], lse[rows] = merge_by_lse(out[rows], lse[rows], shared_out, shared_lse)
     return out.reshape(num_seqs, num_heads, head_dim)
-
-
-def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and q.stride(2) == 1
-        and q.stride(1) == q.shape[2]
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and native_attention.enabled()
-    )
 
 
 def _attend_native(

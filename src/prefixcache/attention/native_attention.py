@@ -32,7 +32,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "attend", "decode", "disabled_by_env", "enabled", "set_enabled"]
+__all__ = [
+    "applies",
+    "attend",
+    "available",
+    "decode",
+    "disabled_by_env",
+    "enabled",
+    "set_enabled",
+]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +161,20 @@ def _kernel() -> _Kernel | None:
     if not sgemm or not set_threads:
         return None
     return _Kernel(library, sgemm, set_threads)
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the attention paths hand this step to the kernel: `enabled()`, float32 CPU
+    queries [T, heads, head_dim] with contiguous heads (rows may be strided), contiguous caches."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.stride(2) == 1
+        and q.stride(1) == q.shape[2]
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and enabled()
+    )
 
 
 def _kernel_or_raise() -> _Kernel:

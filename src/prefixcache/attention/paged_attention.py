@@ -67,11 +67,11 @@ def paged_attention(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = q.shape[1] != num_kv_heads
-    native = _native_applies(q, k_flat, v_flat)
+    native = native_attention.applies(q, k_cache, v_cache)
+    if metadata.num_seqs == 1 and metadata.num_computed[0] == 0 and not native:
+        return _attend_causal(q, k, v, scale, gqa)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if metadata.num_seqs == 1 and metadata.num_computed[0] == 0:
-        if not native:
-            return _attend_causal(q, k, v, scale, gqa)
         native_attention.attend(q, k_flat, v_flat, metadata.slot_mapping, scale, out)
         return out
     decode_rows = [b for b, n in enumerate(metadata.num_new) if n == 1]
@@ -100,18 +100,6 @@ def paged_attention(
         mask = metadata.stacked_mask(b, q.shape[1] // num_kv_heads, q.dtype)
         out[start:end] = _attend_stacked(q[start:end], k_ctx, v_ctx, mask, scale)
     return out
-
-
-def _native_applies(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> bool:
-    """Whether `native_attention` takes this step's prefill sequences (CPU float32 only)."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and q.stride(2) == 1
-        and k_flat.is_contiguous()
-        and v_flat.is_contiguous()
-        and native_attention.enabled()
-    )
 
 
 def _attend_decodes(
