@@ -24,16 +24,20 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(params=["native", "torch"])
-def attention_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test through the compiled attention kernel and again through the torch paths.
+def native_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through the compiled kernels (attention and layers) and again through the
+    torch code alone.
 
-    Modules opt in with ``pytestmark = pytest.mark.usefixtures("attention_kernel")``.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("native_kernels")``.
     """
-    from native_support import require_native_attention
+    from native_support import require_native_attention, require_native_layers
     from prefixcache.attention import native_attention
+    from prefixcache.model import native_layers
 
     if request.param == "native":
         require_native_attention()
+        require_native_layers()
     else:
         monkeypatch.setattr(native_attention, "available", lambda: False)
+        monkeypatch.setattr(native_layers, "available", lambda: False)
     return str(request.param)

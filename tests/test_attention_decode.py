@@ -88,7 +88,7 @@ CASES = {
 
 
 # every test through the compiled kernel and through the torch paths (conftest.py)
-pytestmark = pytest.mark.usefixtures("attention_kernel")
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 @pytest.mark.parametrize(

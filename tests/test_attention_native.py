@@ -1,12 +1,8 @@
 """The compiled CPU attention kernel: builds where a compiler and MKL exist, equals a float64
-reference for any shape, thread count and slot order, refuses input it would misread, and can be
-switched off."""
+reference for any shape, thread count and slot order, and refuses input it would misread. (Its
+build and switch: tests/test_native_build.py.)"""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -98,15 +94,6 @@ def test_rejects_input_it_would_misread() -> None:
         native_attention.attend(q, torch.randn(32, 3, 16), torch.randn(32, 3, 16), slots, 1, out)
     with pytest.raises(ValueError, match="slot out of range"):
         native_attention.attend(q, k_flat, v_flat, torch.arange(30, 40), 0.25, out)
-
-
-def test_switched_off_by_the_environment() -> None:
-    code = "from prefixcache.attention import native_attention as n; print(n.available())"
-    env = dict(os.environ, PREFIXCACHE_NATIVE_ATTENTION="0")
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert result.stdout.strip() == "False"
 
 
 @settings(max_examples=30, deadline=None)

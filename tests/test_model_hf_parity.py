@@ -80,7 +80,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 # every test through the compiled kernel and through the torch paths (conftest.py)
-pytestmark = pytest.mark.usefixtures("attention_kernel")
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

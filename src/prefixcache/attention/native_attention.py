@@ -1,16 +1,17 @@
 """A compiled CPU kernel for the prefill attention of one sequence over paged K/V (float32).
 
-`native/attention.c` is built with the system C compiler (``$CC``, else ``cc``; ``-O3
--march=native -fopenmp``) at first use into the user cache dir and called through ``ctypes``,
-like `prefixcache.model.packed_gemm`. Per kv head and tile of new tokens it stacks the G query
-heads, computes the scores against only the keys the tile may see into a buffer that stays in
-L2, runs the softmax over each row's visible keys (no mask tensor), multiplies by V and
-normalises the output rows; the GEMMs are the sgemm of the MKL inside libtorch, single-threaded
-inside the kernel's OpenMP team (torch's own libgomp). One layer, 2 threads, `small`'s 12 heads
-of 64 over 4 kv heads: 3.2-3.3 ms against 3.5-3.9 for the torch GEMM-softmax-GEMM path at 128
-new tokens over 2,048 keys, 23.5-24.5 against 30-32 ms for causal SDPA over a fresh 2,048-token
-prompt; 32 heads of 128 over 8 at 128 over 2,048: 14.3-14.7 against 28 ms. Its floor is the
-GEMMs (~330 GFLOP/s here, ~75% of the kernel's time at 128 x 2,048).
+`prefixcache/native/attention.c` is built with the system C compiler (``$CC``, else ``cc``;
+``-O3 -march=native -fopenmp``; `prefixcache.native`) at first use into the user cache dir and
+called through ``ctypes``, like `prefixcache.model.packed_gemm`. Per kv head and tile of new
+tokens it stacks the G query heads, computes the scores against only the keys the tile may see
+into a buffer that stays in L2, runs the softmax over each row's visible keys (no mask tensor),
+multiplies by V and normalises the output rows; the GEMMs are the sgemm of the MKL inside
+libtorch, single-threaded inside the kernel's OpenMP team (torch's own libgomp). After a cache
+hit (more context than new tokens) each thread gathers the K/V of the head it works on, so its
+tiles read them from L2. One layer, 2 threads, `small`'s 12 heads of 64 over 4 kv heads, 128 new
+tokens over 2,048 keys: 2.6 ms (3.5-3.9 for the torch GEMM-softmax-GEMM path), of which the two
+GEMMs take 2.0 (~390 GFLOP/s, near MKL's rate for large GEMMs here), the softmax 0.36 and the
+gather 0.33; a fresh 2,048-token prompt: 22-23 ms (30-32 for causal SDPA).
 
 `available()` is False, and callers keep the torch paths, when there is no compiler, no MKL in
 libtorch (ARM, macOS), the build or load fails, a one-time probe disagrees with the torch
@@ -21,16 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from prefixcache.native import Switch, load_library
 
 __all__ = [
     "applies",
@@ -44,12 +41,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "attention.c"
 # New tokens per work item: their G stacked query heads' scores ([G * 32, keys] floats) stay in
 # a 2 MiB L2 up to ~5,000 keys at G = 3; on `small`, 32 is as fast as 48 and 2-5% faster than
 # 16 or 64.
 TILE_TOKENS = 32
-_ENV = "PREFIXCACHE_NATIVE_ATTENTION"
 _MAX_TILE_ROWS = 4096  # MAX_TILE_ROWS in attention.c: stacked query rows of one work item
 # Decode sequences per work item: their G query heads stack into one GEMM over the shared keys
 # (16 sequences of `small`: 0.85 ms per layer at 16, 1.0 at 8, 1.2 at 4).
@@ -58,21 +53,10 @@ _DECODE_CHUNK = 16
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
-_switch = {"on": True}  # set_enabled: the torch paths on demand, e.g. for side-by-side benchmarks
-
-
-def disabled_by_env() -> bool:
-    return os.environ.get(_ENV, "1").strip().lower() in ("0", "false", "no", "off")
-
-
-def set_enabled(flag: bool) -> None:
-    """Let the attention paths use the kernel (default) or not, process-wide."""
-    _switch["on"] = bool(flag)
-
-
-def enabled() -> bool:
-    """Whether the attention paths use the kernel now: switched on and `available()`."""
-    return _switch["on"] and available()
+_switch = Switch("PREFIXCACHE_NATIVE_ATTENTION", lambda: available())
+disabled_by_env = _switch.disabled_by_env
+set_enabled = _switch.set_enabled  # False: the torch paths, e.g. for side-by-side benchmarks
+enabled = _switch.enabled
 
 
 class _Kernel:
@@ -94,69 +78,20 @@ class _Kernel:
         self.sgemm, self.set_threads = sgemm, set_threads
 
 
-def _compile_flags() -> list[str]:
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-mprefer-vector-width=512")  # zmm registers where the CPU has AVX-512
-    return flags
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's model and feature flags (Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
-
-
-def _build(compiler: str) -> Path:
-    """Compile the kernel (once per source, flags, compiler and CPU) and return the library."""
-    from prefixcache.model.builtin import cache_dir  # lazy: prefixcache.model imports us
-
-    flags = _compile_flags()
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"attention-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", staging],
-            capture_output=True, text=True, timeout=300, check=True,
-        )  # fmt: skip
-        os.replace(staging, target)  # atomic: concurrent builders race harmlessly
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
-    return target
-
-
 @functools.cache
 def _kernel() -> _Kernel | None:
     if disabled_by_env() or not torch.backends.mkl.is_available():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.info("native attention off: no C compiler (set CC)")
+    library = load_library("attention")
+    if library is None:
         return None
     try:
         torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
         libtorch = ctypes.CDLL(os.path.join(torch_lib, "libtorch_cpu.so"))
         sgemm = ctypes.cast(libtorch.sgemm_, _P).value
         set_threads = ctypes.cast(libtorch.MKL_Set_Num_Threads_Local, _P).value
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("native attention off: %s", str(detail).strip()[:500])
+    except (OSError, AttributeError) as exc:
+        log.warning("native attention off: %s", exc)
         return None
     if not sgemm or not set_threads:
         return None

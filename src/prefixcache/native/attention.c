@@ -1,8 +1,8 @@
 /* Paged attention on the CPU, float32: the prefill of one sequence over its paged K/V
  * (`pc_attention`), and decode steps of sequences sharing a prefix (`pc_decode`, at the end).
  *
- * Built by prefixcache.attention.native_attention (cc -O3 -march=native -fopenmp) at first use
- * and called through ctypes. Query token t of the T new ones sits at position C + t, C = S - T,
+ * Built by prefixcache.native for prefixcache.attention.native_attention (cc -O3 -march=native
+ * -fopenmp) at first use and called through ctypes. Query token t of the T new ones sits at position C + t, C = S - T,
  * and sees keys 0 .. C + t, read through `slots` (the slot of each position 0 .. S - 1 in the
  * flattened cache [num_slots, KV, D]). This covers a prefill after a cache hit (C > 0), a
  * prefill chunk, and a fresh prefill (C = 0, causal).
@@ -10,16 +10,16 @@
  * Work item = (kv head, tile of `tile_tokens` new tokens). Its G query heads are stacked into
  * one [G * m, D] block; the scores against the keys any row of the tile may see go into a
  * per-thread buffer sized to stay in L2, the softmax runs over each row's visible keys only (no
- * mask), and one GEMM with V gives the output rows, normalised there. The GEMMs are the Fortran BLAS sgemm that
- * the caller passes (MKL's, from libtorch), single-threaded inside the OpenMP team.
+ * mask), and one GEMM with V gives the output rows, normalised there. The GEMMs are the Fortran
+ * BLAS sgemm that the caller passes (MKL's, from libtorch), single-threaded inside the OpenMP
+ * team.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "vector_math.h"
 
 /* column-major C = alpha * op(A) * op(B) + beta * C (Fortran BLAS calling convention) */
 typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
@@ -29,40 +29,10 @@ typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, c
 /* MKL_Set_Num_Threads_Local: threads MKL uses on the calling thread; returns the old value */
 typedef int (*set_threads_fn)(int);
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-#define LANES 16
 #define MAX_TILE_ROWS 4096 /* G * tile_tokens; checked by the caller */
 
-/* max(x, lo) per lane: one vmaxps where the CPU has AVX-512, else compare and select */
-static inline vfloat max_lanes(vfloat x, float lo) {
-#ifdef __AVX512F__
-    return (vfloat)_mm512_max_ps((__m512)x, _mm512_set1_ps(lo));
-#else
-    const vfloat low = x * 0.0f + lo;
-    const vint below = x < low;
-    return (vfloat)((below & (vint)low) | (~below & (vint)x));
-#endif
-}
-
-/* e^x for x <= 0 as 2^n e^r, n = round(x / ln 2), |r| <= ln(2) / 2: a degree-6 polynomial
- * (minimax for relative error) for e^r, 2^n built from n's bits. Adding 1.5 * 2^23 + 127 to x / ln
- * 2 leaves n + 127 in the low mantissa bits of the float sum t, so t's bits shifted left by 23
- * are 2^n. Relative error <= 3.1e-7 on [-87, 0] (float32 SDPA: ~1e-7 per exp); below -87 it
- * returns ~e^-87 (1.6e-38) instead of a subnormal. 11-12 vector operations per 16 lanes. */
-static inline vfloat exp_nonpositive(vfloat x) {
-    x = max_lanes(x, -87.0f);
-    const vfloat t = x * 1.44269504088896341f + 12583039.0f;
-    const vfloat n = t - 12583039.0f;
-    const vfloat r = x - n * 0.693147180559945f;
-    vfloat p = r * 1.383683062158525e-3f + 8.374815806746483e-3f;
-    p = p * r + 4.166822507977486e-2f;
-    p = p * r + 1.6666419804096222e-1f;
-    p = p * r + 4.9999991059303284e-1f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return p * (vfloat)((vint)t << 23);
-}
+/* e^x for x <= 0; below -87 it returns ~e^-87 (1.6e-38) instead of a subnormal */
+static inline vfloat exp_nonpositive(vfloat x) { return exp_in_range(max_lanes(x, -87.0f)); }
 
 /* row[0 .. visible) <- exp(scale * (row - max)), row[visible .. width) <- 0; returns 1 / sum,
  * the normalisation, which the caller applies to the D outputs instead of the `width` weights.

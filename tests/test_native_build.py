@@ -1,0 +1,80 @@
+"""Building the compiled kernels (`prefixcache.native`): the portable vector code (no AVX-512)
+is right too, a build is cached by its inputs, and the environment switches each family off."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from native_support import require_native_attention, require_native_layers
+from prefixcache import native
+from prefixcache.attention import native_attention
+from prefixcache.model import native_layers
+
+
+@pytest.fixture
+def without_avx512(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Both kernel libraries rebuilt without AVX-512 (their portable vector code), for the
+    test; the normal build again afterwards."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX-512 switch is x86-only")
+    require_native_attention()
+    require_native_layers()
+    flags = native.compile_flags()
+    monkeypatch.setattr(native, "compile_flags", lambda: [*flags, "-mno-avx512f"])
+    caches = [native_layers._library, native_layers.available, native_attention._kernel]
+    caches.append(native_attention.available)
+    for cached in caches:
+        cached.cache_clear()
+    yield
+    monkeypatch.undo()
+    for cached in caches:
+        cached.cache_clear()
+
+
+@pytest.mark.usefixtures("without_avx512")
+def test_portable_vector_code_passes_the_probes() -> None:
+    # the probes compare against torch and a float64 reference: rms norm, silu (the clamped
+    # exp), rotary, and the attention softmax over a causal tail with shuffled slots
+    assert native_layers.available()
+    assert native_attention.available()
+    gate_up = torch.tensor([[-200.0, -20.0, 0.0, 30.0, 1.0, 2.0, 3.0, 4.0]])
+    gate, up = gate_up.split(4, dim=-1)
+    torch.testing.assert_close(native_layers.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_build_is_cached_by_its_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    require_native_layers()
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path))
+    compiler = os.environ.get("CC", "cc")
+    first = native._build(compiler, "layers")
+    assert native._build(compiler, "layers") == first  # found, not rebuilt
+    assert first.parent == tmp_path / "kernels" and first.name.startswith("layers-")
+    flags = native.compile_flags()
+    monkeypatch.setattr(native, "compile_flags", lambda: [*flags, "-DPREFIXCACHE_TEST_FLAG"])
+    assert native._build(compiler, "layers") != first  # other flags: another library
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 2  # no staging files left
+
+
+@pytest.mark.parametrize(
+    ("module", "variable"),
+    [
+        ("prefixcache.attention.native_attention", "PREFIXCACHE_NATIVE_ATTENTION"),
+        ("prefixcache.model.native_layers", "PREFIXCACHE_NATIVE_LAYERS"),
+    ],
+)
+def test_switched_off_by_the_environment(module: str, variable: str) -> None:
+    code = f"import {module} as n; print(n.available())"
+    env = dict(os.environ, **{variable: "0"})
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
