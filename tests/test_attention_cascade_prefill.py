@@ -1,4 +1,6 @@
-"""Cascade prefill against the per-sequence masked path, on shapes prefix caching produces."""
+"""Cascade prefill (the torch paths' way with sequences sharing cached blocks) against the
+per-sequence masked path, on shapes prefix caching produces; and the compiled kernel, which takes
+such sequences one by one, against the cascade."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import random
 import pytest
 import torch
 
-from prefixcache.attention import AttentionMetadata, write_kv
+from native_support import require_native_attention
+from prefixcache.attention import AttentionMetadata, native_attention, write_kv
 from prefixcache.attention.cascade_prefill import cascade_prefill
 
 # the package re-exports the function under the module's name, so reach the module itself
@@ -17,6 +20,13 @@ paged = importlib.import_module("prefixcache.attention.paged_attention")
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 HEAD_DIM = 8
+
+
+@pytest.fixture(autouse=True)
+def _torch_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cascade belongs to the torch paths: the kernel, where it builds, bypasses it."""
+    if "kernel" not in request.node.name:
+        monkeypatch.setattr(native_attention, "available", lambda: False)
 
 
 def _run(tables, computed, new, num_heads, num_kv_heads, seed=0):  # noqa: ANN001, ANN202
@@ -120,3 +130,29 @@ def test_lone_or_unshared_prefills_keep_the_per_sequence_path():
     out, reference, grouped = _run(tables, [8, 6, 3], [5, 7, 1], 4, 2, seed=5)
     assert grouped == []
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_takes_shared_sequences_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    require_native_attention()
+    rng = random.Random(6)
+    extra, new = [0, 3, 5, 9, 0], [2, 6, 9, 4, 1]  # the last one a decode over the prefix
+    tables, computed = _shared_batch(5, 3, extra, new, rng)
+    gen = torch.Generator().manual_seed(6)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, 2, HEAD_DIM)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    meta = AttentionMetadata.build(tables, computed, new, BLOCK_SIZE)
+    q = torch.randn(meta.num_tokens, 6, HEAD_DIM, generator=gen)
+    k = torch.randn(meta.num_tokens, 2, HEAD_DIM, generator=gen)
+    v = torch.randn(meta.num_tokens, 2, HEAD_DIM, generator=gen)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend() -> torch.Tensor:
+        return paged.paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+
+    native_attention.set_enabled(False)
+    try:
+        cascade = attend()
+    finally:
+        native_attention.set_enabled(True)
+    monkeypatch.setattr(paged, "cascade_prefill", lambda *args: pytest.fail("cascade called"))
+    torch.testing.assert_close(attend(), cascade, atol=1e-5, rtol=1e-5)
