@@ -146,8 +146,10 @@ def _check(
     ):
         raise ValueError(f"native {what}: unsupported shapes, strides or dtypes")
     for slots in slot_tensors:
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= k_flat.shape[0]):
-            raise ValueError(f"native {what}: slot out of range")
+        if slots.numel():
+            low, high = slots.aminmax()  # one pass
+            if int(low) < 0 or int(high) >= k_flat.shape[0]:
+                raise ValueError(f"native {what}: slot out of range")
 
 
 def attend(
