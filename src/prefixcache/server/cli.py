@@ -135,12 +135,14 @@ def build_app(args: argparse.Namespace) -> Any:
     if args.record_trace:
         _record_trace(engine, args.record_trace)
     from prefixcache.attention import native_attention
+    from prefixcache.model import native_layers
 
     logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s, "
-                "attention %s",
+                "attention %s, element-wise layers %s",
                 args.model, engine.max_model_len, engine.cache.num_blocks, args.block_size,
                 "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}",
-                "compiled CPU kernel" if native_attention.available() else "torch")
+                "compiled CPU kernel" if native_attention.available() else "torch",
+                "compiled" if native_layers.available() else "torch")
     return create_app(engine, model_name=args.served_model_name or args.model, tenants=tenants,
                       max_queue_len=args.max_queue_len,
                       default_max_tokens=args.default_max_tokens,
