@@ -118,7 +118,7 @@ def test_plan_computes_shared_blocks_once_per_group():
     assert plan.tail_mask[3, 0, 0].sum().item() == 7
 
 
-def test_paged_attention_routes_a_mixed_batch():
+def test_paged_attention_routes_a_mixed_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill chunks and decode tokens of one step: each output equals its dense reference."""
     torch.manual_seed(1)
     heads, kv_heads, dim = 6, 2, 8
@@ -154,3 +154,14 @@ def test_paged_attention_routes_a_mixed_batch():
             ref = _dense_decode(q[s + i], full_k[b][:pos], full_v[b][:pos], dim**-0.5)
             assert torch.allclose(out[s + i], ref, atol=1e-5, rtol=0), f"sequence {b} token {i}"
     assert math.isfinite(out.abs().sum().item())
+    # the step's second layer (same metadata) reuses the decode plan and gets the same output
+    builds: list[int] = []
+    real_build = DecodePlan.build
+
+    def counted_build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        builds.append(1)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(DecodePlan, "build", counted_build)
+    assert torch.equal(paged_attention(q, k, v, k_cache, v_cache, meta, scale=dim**-0.5), out)
+    assert builds == []

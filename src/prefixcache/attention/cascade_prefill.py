@@ -42,19 +42,24 @@ def cascade_prefill(
     """
     if q.device.type != "cpu":
         return []
-    computed = np.asarray(metadata.num_computed)
-    # only blocks wholly before a sequence's first new token, and only prefill sequences
-    shareable = np.where(np.asarray(metadata.num_new) > 1, computed // metadata.block_size, 0)
-    if np.count_nonzero(shareable) < 2:
-        return []
-    table = metadata.block_tables.cpu().numpy()
-    _, groups = find_shared_prefixes(table, shareable, q.device)
+    groups = metadata.derived(("prefill_groups", q.device), lambda: _groups(metadata, q.device))
     done: list[int] = []
     for group in groups:
         rows = group.seq_indices.tolist()
         _attend_group(q, k, v, k_cache, v_cache, metadata, group, rows, scale, out)
         done.extend(rows)
     return done
+
+
+def _groups(metadata: AttentionMetadata, device: torch.device) -> list[SharedPrefix]:
+    """The step's groups of prefill sequences sharing cached blocks (once per step)."""
+    computed = np.asarray(metadata.num_computed)
+    # only blocks wholly before a sequence's first new token, and only prefill sequences
+    shareable = np.where(np.asarray(metadata.num_new) > 1, computed // metadata.block_size, 0)
+    if np.count_nonzero(shareable) < 2:
+        return []
+    _, groups = find_shared_prefixes(metadata.block_tables.cpu().numpy(), shareable, device)
+    return groups
 
 
 def _attend_group(

@@ -38,6 +38,9 @@ class DecodePlan:
     tail_block_ids: torch.Tensor  # [B, R] int64: blocks after the shared ones, padded with 0
     tail_mask: torch.Tensor  # [B, 1, 1, R * block_size] bool: True for keys inside the sequence
     shared: list[SharedPrefix]
+    # the compiled kernel's inputs, derived on first use (`_native_inputs`); the plan is built
+    # once per step, so every layer after the first reuses them
+    native: _NativeInputs | None = None
 
     @classmethod
     def build(
@@ -99,6 +102,33 @@ def decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+@dataclass(slots=True)
+class _NativeInputs:
+    tail_slots: torch.Tensor  # [B, R * block_size] int64: each tail's slots, padded
+    tail_lens: torch.Tensor  # [B] int32: keys in each tail
+    parts: list[tuple[torch.Tensor, torch.Tensor]]  # (rows, shared slots) per kernel call
+
+
+def _native_inputs(plan: DecodePlan, block_size: int, device: torch.device) -> _NativeInputs:
+    """Slots and lengths in the kernel's terms: one call per group (its shared slots) and one
+    for the sequences outside every group (no shared slots)."""
+    if plan.native is not None:
+        return plan.native
+    num_seqs = plan.tail_block_ids.shape[0]
+    offsets = torch.arange(block_size, device=device)
+    tail_slots = (plan.tail_block_ids.unsqueeze(2) * block_size + offsets).view(num_seqs, -1)
+    tail_lens = plan.tail_mask.view(num_seqs, -1).sum(1, dtype=torch.int32)
+    ungrouped = torch.ones(num_seqs, dtype=torch.bool)
+    parts = [(group.seq_indices, _block_slots(group.block_ids, offsets)) for group in plan.shared]
+    for group in plan.shared:
+        ungrouped[group.seq_indices] = False
+    if ungrouped.any():
+        no_shared = torch.empty(0, dtype=torch.int64, device=device)
+        parts.append((ungrouped.nonzero().view(-1), no_shared))
+    plan.native = _NativeInputs(tail_slots, tail_lens, parts)
+    return plan.native
+
+
 def _attend_native(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
 ) -> torch.Tensor:
@@ -108,18 +138,10 @@ def _attend_native(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    offsets = torch.arange(block_size, device=q.device)
-    tail_slots = (plan.tail_block_ids.unsqueeze(2) * block_size + offsets).view(num_seqs, -1)
-    tail_lens = plan.tail_mask.view(num_seqs, -1).sum(1, dtype=torch.int32)
+    inputs = _native_inputs(plan, block_size, q.device)
+    tail_slots, tail_lens = inputs.tail_slots, inputs.tail_lens
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ungrouped = torch.ones(num_seqs, dtype=torch.bool)
-    no_shared = torch.empty(0, dtype=torch.int64, device=q.device)
-    parts = [(group.seq_indices, _block_slots(group.block_ids, offsets)) for group in plan.shared]
-    for group in plan.shared:
-        ungrouped[group.seq_indices] = False
-    if ungrouped.any():
-        parts.append((ungrouped.nonzero().view(-1), no_shared))
-    for rows, shared_slots in parts:
+    for rows, shared_slots in inputs.parts:
         if len(rows) == num_seqs:  # rows are ascending: every sequence, in order
             native_attention.decode(
                 q, k_flat, v_flat, shared_slots, tail_slots, tail_lens, scale, out

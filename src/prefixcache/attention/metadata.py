@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 __all__ = ["AttentionMetadata"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -40,6 +43,15 @@ class AttentionMetadata:
     _stacked_masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
+    # what attention paths derive from this metadata (e.g. the decode plan), see `derived`
+    _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
+
+    def derived(self, key: tuple[Any, ...], build: Callable[[], _T]) -> _T:
+        """``build()`` the first time a step asks for ``key`` (the first layer), the same object
+        for every later layer: per-step work that depends only on this metadata."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]  # type: ignore[no-any-return]
 
     def stacked_mask(self, b: int, repeats: int, dtype: torch.dtype) -> torch.Tensor:
         """Sequence b's causal mask as an additive ``dtype`` mask (0 / -inf), tiled ``repeats``

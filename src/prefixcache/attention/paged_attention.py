@@ -119,9 +119,12 @@ def _attend_decodes(
     out: torch.Tensor,
 ) -> None:
     """Fill ``out`` at the decode sequences' tokens; their K/V are already in the cache."""
-    table = metadata.block_tables.cpu().numpy()[rows]
-    seq_lens = np.asarray(metadata.num_computed)[rows] + 1
-    plan = DecodePlan.build(table, seq_lens, metadata.block_size, device=q.device)
+    def build_plan() -> DecodePlan:
+        table = metadata.block_tables.cpu().numpy()[rows]
+        seq_lens = np.asarray(metadata.num_computed)[rows] + 1
+        return DecodePlan.build(table, seq_lens, metadata.block_size, device=q.device)
+
+    plan = metadata.derived(("decode_plan", tuple(rows), q.device), build_plan)  # once per step
     if len(rows) == metadata.num_seqs:  # a pure decode step: token i belongs to sequence i
         out.copy_(decode_attention(q, k_cache, v_cache, plan, scale))
         return
