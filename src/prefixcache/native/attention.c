@@ -190,21 +190,81 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
     }
 }
 
-/* Floats of scratch `pc_decode` needs: shared K and V per kv head, then per thread the stacked
- * queries and outputs of one chunk, its scores, and one tail's K and V. */
+/* Floats of scratch `pc_decode` needs: shared K and V per kv head (or per thread, whichever is
+ * more), then per thread the stacked queries and outputs of one chunk, its scores, and one
+ * tail's K and V. */
 int64_t pc_decode_scratch_floats(int shared, int max_tail, int H, int KV, int D, int chunk,
                                  int nthreads) {
     const int64_t rows = (int64_t)(H / KV) * chunk;
     const int64_t per_thread = rows * (2 * (int64_t)D + shared + max_tail) +
                                2 * (int64_t)max_tail * D;
-    return 2 * (int64_t)KV * shared * D + (int64_t)nthreads * per_thread;
+    const int64_t kv_copies = KV > nthreads ? KV : nthreads;
+    return 2 * kv_copies * shared * D + (int64_t)nthreads * per_thread;
+}
+
+/* One work item of `pc_decode`: sequences b0 .. b0 + nb - 1, kv head h, whose shared keys are
+ * k_h, v_h ([shared, D], gathered); per-thread buffers as pc_decode_scratch_floats lays out. */
+static void decode_item(const float *q, int64_t q_row_stride, const float *k_cache,
+                        const float *v_cache, const float *k_h, const float *v_h, int shared,
+                        const int64_t *tail_slots, const int *tail_lens, int max_tail,
+                        float *out, int b0, int nb, int h, int H, int KV, int G, int D,
+                        float scale, float *stacked_q, float *stacked_out, float *scores,
+                        float *k_tail, float *v_tail, sgemm_fn sgemm) {
+    const int width = shared + max_tail; /* scores row stride */
+    int rows = G * nb, ld = D, ldw = width, g_rows = G, n_shared = shared;
+    const float one = 1.0f, zero = 0.0f;
+    for (int b = 0; b < nb; b++) /* row b * G + g: sequence b0 + b, head h * G + g */
+        memcpy(stacked_q + (int64_t)b * G * D, q + (int64_t)(b0 + b) * q_row_stride +
+               (int64_t)h * G * D, (size_t)G * D * sizeof(float));
+    if (shared > 0)
+        sgemm("T", "N", &n_shared, &rows, &ld, &one, k_h, &ld, stacked_q, &ld, &zero, scores,
+              &ldw);
+    float inv[MAX_TILE_ROWS];
+    for (int b = 0; b < nb; b++) {
+        int len = tail_lens[b0 + b];
+        const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
+        for (int j = 0; j < len; j++) {
+            const int64_t src = (slots[j] * KV + h) * D;
+            memcpy(k_tail + (int64_t)j * D, k_cache + src, D * sizeof(float));
+        }
+        float *row0 = scores + (int64_t)b * G * width;
+        sgemm("T", "N", &len, &g_rows, &ld, &one, k_tail, &ld, stacked_q + (int64_t)b * G * D,
+              &ld, &zero, row0 + shared, &ldw);
+        for (int g = 0; g < G; g++)
+            inv[b * G + g] = softmax_row(row0 + (int64_t)g * width, shared + len, width, scale);
+    }
+    if (shared > 0)
+        sgemm("N", "N", &ld, &rows, &n_shared, &one, v_h, &ld, scores, &ldw, &zero, stacked_out,
+              &ld);
+    else
+        memset(stacked_out, 0, (size_t)rows * D * sizeof(float));
+    for (int b = 0; b < nb; b++) {
+        int len = tail_lens[b0 + b];
+        const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
+        for (int j = 0; j < len; j++) {
+            const int64_t src = (slots[j] * KV + h) * D;
+            memcpy(v_tail + (int64_t)j * D, v_cache + src, D * sizeof(float));
+        }
+        sgemm("N", "N", &ld, &g_rows, &len, &one, v_tail, &ld,
+              scores + (int64_t)b * G * width + shared, &ldw, &one,
+              stacked_out + (int64_t)b * G * D, &ld);
+        for (int g = 0; g < G; g++) {
+            float *dst = out + ((int64_t)(b0 + b) * H + h * G + g) * D;
+            const float *src = stacked_out + ((int64_t)b * G + g) * D;
+            const float f = inv[b * G + g];
+            for (int d = 0; d < D; d++) dst[d] = src[d] * f;
+        }
+    }
 }
 
 /* Decode attention: B sequences with one query token each, all starting with the same `shared`
  * keys (shared_slots; 0 for none), then each its own tail_lens[b] >= 1 keys (tail_slots[b *
  * max_tail ..]). q: [B, H, D] with rows q_row_stride floats apart; out: [B, H, D] contiguous.
  * Work item = (kv head, chunk of `chunk` sequences): their G query heads stacked, one GEMM over
- * the shared keys for all of them, small GEMMs per tail, one softmax per row over both parts. */
+ * the shared keys for all of them, small GEMMs per tail, one softmax per row over both parts.
+ * As in pc_attention, where each thread gets whole kv heads, the thread gathers the shared keys
+ * of the head it works on into its own buffer (read from L2 by that head's chunks); otherwise
+ * the team gathers every head's once. */
 void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                const int64_t *shared_slots, int shared, const int64_t *tail_slots,
                const int *tail_lens, int max_tail, float *out, float *scratch, int B, int H,
@@ -212,72 +272,42 @@ void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const
                set_threads_fn set_threads) {
     const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
     const int64_t head_floats = (int64_t)shared * D, chunk_rows = (int64_t)G * chunk;
-    const int width = shared + max_tail; /* scores row stride */
-    float *k_shared = scratch, *v_shared = scratch + KV * head_floats;
-    float *per_thread = v_shared + KV * head_floats;
+    const int width = shared + max_tail;
+    const int64_t kv_copies = KV > nthreads ? KV : nthreads;
+    float *kv_buffers = scratch, *per_thread = scratch + 2 * kv_copies * head_floats;
     const int64_t thread_floats =
         chunk_rows * (2 * (int64_t)D + width) + 2 * (int64_t)max_tail * D;
+    const int local = shared > 0 && KV % nthreads == 0;
 
 #pragma omp parallel num_threads(nthreads)
     {
         const int previous = set_threads(1);
-        gather_heads(k_cache, v_cache, shared_slots, shared, KV, D, k_shared, v_shared);
-        float *stacked_q = per_thread + omp_get_thread_num() * thread_floats;
+        const int thread = omp_get_thread_num();
+        float *stacked_q = per_thread + thread * thread_floats;
         float *stacked_out = stacked_q + chunk_rows * D;
         float *scores = stacked_out + chunk_rows * D;
         float *k_tail = scores + chunk_rows * width, *v_tail = k_tail + (int64_t)max_tail * D;
+        if (local) {
+            float *k_h = kv_buffers + 2 * thread * head_floats, *v_h = k_h + head_floats;
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < KV * num_chunks; item++) {
-            const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
-            const int nb = B - b0 < chunk ? B - b0 : chunk;
-            int rows = G * nb, ld = D, ldw = width, g_rows = G;
-            const float one = 1.0f, zero = 0.0f;
-            for (int b = 0; b < nb; b++) /* row b * G + g: sequence b0 + b, head h * G + g */
-                memcpy(stacked_q + (int64_t)b * G * D, q + (int64_t)(b0 + b) * q_row_stride +
-                       (int64_t)h * G * D, (size_t)G * D * sizeof(float));
-            if (shared > 0) {
-                int n_shared = shared;
-                sgemm("T", "N", &n_shared, &rows, &ld, &one, k_shared + h * head_floats, &ld,
-                      stacked_q, &ld, &zero, scores, &ldw);
+            for (int h = 0; h < KV; h++) {
+                gather_head(k_cache, v_cache, shared_slots, shared, KV, D, h, k_h, v_h);
+                for (int b0 = 0; b0 < B; b0 += chunk)
+                    decode_item(q, q_row_stride, k_cache, v_cache, k_h, v_h, shared, tail_slots,
+                                tail_lens, max_tail, out, b0, B - b0 < chunk ? B - b0 : chunk,
+                                h, H, KV, G, D, scale, stacked_q, stacked_out, scores, k_tail,
+                                v_tail, sgemm);
             }
-            float inv[MAX_TILE_ROWS];
-            for (int b = 0; b < nb; b++) {
-                int len = tail_lens[b0 + b];
-                const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
-                for (int j = 0; j < len; j++) {
-                    const int64_t src = (slots[j] * KV + h) * D;
-                    memcpy(k_tail + (int64_t)j * D, k_cache + src, D * sizeof(float));
-                }
-                float *row0 = scores + (int64_t)b * G * width;
-                sgemm("T", "N", &len, &g_rows, &ld, &one, k_tail, &ld,
-                      stacked_q + (int64_t)b * G * D, &ld, &zero, row0 + shared, &ldw);
-                for (int g = 0; g < G; g++)
-                    inv[b * G + g] = softmax_row(row0 + (int64_t)g * width, shared + len, width,
-                                                 scale);
-            }
-            if (shared > 0) {
-                int n_shared = shared;
-                sgemm("N", "N", &ld, &rows, &n_shared, &one, v_shared + h * head_floats, &ld,
-                      scores, &ldw, &zero, stacked_out, &ld);
-            } else {
-                memset(stacked_out, 0, (size_t)rows * D * sizeof(float));
-            }
-            for (int b = 0; b < nb; b++) {
-                int len = tail_lens[b0 + b];
-                const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
-                for (int j = 0; j < len; j++) {
-                    const int64_t src = (slots[j] * KV + h) * D;
-                    memcpy(v_tail + (int64_t)j * D, v_cache + src, D * sizeof(float));
-                }
-                sgemm("N", "N", &ld, &g_rows, &len, &one, v_tail, &ld,
-                      scores + (int64_t)b * G * width + shared, &ldw, &one,
-                      stacked_out + (int64_t)b * G * D, &ld);
-                for (int g = 0; g < G; g++) {
-                    float *dst = out + ((int64_t)(b0 + b) * H + h * G + g) * D;
-                    const float *src = stacked_out + ((int64_t)b * G + g) * D;
-                    const float f = inv[b * G + g];
-                    for (int d = 0; d < D; d++) dst[d] = src[d] * f;
-                }
+        } else {
+            float *k_shared = kv_buffers, *v_shared = kv_buffers + KV * head_floats;
+            gather_heads(k_cache, v_cache, shared_slots, shared, KV, D, k_shared, v_shared);
+#pragma omp for schedule(dynamic, 1)
+            for (int item = 0; item < KV * num_chunks; item++) {
+                const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
+                decode_item(q, q_row_stride, k_cache, v_cache, k_shared + h * head_floats,
+                            v_shared + h * head_floats, shared, tail_slots, tail_lens, max_tail,
+                            out, b0, B - b0 < chunk ? B - b0 : chunk, h, H, KV, G, D, scale,
+                            stacked_q, stacked_out, scores, k_tail, v_tail, sgemm);
             }
         }
         set_threads(previous);
