@@ -7,11 +7,12 @@ tokens it stacks the G query heads, computes the scores against only the keys th
 into a buffer that stays in L2, runs the softmax over each row's visible keys (no mask tensor),
 multiplies by V and normalises the output rows; the GEMMs are the sgemm of the MKL inside
 libtorch, single-threaded inside the kernel's OpenMP team (torch's own libgomp). After a cache
-hit (more context than new tokens) each thread gathers the K/V of the head it works on, so its
-tiles read them from L2. One layer, 2 threads, `small`'s 12 heads of 64 over 4 kv heads, 128 new
-tokens over 2,048 keys: 2.6 ms (3.5-3.9 for the torch GEMM-softmax-GEMM path), of which the two
-GEMMs take 2.0 (~390 GFLOP/s, near MKL's rate for large GEMMs here), the softmax 0.36 and the
-gather 0.33; a fresh 2,048-token prompt: 22-23 ms (30-32 for causal SDPA).
+hit (more context than new tokens), where each thread gets whole kv heads, each thread gathers
+the K/V of the head it works on, so its tiles read them from L2. One layer, 2 threads, `small`'s
+12 heads of 64 over 4 kv heads, 128 new tokens over 2,048 keys: 2.6 ms (3.5-3.9 for the torch
+GEMM-softmax-GEMM path), of which the two GEMMs take 2.0 (~390 GFLOP/s, near MKL's rate for
+large GEMMs here), the softmax 0.36 and the gather 0.33; a fresh 2,048-token prompt: 22-23 ms
+(30-32 for causal SDPA).
 
 `available()` is False, and callers keep the torch paths, when there is no compiler, no MKL in
 libtorch (ARM, macOS), the build or load fails, a one-time probe disagrees with the torch

@@ -2,10 +2,10 @@
  * (`pc_attention`), and decode steps of sequences sharing a prefix (`pc_decode`, at the end).
  *
  * Built by prefixcache.native for prefixcache.attention.native_attention (cc -O3 -march=native
- * -fopenmp) at first use and called through ctypes. Query token t of the T new ones sits at position C + t, C = S - T,
- * and sees keys 0 .. C + t, read through `slots` (the slot of each position 0 .. S - 1 in the
- * flattened cache [num_slots, KV, D]). This covers a prefill after a cache hit (C > 0), a
- * prefill chunk, and a fresh prefill (C = 0, causal).
+ * -fopenmp) at first use and called through ctypes. Query token t of the T new ones sits at
+ * position C + t, C = S - T, and sees keys 0 .. C + t, read through `slots` (the slot of each
+ * position 0 .. S - 1 in the flattened cache [num_slots, KV, D]). This covers a prefill after a
+ * cache hit (C > 0), a prefill chunk, and a fresh prefill (C = 0, causal).
  *
  * Work item = (kv head, tile of `tile_tokens` new tokens). Its G query heads are stacked into
  * one [G * m, D] block; the scores against the keys any row of the tile may see go into a
@@ -94,12 +94,18 @@ static void gather_head(const float *k_cache, const float *v_cache, const int64_
     }
 }
 
+/* Both kernels gather K/V either once for the team (a buffer per kv head) or, where every
+ * thread gets whole kv heads, per thread (a buffer per thread): `local_heads` says which, and
+ * the scratch holds `kv_copies` head-sized K and V buffers, enough for either. */
+static inline int local_heads(int KV, int nthreads) { return KV % nthreads == 0; }
+static inline int64_t kv_copies(int KV, int nthreads) { return KV > nthreads ? KV : nthreads; }
+
 /* Floats of scratch `pc_attention` needs: K and V per kv head (or per thread, whichever is
  * more), then per thread the stacked queries, outputs and scores of one tile. */
 int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthreads) {
     const int64_t rows = (int64_t)(H / KV) * tile_tokens;
-    const int64_t kv_copies = KV > nthreads ? KV : nthreads;
-    return 2 * kv_copies * S * D + (int64_t)nthreads * rows * (2 * (int64_t)D + S);
+    return 2 * kv_copies(KV, nthreads) * S * D +
+           (int64_t)nthreads * rows * (2 * (int64_t)D + S);
 }
 
 /* One work item's tile: new tokens t0 .. t0 + m - 1 of kv head h, whose G query heads are
@@ -151,9 +157,9 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
     const int G = H / KV, C = S - T;
     const int num_tiles = (T + tile_tokens - 1) / tile_tokens;
     const int64_t head_floats = (int64_t)S * D, tile_rows = (int64_t)G * tile_tokens;
-    const int64_t kv_copies = KV > nthreads ? KV : nthreads;
-    float *kv_buffers = scratch, *per_thread = scratch + 2 * kv_copies * head_floats;
-    const int local = C >= T && KV % nthreads == 0;
+    float *kv_buffers = scratch;
+    float *per_thread = scratch + 2 * kv_copies(KV, nthreads) * head_floats;
+    const int local = C >= T && local_heads(KV, nthreads);
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -198,8 +204,7 @@ int64_t pc_decode_scratch_floats(int shared, int max_tail, int H, int KV, int D,
     const int64_t rows = (int64_t)(H / KV) * chunk;
     const int64_t per_thread = rows * (2 * (int64_t)D + shared + max_tail) +
                                2 * (int64_t)max_tail * D;
-    const int64_t kv_copies = KV > nthreads ? KV : nthreads;
-    return 2 * kv_copies * shared * D + (int64_t)nthreads * per_thread;
+    return 2 * kv_copies(KV, nthreads) * shared * D + (int64_t)nthreads * per_thread;
 }
 
 /* One work item of `pc_decode`: sequences b0 .. b0 + nb - 1, kv head h, whose shared keys are
@@ -273,11 +278,11 @@ void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const
     const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
     const int64_t head_floats = (int64_t)shared * D, chunk_rows = (int64_t)G * chunk;
     const int width = shared + max_tail;
-    const int64_t kv_copies = KV > nthreads ? KV : nthreads;
-    float *kv_buffers = scratch, *per_thread = scratch + 2 * kv_copies * head_floats;
+    float *kv_buffers = scratch;
+    float *per_thread = scratch + 2 * kv_copies(KV, nthreads) * head_floats;
     const int64_t thread_floats =
         chunk_rows * (2 * (int64_t)D + width) + 2 * (int64_t)max_tail * D;
-    const int local = shared > 0 && KV % nthreads == 0;
+    const int local = shared > 0 && local_heads(KV, nthreads);
 
 #pragma omp parallel num_threads(nthreads)
     {
