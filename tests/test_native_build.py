@@ -46,6 +46,11 @@ def test_portable_vector_code_passes_the_probes() -> None:
     # exp), rotary, and the attention softmax over a causal tail with shuffled slots
     assert native_layers.available()
     assert native_attention.available()
+    # the cache-hit path that reads the cache directly needs AVX-512: this build gathers
+    assert native_attention.prefill_path(128, 2048, 12, 4, 64) in (
+        "gather per kv head",
+        "shared gather",  # a machine whose torch runs one thread
+    )
     gate_up = torch.tensor([[-200.0, -20.0, 0.0, 30.0, 1.0, 2.0, 3.0, 4.0]])
     gate, up = gate_up.split(4, dim=-1)
     torch.testing.assert_close(native_layers.silu_mul(gate_up), F.silu(gate) * up)

@@ -12,7 +12,9 @@ the K/V of the head it works on, so its tiles read them from L2. One layer, 2 th
 12 heads of 64 over 4 kv heads, 128 new tokens over 2,048 keys: 2.6 ms (3.5-3.9 for the torch
 GEMM-softmax-GEMM path), of which the two GEMMs take 2.0 (~390 GFLOP/s, near MKL's rate for
 large GEMMs here), the softmax 0.36 and the gather 0.33; a fresh 2,048-token prompt: 22-23 ms
-(30-32 for causal SDPA).
+(30-32 for causal SDPA). With AVX-512 and head_dim 64, that per-head split skips the gather:
+register-tiled loops read K and V straight from the cache (`prefill_path` says which split a
+call takes; the C file's comments give the figures).
 
 `available()` is False, and callers keep the torch paths, when there is no compiler, no MKL in
 libtorch (ARM, macOS), the build or load fails, a one-time probe disagrees with the torch
@@ -37,6 +39,7 @@ __all__ = [
     "decode",
     "disabled_by_env",
     "enabled",
+    "prefill_path",
     "set_enabled",
 ]
 
@@ -76,6 +79,9 @@ class _Kernel:
         self.decode_scratch_floats = library.pc_decode_scratch_floats
         self.decode_scratch_floats.restype = _I64
         self.decode_scratch_floats.argtypes = [_I] * 7
+        self.attention_path = library.pc_attention_path
+        self.attention_path.restype = _I
+        self.attention_path.argtypes = [_I] * 7
         self.sgemm, self.set_threads = sgemm, set_threads
 
 
@@ -151,6 +157,23 @@ def _check(
             low, high = slots.aminmax()  # one pass
             if int(low) < 0 or int(high) >= k_flat.shape[0]:
                 raise ValueError(f"native {what}: slot out of range")
+
+
+PREFILL_PATHS = ("shared gather", "gather per kv head", "direct per kv head")
+
+
+def prefill_path(
+    num_tokens: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> str:
+    """How `attend` splits a prefill of these sizes at the current thread count: one of
+    `PREFILL_PATHS` (all kv heads gathered once for the team; after a cache hit, each thread
+    gathering the head it works on, or reading it straight from the cache)."""
+    kernel = _kernel_or_raise()
+    path = kernel.attention_path(
+        num_tokens, seq_len, num_heads, num_kv_heads, head_dim, TILE_TOKENS,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return PREFILL_PATHS[path]
 
 
 def attend(
