@@ -63,25 +63,25 @@ set_enabled = _switch.set_enabled  # False: the torch paths, e.g. for side-by-si
 enabled = _switch.enabled
 
 
+def _bind(
+    library: ctypes.CDLL, name: str, restype: type | None, argtypes: list
+) -> ctypes._CFuncPtr:
+    """Library function `name` with its C signature set (ctypes checks the arguments)."""
+    function = library[name]
+    function.restype = restype
+    function.argtypes = argtypes
+    return function
+
+
 class _Kernel:
     def __init__(self, library: ctypes.CDLL, sgemm: int, set_threads: int) -> None:
-        self.attention = library.pc_attention
-        self.attention.restype = None
-        self.attention.argtypes = [_P, _I64, _P, _P, _P, _P, _P] + [_I] * 5
+        self.attention = _bind(library, "pc_attention", None, [_P, _I64] + [_P] * 5 + [_I] * 5)
         self.attention.argtypes += [ctypes.c_float, _I, _I, _P, _P]
-        self.scratch_floats = library.pc_scratch_floats
-        self.scratch_floats.restype = _I64
-        self.scratch_floats.argtypes = [_I] * 6
-        self.decode = library.pc_decode
-        self.decode.restype = None
-        self.decode.argtypes = [_P, _I64, _P, _P, _P, _I, _P, _P, _I, _P, _P] + [_I] * 4
-        self.decode.argtypes += [ctypes.c_float, _I, _I, _P, _P]
-        self.decode_scratch_floats = library.pc_decode_scratch_floats
-        self.decode_scratch_floats.restype = _I64
-        self.decode_scratch_floats.argtypes = [_I] * 7
-        self.attention_path = library.pc_attention_path
-        self.attention_path.restype = _I
-        self.attention_path.argtypes = [_I] * 7
+        self.scratch_floats = _bind(library, "pc_scratch_floats", _I64, [_I] * 6)
+        self.decode = _bind(library, "pc_decode", None, [_P, _I64, _P, _P, _P, _I, _P, _P, _I])
+        self.decode.argtypes += [_P, _P] + [_I] * 4 + [ctypes.c_float, _I, _I, _P, _P]
+        self.decode_scratch_floats = _bind(library, "pc_decode_scratch_floats", _I64, [_I] * 7)
+        self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 7)
         self.sgemm, self.set_threads = sgemm, set_threads
 
 

@@ -279,10 +279,12 @@ static void direct_tile(const float *q, int64_t q_row_stride, const float *k_cac
     const int rows = G * m, ld = (rows + LANES - 1) / LANES * LANES;
     const int keys = C + t0 + m, open = C + t0; /* keys 0 .. open - 1: seen by every row */
     const int64_t slot_stride = (int64_t)KV * D, head = (int64_t)h * D;
-    for (int r = 0; r < ld; r++) {
+    for (int r = 0; r < rows; r++) {
         const float *src = q + (int64_t)(t0 + r % m) * q_row_stride + (int64_t)(h * G + r / m) * D;
-        for (int d = 0; d < D; d++) qt[(int64_t)d * ld + r] = r < rows ? src[d] : 0.0f;
+        for (int d = 0; d < D; d++) qt[(int64_t)d * ld + r] = src[d];
     }
+    for (int r = rows; r < ld; r++) /* padding rows: zero queries, their scores unused */
+        for (int d = 0; d < D; d++) qt[(int64_t)d * ld + r] = 0.0f;
     const float *k_rows[QK_KEYS];
     int j = 0;
     for (; j + QK_KEYS <= keys; j += QK_KEYS) {
