@@ -8,6 +8,8 @@ tables (`prefixcache.attention`). Parameter names follow transformers except the
 an MKL-packed copy of their weight (`Projection`, `packed_gemm`), and the element-wise steps
 (residual add + RMSNorm, rotary, SwiGLU) run as compiled one-pass kernels (`native_layers`)
 where they build; the residual stream is updated in place, each add fused with the norm after it.
+With both, the steps before and after each attention run as one compiled call each
+(`DecoderLayer._forward_fused`).
 """
 
 from __future__ import annotations
@@ -90,13 +92,19 @@ class Projection(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed
+        packed = self.current_packed()
         if packed is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if self._packed_from != (self.weight.data_ptr(), self.weight._version):
-            self.packed = None  # the weight changed since packing: never use a stale copy
-            return F.linear(x, self.weight, self.bias)
         return packed.matmul(x, self.bias)
+
+    def current_packed(self) -> PackedWeight | None:
+        """The packed copy if it still holds the current weight, else None (and dropped)."""
+        if self.packed is not None and self._packed_from != (
+            self.weight.data_ptr(),
+            self.weight._version,
+        ):
+            self.packed = None  # the weight changed since packing: never use a stale copy
+        return self.packed
 
 
 class Attention(nn.Module):
@@ -192,10 +200,60 @@ class DecoderLayer(nn.Module):
         previous layer's MLP output; None for the first layer), then ``h += attention``. Returns
         this layer's MLP output, the next delta: each residual add is fused with the norm after
         it (`RMSNorm.add_forward`), as vLLM's layers do."""
+        packed = self._fusable(h)
+        if packed is not None:
+            return self._forward_fused(h, delta, cos_sin, kv_cache, metadata, packed)
         norm = self.input_layernorm
         x = norm(h) if delta is None else norm.add_forward(h, delta)
         attended = self.self_attn(x, cos_sin, kv_cache, metadata)
         return self.mlp(self.post_attention_layernorm.add_forward(h, attended))
+
+    def _fusable(self, h: torch.Tensor) -> list[PackedWeight] | None:
+        """The four packed weights (qkv, o, gate/up, down) when the steps around the attention
+        can run as two compiled calls (`native_layers.attention_inputs`, `mlp_block`): float32
+        CPU with packed weights and the native layers, no q/k norm."""
+        if not (
+            h.dim() == 2
+            and h.is_contiguous()
+            and h.shape[0] > 0
+            and not self.self_attn.qk_norm
+            and native_layers.applies(h)
+        ):
+            return None
+        attn, mlp = self.self_attn, self.mlp
+        packed = [
+            linear.current_packed()
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        return None if any(p is None for p in packed) else packed  # type: ignore[return-value]
+
+    def _forward_fused(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+        packed: list[PackedWeight],
+    ) -> torch.Tensor:
+        """`forward` with the steps before and after the attention as one compiled call each
+        (the same operations and the same bits; far fewer Python operations between GEMMs,
+        each of which runs on caches the GEMM has just flushed)."""
+        attn, norm, post = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
+        k_cache, v_cache = kv_cache.layer(attn.layer_index)
+        slots = metadata.slot_mapping
+        slot_range = metadata.derived(("slot_range",), lambda: _min_max(slots))
+        qkv = native_layers.attention_inputs(
+            h, delta, norm.weight, norm.eps, packed[0], attn.qkv_proj.bias, heads, kv_heads,
+            *cos_sin, k_cache, v_cache, slots, slot_range,
+        )  # fmt: skip
+        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, attn.scale)
+        attended = out.reshape(h.shape[0], attn.q_size)
+        return native_layers.mlp_block(
+            attended, h, post.weight, post.eps, packed[1], packed[2], packed[3], MLP_CHUNK_ROWS
+        )
 
 
 class DecoderModel(nn.Module):
@@ -280,6 +338,11 @@ class CausalLM(nn.Module):
         if delta is not None:
             last += delta.index_select(0, rows)
         return self.lm_head(self.model.norm(last))
+
+
+def _min_max(t: torch.Tensor) -> tuple[int, int]:
+    low, high = t.aminmax()  # one pass
+    return int(low), int(high)
 
 
 def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PackedWeight", "available"]
+__all__ = ["PackedWeight", "available", "compute_address"]
 
 # CBLAS enum values (mkl_cblas.h).
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
@@ -125,6 +125,16 @@ class PackedWeight:
             self.in_features, beta, out.data_ptr(), self.out_features,
         )  # fmt: skip
         return out
+
+
+def compute_address() -> int:
+    """Address of MKL's ``cblas_sgemm_compute``, for compiled code that multiplies through
+    packed weights itself (`native_layers.attention_inputs`, `native_layers.mlp_block`)."""
+    cblas = _cblas()
+    address = None if cblas is None else ctypes.cast(cblas.compute, ctypes.c_void_p).value
+    if not address:
+        raise RuntimeError("packed GEMM is not available")
+    return address
 
 
 @functools.cache

@@ -91,3 +91,69 @@ void pc_rotary(float *x, int64_t row_stride, int T, int heads, int D, const floa
         }
     }
 }
+
+/* ---- A layer's steps around its attention, each group one call --------------------------
+ *
+ * Between two compiled calls the decoder ran 50-100 Python operations (checks, allocations,
+ * ctypes), and right after a GEMM has streamed megabytes of weights through the caches each of
+ * them misses: on `small` the gaps between the calls of a 128-token step took 8 ms where the same
+ * Python takes 2 ms with the caches warm (a snippet of 30 torch calls: 43 us after a 128-row
+ * GEMM, 13 us alone, 40 us after summing 16 MB; one thread or two alike). So the steps before
+ * the attention (add + norm, qkv projection, rotary, the K/V write) and after it (o projection,
+ * add + norm, the MLP) are one call each: the same operations in the same order, through the
+ * same packed GEMM, so the results are the same bits as the separate calls. */
+
+/* MKL's cblas_sgemm_compute (from libtorch): row-major C = A B + beta C, B packed */
+typedef void (*packed_gemm_fn)(int layout, int transa, int transb, int m, int n, int k,
+                               const float *a, int lda, const void *b, int ldb, float beta,
+                               float *c, int ldc);
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_PACKED = 151 };
+
+/* out [rows, n] = x [rows, k] W^T (+ bias [n]); W packed by prefixcache.model.packed_gemm */
+static void project(packed_gemm_fn gemm, const float *x, int rows, int k, const void *w, int n,
+                    const float *bias, float *out) {
+    float beta = 0.0f;
+    if (bias != NULL) {
+        for (int r = 0; r < rows; r++) memcpy(out + (int64_t)r * n, bias, (size_t)n * sizeof(float));
+        beta = 1.0f;
+    }
+    gemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_PACKED, rows, n, k, x, k, w, k, beta, out, n);
+}
+
+/* h [rows, hidden] += delta (unless NULL); x = RMSNorm(h) * norm_w; qkv [rows, (H + 2 KV) D]
+ * = x W_qkv^T (+ bias); q and k rotated in place (cos, signed_sin: [rows, D]); this step's k
+ * and v copied to their slots of the caches [num_slots, KV, D]. */
+void pc_attention_inputs(packed_gemm_fn gemm, float *h, const float *delta, const float *norm_w,
+                         float eps, float *x, int rows, int hidden, const void *w_qkv,
+                         const float *bias, float *qkv, int H, int KV, int D, const float *cos,
+                         const float *signed_sin, float *k_cache, float *v_cache,
+                         const int64_t *slots, int nthreads) {
+    const int width = (H + 2 * KV) * D;
+    const size_t kv_bytes = (size_t)KV * D * sizeof(float);
+    pc_add_rms_norm(h, delta, norm_w, x, rows, hidden, eps, nthreads);
+    project(gemm, x, rows, hidden, w_qkv, width, bias, qkv);
+    pc_rotary(qkv, width, rows, H + KV, D, cos, signed_sin, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *k = qkv + (int64_t)r * width + (int64_t)H * D;
+        memcpy(k_cache + slots[r] * KV * D, k, kv_bytes);
+        memcpy(v_cache + slots[r] * KV * D, k + (int64_t)KV * D, kv_bytes);
+    }
+}
+
+/* o = attn [rows, q_size] W_o^T; h += o; x = RMSNorm(h) * norm_w; out [rows, hidden] =
+ * (silu(x W_gate^T) * x W_up^T) W_down^T, `chunk` rows at a time (gate_up: [chunk, 2 I], act:
+ * [chunk, I] scratch). */
+void pc_mlp_block(packed_gemm_fn gemm, const float *attn, int rows, int q_size, const void *w_o,
+                  float *h, int hidden, const float *norm_w, float eps, const void *w_gate_up,
+                  int I, const void *w_down, float *o, float *x, float *gate_up, float *act,
+                  float *out, int chunk, int nthreads) {
+    project(gemm, attn, rows, q_size, w_o, hidden, NULL, o);
+    pc_add_rms_norm(h, o, norm_w, x, rows, hidden, eps, nthreads);
+    for (int r0 = 0; r0 < rows; r0 += chunk) {
+        const int m = rows - r0 < chunk ? rows - r0 : chunk;
+        project(gemm, x + (int64_t)r0 * hidden, m, hidden, w_gate_up, 2 * I, NULL, gate_up);
+        pc_silu_mul(gate_up, act, m, I, nthreads);
+        project(gemm, act, m, I, w_down, hidden, NULL, out + (int64_t)r0 * hidden);
+    }
+}
