@@ -53,6 +53,11 @@ class AttentionMetadata:
             self._derived[key] = build()
         return self._derived[key]  # type: ignore[no-any-return]
 
+    def slot_range(self) -> tuple[int, int]:
+        """(min, max) of the slot mapping, computed once per step: the compiled paths check
+        their slots against the cache size with it instead of a pass per layer."""
+        return self.derived(("slot_range",), lambda: min_max(self.slot_mapping))
+
     def stacked_mask(self, b: int, repeats: int, dtype: torch.dtype) -> torch.Tensor:
         """Sequence b's causal mask as an additive ``dtype`` mask (0 / -inf), tiled ``repeats``
         times along the query axis: [repeats * num_new, seq_len], for query heads stacked into
@@ -194,3 +199,9 @@ def _lower_right_mask(n_computed: int, n_new: int, like: torch.Tensor) -> torch.
     query_pos = torch.arange(n_new, device=like.device).unsqueeze(1) + n_computed
     key_pos = torch.arange(n_computed + n_new, device=like.device).unsqueeze(0)
     return key_pos <= query_pos
+
+
+def min_max(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor, in one pass."""
+    low, high = t.aminmax()
+    return int(low), int(high)

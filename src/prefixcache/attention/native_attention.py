@@ -134,6 +134,7 @@ def _check(
     slot_tensors: list[torch.Tensor],
     rows_per_head: int,
     what: str,
+    slot_range: tuple[int, int] | None = None,
 ) -> None:
     """The kernels read raw pointers: reject everything a wrong shape would turn into a bad read."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -154,7 +155,7 @@ def _check(
         raise ValueError(f"native {what}: unsupported shapes, strides or dtypes")
     for slots in slot_tensors:
         if slots.numel():
-            low, high = slots.aminmax()  # one pass
+            low, high = slots.aminmax() if slot_range is None else slot_range  # one pass
             if int(low) < 0 or int(high) >= k_flat.shape[0]:
                 raise ValueError(f"native {what}: slot out of range")
 
@@ -183,6 +184,7 @@ def attend(
     slots: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    slot_range: tuple[int, int] | None = None,
 ) -> None:
     """One sequence's prefill attention into ``out``; requires `available()`.
 
@@ -190,12 +192,13 @@ def attend(
     out contiguous); k_flat, v_flat: the paged cache flattened to [num_slots, num_kv_heads,
     head_dim], already holding the new tokens' K/V; slots: [S] int64, the slot of every
     position 0 .. S - 1 (S >= T: the cached context, then the new tokens). New token t sits at
-    position S - T + t and attends positions 0 .. S - T + t.
+    position S - T + t and attends positions 0 .. S - T + t. ``slot_range``: the slots' (min,
+    max) when the caller already has them (one pass per step for all layers), else computed.
     """
     kernel = _kernel_or_raise()
     num_tokens, num_heads, head_dim = q.shape
     seq_len, num_kv_heads = slots.shape[0], k_flat.shape[1]
-    _check(q, k_flat, v_flat, out, [slots], TILE_TOKENS, "attention")
+    _check(q, k_flat, v_flat, out, [slots], TILE_TOKENS, "attention", slot_range)
     if not 0 < num_tokens <= seq_len:
         raise ValueError(
             f"native attention: unsupported: {num_tokens} new tokens over {seq_len} positions"

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from prefixcache.attention import native_attention
 from prefixcache.attention.cascade_prefill import cascade_prefill
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
-from prefixcache.attention.metadata import AttentionMetadata
+from prefixcache.attention.metadata import AttentionMetadata, min_max
 
 __all__ = ["EXPLICIT_SCORES_MAX_BYTES", "paged_attention", "write_kv"]
 
@@ -73,7 +73,9 @@ def paged_attention(
         return _attend_causal(q, k, v, scale, gqa)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if metadata.num_seqs == 1 and metadata.num_computed[0] == 0:
-        native_attention.attend(q, k_flat, v_flat, metadata.slot_mapping, scale, out)
+        native_attention.attend(
+            q, k_flat, v_flat, metadata.slot_mapping, scale, out, metadata.slot_range()
+        )
         return out
     decode_rows = [b for b, n in enumerate(metadata.num_new) if n == 1]
     if decode_rows:
@@ -92,7 +94,10 @@ def paged_attention(
             continue
         if native:  # slots: the context's and the new tokens'; without context, the new ones'
             seq_slots = metadata.slot_mapping[start:end] if slots is None else slots
-            native_attention.attend(q[start:end], k_flat, v_flat, seq_slots, scale, out[start:end])
+            seq_range = metadata.derived(("seq_slot_range", b), lambda s=seq_slots: min_max(s))
+            native_attention.attend(
+                q[start:end], k_flat, v_flat, seq_slots, scale, out[start:end], seq_range
+            )
             continue
         if slots is None:
             out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale, gqa)

@@ -242,11 +242,9 @@ class DecoderLayer(nn.Module):
         attn, norm, post = self.self_attn, self.input_layernorm, self.post_attention_layernorm
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
         k_cache, v_cache = kv_cache.layer(attn.layer_index)
-        slots = metadata.slot_mapping
-        slot_range = metadata.derived(("slot_range",), lambda: _min_max(slots))
         qkv = native_layers.attention_inputs(
             h, delta, norm.weight, norm.eps, packed[0], attn.qkv_proj.bias, heads, kv_heads,
-            *cos_sin, k_cache, v_cache, slots, slot_range,
+            *cos_sin, k_cache, v_cache, metadata.slot_mapping, metadata.slot_range(),
         )  # fmt: skip
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         out = paged_attention(q, k, v, k_cache, v_cache, metadata, attn.scale)
@@ -338,11 +336,6 @@ class CausalLM(nn.Module):
         if delta is not None:
             last += delta.index_select(0, rows)
         return self.lm_head(self.model.norm(last))
-
-
-def _min_max(t: torch.Tensor) -> tuple[int, int]:
-    low, high = t.aminmax()  # one pass
-    return int(low), int(high)
 
 
 def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

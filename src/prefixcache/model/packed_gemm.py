@@ -127,6 +127,7 @@ class PackedWeight:
         return out
 
 
+@functools.cache
 def compute_address() -> int:
     """Address of MKL's ``cblas_sgemm_compute``, for compiled code that multiplies through
     packed weights itself (`native_layers.attention_inputs`, `native_layers.mlp_block`)."""
