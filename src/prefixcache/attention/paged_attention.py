@@ -73,9 +73,7 @@ def paged_attention(
         return _attend_causal(q, k, v, scale, gqa)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if metadata.num_seqs == 1 and metadata.num_computed[0] == 0:
-        native_attention.attend(
-            q, k_flat, v_flat, metadata.slot_mapping, scale, out, metadata.slot_range()
-        )
+        _attend_native(q, k_flat, v_flat, metadata, 0, metadata.slot_mapping, scale, out)
         return out
     decode_rows = [b for b, n in enumerate(metadata.num_new) if n == 1]
     if decode_rows:
@@ -94,10 +92,8 @@ def paged_attention(
             continue
         if native:  # slots: the context's and the new tokens'; without context, the new ones'
             seq_slots = metadata.slot_mapping[start:end] if slots is None else slots
-            seq_range = metadata.derived(("seq_slot_range", b), lambda s=seq_slots: min_max(s))
-            native_attention.attend(
-                q[start:end], k_flat, v_flat, seq_slots, scale, out[start:end], seq_range
-            )
+            q_b, out_b = q[start:end], out[start:end]
+            _attend_native(q_b, k_flat, v_flat, metadata, b, seq_slots, scale, out_b)
             continue
         if slots is None:
             out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale, gqa)
@@ -112,6 +108,30 @@ def paged_attention(
         mask = metadata.stacked_mask(b, q.shape[1] // num_kv_heads, q.dtype)
         out[start:end] = _attend_stacked(q[start:end], k_ctx, v_ctx, mask, scale)
     return out
+
+
+def _attend_native(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    metadata: AttentionMetadata,
+    b: int,
+    slots: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Sequence b's prefill through the kernel, checked and set up in the step's first layer
+    (`native_attention.PreparedAttend`); the step's sequences share one scratch buffer."""
+
+    def prepare() -> native_attention.PreparedAttend:
+        pool = metadata.derived(("native_scratch",), dict)  # grows to the largest need
+        prepared = native_attention.PreparedAttend(
+            q, k_flat, v_flat, slots, out, min_max(slots), pool.get("buffer")
+        )
+        pool["buffer"] = prepared.scratch
+        return prepared
+
+    metadata.derived(("native_prefill", b), prepare)(q, k_flat, v_flat, scale, out)
 
 
 def _attend_decodes(
