@@ -207,3 +207,26 @@ def test_decode_rejects_input_it_would_misread() -> None:
         native_attention.decode(q, k_flat, v_flat, shared, tails, lens * 2, 0.25, out)
     with pytest.raises(ValueError, match="slot out of range"):
         native_attention.decode(q, k_flat, v_flat, shared + 30, tails, lens, 0.25, out)
+
+
+def test_prepared_attend_takes_only_tensors_like_the_first() -> None:
+    # paged_attention prepares a sequence's prefill once per step and calls it in every layer
+    gen = torch.Generator().manual_seed(0)
+    k_flat, v_flat = torch.randn(90, 2, 16, generator=gen), torch.randn(90, 2, 16, generator=gen)
+    slots = torch.randperm(90, generator=gen)[:50]
+    q = torch.randn(20, 4, 16, generator=gen)
+    out, expected = torch.empty(20, 4, 16), torch.empty(20, 4, 16)
+    prepared = native_attention.PreparedAttend(q, k_flat, v_flat, slots, out)
+    for layer in range(2):  # another layer's cache: same shape, other values
+        k_layer, v_layer = k_flat * (layer + 1), v_flat - layer
+        prepared(q, k_layer, v_layer, 0.25, out)
+        native_attention.attend(q, k_layer, v_layer, slots, 0.25, expected)
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="unlike"):
+        prepared(q[:10], k_flat, v_flat, 0.25, out[:10])
+    with pytest.raises(ValueError, match="unlike"):
+        prepared(q, k_flat[:80], v_flat[:80], 0.25, out)  # a smaller cache: slots would overrun
+    with pytest.raises(ValueError, match="unlike"):
+        prepared(q, k_flat.double(), v_flat.double(), 0.25, out)
+    with pytest.raises(ValueError, match="unlike"):
+        prepared(q, k_flat, v_flat, 0.25, torch.empty(4, 20, 16).transpose(0, 1))
