@@ -1,7 +1,7 @@
-"""The decoder's steps around each attention as two compiled calls (`native_layers.
-attention_inputs`, `native_layers.mlp_block`): the same bits as the separate steps, for prefills
-with and without cached context, chunked MLPs, qkv bias and decode steps; used exactly where it
-applies; bad input refused. (The HF parity tests run the whole model through it too.)"""
+"""The decoder's layers as compiled calls (`model.fused_layers`): the same bits as the separate
+steps, for prefills with and without cached context (one call per layer), chunked MLPs, qkv
+bias, batches and decode steps (two calls around the attention); used exactly where it applies;
+a step it would misread refused. (The HF parity tests run the whole model through it too.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from native_support import require_native_layers
 from prefixcache.attention import AttentionMetadata, PagedKVCache
 from prefixcache.model import decoder, native_layers, packed_gemm
 from prefixcache.model.config import ModelConfig, RopeConfig
-from prefixcache.model.packed_gemm import PackedWeight
+from prefixcache.model.fused_layers import FusedLayers
 
 BLOCK = 16
 
@@ -53,8 +53,15 @@ def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch
     """A 40-token prefill (MLP in 16-row chunks), 30 more over it as a cache hit, two sequences
     decoding together: the logits of each step."""
     monkeypatch.setattr(decoder, "MLP_CHUNK_ROWS", 16)
-    if not fused:
-        monkeypatch.setattr(decoder.DecoderLayer, "_fusable", lambda self, h: None)
+    calls: list[bool] = []
+    prepare = FusedLayers.prepare
+
+    def record(*args):  # noqa: ANN002, ANN202
+        result = prepare(*args) if fused else None
+        calls.append(None if result is None else result.one_call_per_layer)
+        return result
+
+    monkeypatch.setattr(decoder.FusedLayers, "prepare", record)
     c = model.config
     cache = PagedKVCache(c.num_hidden_layers, 12, BLOCK, c.num_key_value_heads, c.head_dim)
     tables = [[7, 2, 9, 4, 0], [5, 11, 3]]
@@ -68,7 +75,10 @@ def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch
     out.append(step([tables[0]], [40], [30], ids[40:70]))
     out.append(step([tables[1]], [0], [9], ids[70:79]))
     out.append(step(tables, [70, 9], [1, 1], ids[[79, 0]]))
+    out.append(step(tables, [71, 10], [1, 5], ids[:6]))  # a decode and a chunk together
     monkeypatch.undo()
+    # one call per layer for one sequence's prefill, two around paged_attention otherwise
+    assert calls == ([True, True, True, False, False] if fused else [None] * 5)
     return out
 
 
@@ -80,55 +90,44 @@ def test_fused_steps_give_the_same_bits(qkv_bias: bool, monkeypatch: pytest.Monk
         assert torch.equal(a, b)
 
 
+def _step_inputs(model: decoder.CausalLM, rows: int, num_blocks: int = 12):  # noqa: ANN202
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, num_blocks, BLOCK, c.num_key_value_heads, c.head_dim)
+    meta = AttentionMetadata.build([[9, 2, 7, 4, 0]], [0], [rows], BLOCK)
+    model.init_rotary()
+    cos_sin = model.rotary.cos_sin(meta.positions, torch.float32)  # type: ignore[union-attr]
+    return torch.randn(rows, c.hidden_size), cos_sin, cache, meta
+
+
 def test_fused_where_it_applies() -> None:
-    h = torch.randn(5, 64)
-    layer = _model(qkv_bias=True).model.layers[0]
-    assert layer._fusable(h) is not None
-    assert layer._fusable(h.double()) is None
-    assert _model(qkv_bias=False, qk_norm=True).model.layers[0]._fusable(h) is None  # Qwen3
-    with torch.no_grad():
-        layer.self_attn.o_proj.weight.mul_(2)  # a changed weight: its packed copy is stale
-    assert layer._fusable(h) is None
+    model = _model(qkv_bias=True)
+    h, cos_sin, cache, meta = _step_inputs(model, 5)
+    assert FusedLayers.prepare(model, h, cos_sin, cache, meta) is not None
+    assert FusedLayers.prepare(model, h.double(), cos_sin, cache, meta) is None
+    assert FusedLayers.prepare(model, h[:0], cos_sin, cache, meta) is None
+    qwen3 = _model(qkv_bias=False, qk_norm=True)  # q/k norm: the separate steps
+    assert FusedLayers.prepare(qwen3, h, cos_sin, cache, meta) is None
     native_layers.set_enabled(False)
     try:
-        assert _model(qkv_bias=False).model.layers[0]._fusable(h) is None
+        assert FusedLayers.prepare(model, h, cos_sin, cache, meta) is None
     finally:
         native_layers.set_enabled(True)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(2)  # its packed copy is now stale
+    assert FusedLayers.prepare(model, h, cos_sin, cache, meta) is None
 
 
-def test_rejects_input_it_would_misread() -> None:
-    gen = torch.Generator().manual_seed(0)
-    qkv = PackedWeight.pack(torch.randn(8 * 16, 64, generator=gen))  # 4 heads + 2 x 2 kv heads
-    h, norm = torch.randn(3, 64, generator=gen), torch.ones(64)
-    cos, sin = torch.ones(3, 1, 16), torch.zeros(3, 1, 16)
-    k_cache, v_cache = torch.zeros(4, BLOCK, 2, 16), torch.zeros(4, BLOCK, 2, 16)
-
-    def inputs(**change):  # noqa: ANN003, ANN202
-        args = dict(h=h, delta=None, norm_weight=norm, eps=1e-6, qkv_weight=qkv, qkv_bias=None,
-                    num_heads=4, num_kv_heads=2, cos=cos, signed_sin=sin, k_cache=k_cache,
-                    v_cache=v_cache, slot_mapping=torch.tensor([0, 5, 63]))  # fmt: skip
-        return native_layers.attention_inputs(**(args | change))
-
-    assert inputs().shape == (3, 8, 16)
+def test_refuses_a_step_it_would_misread() -> None:
+    model = _model(qkv_bias=False)
+    h, cos_sin, cache, meta = _step_inputs(model, 5)
+    small_cache = _step_inputs(model, 5, num_blocks=8)[2]  # block 9 of the table is beyond it
     with pytest.raises(ValueError, match="slot out of range"):
-        inputs(slot_mapping=torch.tensor([0, 5, 64]))
-    with pytest.raises(ValueError, match="slot out of range"):
-        inputs(slot_mapping=torch.tensor([-1, 5, 6]))
+        FusedLayers.prepare(model, h, cos_sin, small_cache, meta)
     with pytest.raises(ValueError, match="unsupported"):
-        inputs(num_heads=5)  # the packed weight has another width
+        FusedLayers.prepare(model, h, (cos_sin[0][:4], cos_sin[1][:4]), cache, meta)
     with pytest.raises(ValueError, match="unsupported"):
-        inputs(cos=torch.ones(2, 1, 16))
+        FusedLayers.prepare(model, torch.randn(5, 32), cos_sin, cache, meta)  # wrong width
+    c = model.config
+    wrong_heads = PagedKVCache(c.num_hidden_layers, 12, BLOCK, 1, c.head_dim)
     with pytest.raises(ValueError, match="unsupported"):
-        inputs(h=torch.randn(64, 3).t())  # not contiguous
-    with pytest.raises(ValueError, match="unsupported"):
-        inputs(slot_mapping=torch.tensor([0, 5, 6], dtype=torch.int32))
-
-    o = PackedWeight.pack(torch.randn(64, 64, generator=gen))
-    gate_up = PackedWeight.pack(torch.randn(2 * 96, 64, generator=gen))
-    down = PackedWeight.pack(torch.randn(64, 96, generator=gen))
-    attended = torch.randn(3, 64, generator=gen)
-    assert native_layers.mlp_block(attended, h, norm, 1e-6, o, gate_up, down, 2).shape == (3, 64)
-    with pytest.raises(ValueError, match="unsupported"):
-        native_layers.mlp_block(attended, h, norm, 1e-6, o, down, gate_up, 2)  # swapped
-    with pytest.raises(ValueError, match="unsupported"):
-        native_layers.mlp_block(attended[:2], h, norm, 1e-6, o, gate_up, down, 2)
+        FusedLayers.prepare(model, h, cos_sin, wrong_heads, meta)

@@ -84,6 +84,7 @@ class _Kernel:
         self.decode_scratch_floats = _bind(library, "pc_decode_scratch_floats", _I64, [_I] * 7)
         self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 7)
         self.sgemm, self.set_threads = sgemm, set_threads
+        self.attention_address = ctypes.cast(self.attention, _P).value
 
 
 @functools.cache
@@ -242,6 +243,17 @@ class PreparedAttend:
         q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor
     ) -> tuple:
         return tuple((t.shape, t.stride(), t.dtype, t.is_cpu) for t in (q, k_flat, v_flat, out))
+
+    def kernel_arguments(self, scale: float, out: torch.Tensor) -> tuple:
+        """For compiled callers (`pc_layer`): the kernel's address, then its arguments from the
+        slots to set_threads, in pc_attention's order, less T and the sizes before scale."""
+        if self.signature(out, out, out, out)[3] != self._signature[3]:
+            raise ValueError("native attention: output unlike the one it was prepared for")
+        kernel = self._kernel
+        return (
+            kernel.attention_address, self._slots.data_ptr(), self._sizes[1], scale,
+            out.data_ptr(), self.scratch.data_ptr(), TILE_TOKENS, kernel.sgemm, kernel.set_threads,
+        )  # fmt: skip
 
     def __call__(
         self,

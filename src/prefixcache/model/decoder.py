@@ -8,8 +8,7 @@ tables (`prefixcache.attention`). Parameter names follow transformers except the
 an MKL-packed copy of their weight (`Projection`, `packed_gemm`), and the element-wise steps
 (residual add + RMSNorm, rotary, SwiGLU) run as compiled one-pass kernels (`native_layers`)
 where they build; the residual stream is updated in place, each add fused with the norm after it.
-With both, the steps before and after each attention run as one compiled call each
-(`DecoderLayer._forward_fused`).
+With both, each layer runs as one or two compiled calls (`fused_layers`).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from torch import nn
 from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
 from prefixcache.model import native_layers, packed_gemm
 from prefixcache.model.config import ModelConfig
+from prefixcache.model.fused_layers import FusedLayers
 from prefixcache.model.packed_gemm import PackedWeight
 from prefixcache.model.rope import RotaryEmbedding, apply_rotary
 
@@ -200,58 +200,10 @@ class DecoderLayer(nn.Module):
         previous layer's MLP output; None for the first layer), then ``h += attention``. Returns
         this layer's MLP output, the next delta: each residual add is fused with the norm after
         it (`RMSNorm.add_forward`), as vLLM's layers do."""
-        packed = self._fusable(h)
-        if packed is not None:
-            return self._forward_fused(h, delta, cos_sin, kv_cache, metadata, packed)
         norm = self.input_layernorm
         x = norm(h) if delta is None else norm.add_forward(h, delta)
         attended = self.self_attn(x, cos_sin, kv_cache, metadata)
         return self.mlp(self.post_attention_layernorm.add_forward(h, attended))
-
-    def _fusable(self, h: torch.Tensor) -> list[PackedWeight] | None:
-        """The four packed weights (qkv, o, gate/up, down) when the steps around the attention
-        can run as two compiled calls (`native_layers.attention_inputs`, `mlp_block`): float32
-        CPU with packed weights and the native layers, no q/k norm."""
-        if not (
-            h.dim() == 2
-            and h.is_contiguous()
-            and h.shape[0] > 0
-            and not self.self_attn.qk_norm
-            and native_layers.applies(h)
-        ):
-            return None
-        attn, mlp = self.self_attn, self.mlp
-        packed = [
-            linear.current_packed()
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        ]
-        return None if any(p is None for p in packed) else packed  # type: ignore[return-value]
-
-    def _forward_fused(
-        self,
-        h: torch.Tensor,
-        delta: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
-        packed: list[PackedWeight],
-    ) -> torch.Tensor:
-        """`forward` with the steps before and after the attention as one compiled call each
-        (the same operations and the same bits; far fewer Python operations between GEMMs,
-        each of which runs on caches the GEMM has just flushed)."""
-        attn, norm, post = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        heads, kv_heads = attn.num_heads, attn.num_kv_heads
-        k_cache, v_cache = kv_cache.layer(attn.layer_index)
-        qkv = native_layers.attention_inputs(
-            h, delta, norm.weight, norm.eps, packed[0], attn.qkv_proj.bias, heads, kv_heads,
-            *cos_sin, k_cache, v_cache, metadata.slot_mapping, metadata.slot_range(),
-        )  # fmt: skip
-        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-        out = paged_attention(q, k, v, k_cache, v_cache, metadata, attn.scale)
-        attended = out.reshape(h.shape[0], attn.q_size)
-        return native_layers.mlp_block(
-            attended, h, post.weight, post.eps, packed[1], packed[2], packed[3], MLP_CHUNK_ROWS
-        )
 
 
 class DecoderModel(nn.Module):
@@ -329,8 +281,12 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [T, hidden], the residual stream
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
         delta: torch.Tensor | None = None  # the last layer's output, not yet added to h
-        for layer in self.model.layers:
-            delta = layer(h, delta, cos_sin, kv_cache, attn_metadata)
+        fused = FusedLayers.prepare(self, h, cos_sin, kv_cache, attn_metadata)
+        for i, layer in enumerate(self.model.layers):
+            if fused is not None:
+                delta = fused.run(i)
+            else:
+                delta = layer(h, delta, cos_sin, kv_cache, attn_metadata)
         rows = attn_metadata.logits_indices
         last = h.index_select(0, rows)  # [B, hidden]: only these rows need the last add
         if delta is not None:

@@ -9,12 +9,8 @@ on `small` (2 threads) the three take a 2,048-token prefill from 1,163 to 1,080 
 docs/model.md). Results differ from torch's only by float rounding (summation order, fused
 multiply-adds, a polynomial exp with relative error <= 3.1e-7).
 
-Where the projections hold packed weights (`packed_gemm`), the decoder runs the steps before
-each attention (add + norm, qkv projection, rotary, K/V write: `attention_inputs`) and after it
-(o projection, add + norm, MLP: `mlp_block`) as one call each, calling MKL's packed GEMM from C:
-the same operations and bits, without the 50-100 Python operations between calls that each ran
-on caches a GEMM had just flushed (a 128-token step after a cache hit on `small`: 108.7 -> 105.7
-and 113.2 -> 109.3 ms alternating in one process; docs/model.md).
+The library also holds each layer as one call (`pc_layer`) or two around the attention, used by
+`prefixcache.model.fused_layers` where the projections hold packed weights.
 
 `available()` is False, and the decoder keeps its torch code, where there is no C compiler, the
 build or a one-time probe against torch fails, or ``PREFIXCACHE_NATIVE_LAYERS=0``;
@@ -30,18 +26,15 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from prefixcache.model import packed_gemm
-from prefixcache.model.packed_gemm import PackedWeight
 from prefixcache.native import Switch, load_library
 
 __all__ = [
     "add_rms_norm",
     "applies",
-    "attention_inputs",
     "available",
     "disabled_by_env",
     "enabled",
-    "mlp_block",
+    "library",
     "rotary_",
     "set_enabled",
     "silu_mul",
@@ -75,12 +68,17 @@ def _library() -> ctypes.CDLL | None:
     library.pc_attention_inputs.argtypes += [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I]
     library.pc_mlp_block.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _I]
     library.pc_mlp_block.argtypes += [_P] * 6 + [_I, _I]
+    f32 = ctypes.c_float
+    library.pc_layer.argtypes = [_P] * 5 + [f32, _P, _I, _I, _P, _P, _P, _I, _I, _I] + [_P] * 7
+    library.pc_layer.argtypes += [_I, f32, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P]
+    library.pc_layer.argtypes += [_I, _I]
     for function in (
         library.pc_add_rms_norm,
         library.pc_silu_mul,
         library.pc_rotary,
         library.pc_attention_inputs,
         library.pc_mlp_block,
+        library.pc_layer,
     ):
         function.restype = None
     return library
@@ -165,123 +163,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x
 
 
-def attention_inputs(
-    h: torch.Tensor,
-    delta: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    qkv_weight: PackedWeight,
-    qkv_bias: torch.Tensor | None,
-    num_heads: int,
-    num_kv_heads: int,
-    cos: torch.Tensor,
-    signed_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    slot_range: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """A layer's steps before its attention, in one call: ``h += delta`` (unless None), x =
-    RMSNorm(h) * norm_weight, qkv = x W^T (+ bias) through the packed weight, q and k rotated,
-    this step's k and v written to their cache slots. Returns qkv [rows, heads + 2 kv_heads,
-    head_dim].
-
-    h, delta: [rows, hidden] contiguous float32 CPU; cos, signed_sin: [rows, 1, head_dim]
-    (`RotaryEmbedding.cos_sin`); caches contiguous, viewable as [num_slots, kv_heads,
-    head_dim]; slot_mapping: [rows] int64. ``slot_range``: the mapping's (min, max) when the
-    caller already has them (computed once per step for all layers), else computed here.
-    """
-    library = _library_or_raise()
-    rows, hidden = h.shape if h.dim() == 2 else (-1, -1)
-    head_dim = cos.shape[-1]
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    kv_width = num_kv_heads * head_dim
-    if not (
-        h.dim() == 2
-        and h.is_contiguous()
-        and (delta is None or (delta.shape == h.shape and delta.is_contiguous()))
-        and norm_weight.shape == (hidden,)
-        and norm_weight.is_contiguous()
-        and (qkv_weight.in_features, qkv_weight.out_features) == (hidden, width)
-        and (qkv_bias is None or (qkv_bias.shape == (width,) and qkv_bias.is_contiguous()))
-        and head_dim % 2 == 0
-        and cos.shape == signed_sin.shape == (rows, 1, head_dim)
-        and cos.is_contiguous()
-        and signed_sin.is_contiguous()
-        and k_cache.shape == v_cache.shape
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and k_cache.numel() % kv_width == 0
-        and slot_mapping.shape == (rows,)
-        and slot_mapping.dtype == torch.int64
-        and slot_mapping.is_contiguous()
-        and _is_f32_cpu(h, norm_weight, cos, signed_sin, k_cache, v_cache)
-        and (delta is None or _is_f32_cpu(delta))
-        and (qkv_bias is None or _is_f32_cpu(qkv_bias))
-    ):
-        raise ValueError("native attention_inputs: unsupported shapes, strides or dtypes")
-    if rows and slot_range is None:
-        low, high = slot_mapping.aminmax()
-        slot_range = (int(low), int(high))
-    if rows and not (0 <= slot_range[0] and slot_range[1] < k_cache.numel() // kv_width):
-        raise ValueError("native attention_inputs: slot out of range")
-    x = torch.empty_like(h)
-    qkv = h.new_empty(rows, num_heads + 2 * num_kv_heads, head_dim)
-    library.pc_attention_inputs(
-        packed_gemm.compute_address(), h.data_ptr(), None if delta is None else delta.data_ptr(),
-        norm_weight.data_ptr(), eps, x.data_ptr(), rows, hidden, qkv_weight.buffer.data_ptr(),
-        None if qkv_bias is None else qkv_bias.data_ptr(), qkv.data_ptr(), num_heads,
-        num_kv_heads, head_dim, cos.data_ptr(), signed_sin.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_mapping.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    return qkv
-
-
-def mlp_block(
-    attended: torch.Tensor,
-    h: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    o_weight: PackedWeight,
-    gate_up_weight: PackedWeight,
-    down_weight: PackedWeight,
-    chunk_rows: int,
-) -> torch.Tensor:
-    """A layer's steps after its attention, in one call: ``h += attended W_o^T``, x =
-    RMSNorm(h) * norm_weight, and the SwiGLU MLP of x (``chunk_rows`` rows at a time); returns
-    the MLP output [rows, hidden] (the next layer adds it to h).
-
-    attended: [rows, q_size], h: [rows, hidden], both contiguous float32 CPU.
-    """
-    library = _library_or_raise()
-    rows, hidden = h.shape if h.dim() == 2 else (-1, -1)
-    intermediate = gate_up_weight.out_features // 2
-    if not (
-        h.dim() == 2
-        and h.is_contiguous()
-        and attended.shape == (rows, o_weight.in_features)
-        and attended.is_contiguous()
-        and o_weight.out_features == hidden
-        and norm_weight.shape == (hidden,)
-        and norm_weight.is_contiguous()
-        and (gate_up_weight.in_features, gate_up_weight.out_features) == (hidden, 2 * intermediate)
-        and (down_weight.in_features, down_weight.out_features) == (intermediate, hidden)
-        and chunk_rows > 0
-        and _is_f32_cpu(h, attended, norm_weight)
-    ):
-        raise ValueError("native mlp_block: unsupported shapes, strides or dtypes")
-    chunk = min(rows, chunk_rows)
-    o, x, out = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
-    gate_up = h.new_empty(chunk, 2 * intermediate)
-    act = h.new_empty(chunk, intermediate)
-    library.pc_mlp_block(
-        packed_gemm.compute_address(), attended.data_ptr(), rows, o_weight.in_features,
-        o_weight.buffer.data_ptr(), h.data_ptr(), hidden, norm_weight.data_ptr(), eps,
-        gate_up_weight.buffer.data_ptr(), intermediate, down_weight.buffer.data_ptr(),
-        o.data_ptr(), x.data_ptr(), gate_up.data_ptr(), act.data_ptr(), out.data_ptr(),
-        max(chunk, 1), torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+def library() -> ctypes.CDLL | None:
+    """The built library (for `fused_layers`, which calls its layer functions directly after
+    checking a step once), or None where it is unavailable."""
+    return _library()
 
 
 @functools.cache

@@ -157,3 +157,29 @@ void pc_mlp_block(packed_gemm_fn gemm, const float *attn, int rows, int q_size, 
         project(gemm, act, m, I, w_down, hidden, NULL, out + (int64_t)r0 * hidden);
     }
 }
+
+/* pc_attention (prefixcache/native/attention.c, another library: its address is passed in) */
+typedef void (*attention_fn)(const float *q, int64_t q_row_stride, const float *k_cache,
+                             const float *v_cache, const int64_t *slots, float *out,
+                             float *scratch, int T, int S, int H, int KV, int D, float scale,
+                             int tile_tokens, int nthreads, void *sgemm, void *set_threads);
+
+/* A whole layer for a step that is one sequence's prefill: pc_attention_inputs, the attention
+ * of the rows over seq_slots [S] (attn: [rows, H, D]), pc_mlp_block; x doubles as the second
+ * norm's output. Returns through out, as pc_mlp_block. */
+void pc_layer(packed_gemm_fn gemm, float *h, const float *delta, const float *norm_w,
+              const float *post_norm_w, float eps, float *x, int rows, int hidden,
+              const void *w_qkv, const float *bias, float *qkv, int H, int KV, int D,
+              const float *cos, const float *signed_sin, float *k_cache, float *v_cache,
+              const int64_t *slot_mapping, attention_fn attention, const int64_t *seq_slots,
+              int S, float scale, float *attn, float *scratch, int tile_tokens, void *sgemm,
+              void *set_threads, const void *w_o, const void *w_gate_up, int I,
+              const void *w_down, float *o, float *gate_up, float *act, float *out, int chunk,
+              int nthreads) {
+    pc_attention_inputs(gemm, h, delta, norm_w, eps, x, rows, hidden, w_qkv, bias, qkv, H, KV, D,
+                        cos, signed_sin, k_cache, v_cache, slot_mapping, nthreads);
+    attention(qkv, (int64_t)(H + 2 * KV) * D, k_cache, v_cache, seq_slots, attn, scratch, rows, S,
+              H, KV, D, scale, tile_tokens, nthreads, sgemm, set_threads);
+    pc_mlp_block(gemm, attn, rows, H * D, w_o, h, hidden, post_norm_w, eps, w_gate_up, I, w_down,
+                 o, x, gate_up, act, out, chunk, nthreads);
+}
