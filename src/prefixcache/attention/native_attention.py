@@ -244,15 +244,16 @@ class PreparedAttend:
     ) -> tuple:
         return tuple((t.shape, t.stride(), t.dtype, t.is_cpu) for t in (q, k_flat, v_flat, out))
 
-    def kernel_arguments(self, scale: float, out: torch.Tensor) -> tuple:
-        """For compiled callers (`pc_layer`): the kernel's address, then its arguments from the
-        slots to set_threads, in pc_attention's order, less T and the sizes before scale."""
+    def kernel_arguments(self, out: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
+        """For compiled callers (`pc_layer`): the kernel's address, the slots' address, S, the
+        tile size, the scratch's address, sgemm and set_threads; ``out`` must be the output
+        it was prepared with."""
         if self.signature(out, out, out, out)[3] != self._signature[3]:
             raise ValueError("native attention: output unlike the one it was prepared for")
         kernel = self._kernel
         return (
-            kernel.attention_address, self._slots.data_ptr(), self._sizes[1], scale,
-            out.data_ptr(), self.scratch.data_ptr(), TILE_TOKENS, kernel.sgemm, kernel.set_threads,
+            kernel.attention_address, self._slots.data_ptr(), self._sizes[1], TILE_TOKENS,
+            self.scratch.data_ptr(), kernel.sgemm, kernel.set_threads,
         )  # fmt: skip
 
     def __call__(

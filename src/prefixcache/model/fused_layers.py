@@ -9,8 +9,9 @@ the step once, in the first layer (shapes, dtypes, every layer's cache, the slot
 packed weights), allocates the buffers once, and builds each layer's arguments. A layer is then
 one call (`pc_layer` in prefixcache/native/layers.c: add + norm, qkv projection, rotary, K/V
 write, the attention kernel, o projection, add + norm, MLP) when the step is one sequence's
-prefill through the attention kernel, else two calls (`pc_attention_inputs`, `pc_mlp_block`)
-around `paged_attention` (batches of sequences, decode, the torch attention paths). The
+prefill through the attention kernel, else two calls (`pc_layer_inputs`, `pc_layer_outputs`)
+around `paged_attention` (batches of sequences, decode, the torch attention paths); each takes
+the layer's `LayerArgs`, a C struct filled once per step. The
 operations, their order and the GEMMs (MKL's packed compute, called from C) are those of the
 separate steps, so the logits are the same bits.
 """
@@ -18,8 +19,7 @@ separate steps, so the logits are the same bits.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -28,19 +28,35 @@ from prefixcache.model import native_layers, packed_gemm
 from prefixcache.model.packed_gemm import PackedWeight
 
 if TYPE_CHECKING:
-    from prefixcache.model.decoder import CausalLM, DecoderLayer
+    from prefixcache.model.decoder import CausalLM, DecoderLayer, RMSNorm
 
 __all__ = ["FusedLayers"]
 
 
-@dataclass(slots=True)
-class _Layer:
-    inputs: tuple  # pc_attention_inputs' arguments
-    mlp: tuple  # pc_mlp_block's arguments from w_o on (it starts with gemm, attn, rows, q_size)
-    whole: tuple | None  # pc_layer's arguments, for a step that is one sequence's prefill
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    scale: float
+_P, _F, _I = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+
+
+class LayerArgs(ctypes.Structure):
+    """``struct layer_args`` of prefixcache/native/layers.c (same fields, same order)."""
+
+    _fields_ = [
+        ("gemm", _P),
+        ("h", _P),
+        ("delta", _P),
+        ("norm_w", _P),
+        ("post_norm_w", _P),
+        ("eps", _F),
+        *[(name, _I) for name in ("rows", "hidden", "H", "KV", "D", "I", "chunk", "nthreads")],
+        *[(name, _P) for name in ("w_qkv", "w_o", "w_gate_up", "w_down", "qkv_bias")],
+        *[(name, _P) for name in ("cos", "signed_sin", "k_cache", "v_cache", "slot_mapping")],
+        *[(name, _P) for name in ("x", "qkv", "o", "gate_up", "act", "out")],
+        ("attention", _P),
+        ("seq_slots", _P),
+        ("S", _I),
+        ("tile_tokens", _I),
+        ("scale", _F),
+        *[(name, _P) for name in ("attn", "scratch", "sgemm", "set_threads")],
+    ]
 
 
 class FusedLayers:
@@ -49,21 +65,22 @@ class FusedLayers:
     def __init__(
         self,
         library: ctypes.CDLL,
-        layers: list[_Layer],
+        args: list[LayerArgs],
+        layers: list[DecoderLayer],
+        kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
-        qkv: torch.Tensor,
-        out: torch.Tensor,
-        num_kv_heads: int,
-        buffers: tuple[object, ...],
+        buffers: dict[str, torch.Tensor],
+        attention: native_attention.PreparedAttend | None,
     ) -> None:
-        self._library, self._layers, self._metadata = library, layers, metadata
-        self._qkv, self._out, self._kv_heads = qkv, out, num_kv_heads
-        self._buffers = buffers  # the C calls write into these: kept alive with the arguments
+        self._library, self._args, self._layers = library, args, layers
+        self._kv_cache, self._metadata, self._buffers = kv_cache, metadata, buffers
+        self._attention = attention  # its slots and scratch: kept alive with the addresses
+        self._addresses = [ctypes.addressof(a) for a in args]
 
     @property
     def one_call_per_layer(self) -> bool:
         """Whether each layer is one compiled call (the step is one sequence's prefill)."""
-        return self._layers[0].whole is not None
+        return self._attention is not None
 
     @classmethod
     def prepare(
@@ -74,8 +91,8 @@ class FusedLayers:
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
     ) -> FusedLayers | None:
-        """Check the step and build each layer's calls; None where they do not apply (not
-        float32 on the CPU, no packed weights or native layers, q/k norm, an empty step)."""
+        """Check the step and fill each layer's arguments; None where the calls do not apply
+        (not float32 on the CPU, no packed weights or native layers, q/k norm, an empty step)."""
         c = model.config
         library = native_layers.library()
         if (
@@ -88,83 +105,91 @@ class FusedLayers:
         ):
             return None
         layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
-        weights = [_packed(layer) for layer in layers]
-        if any(w is None for w in weights):
+        parts = [_layer_parts(layer) for layer in layers]
+        if any(p is None for p in parts):
             return None
-        _check_step(model, h, cos_sin, kv_cache, metadata, weights)  # type: ignore[arg-type]
+        _check_step(model, h, cos_sin, kv_cache, metadata, parts)  # type: ignore[arg-type]
         from prefixcache.model.decoder import MLP_CHUNK_ROWS  # read now: tests change it
 
-        rows, hidden, inter = h.shape[0], c.hidden_size, c.intermediate_size
-        heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        chunk, eps = min(rows, MLP_CHUNK_ROWS), model.model.norm.eps
-        threads = torch.get_num_threads()
-        x, o, out = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
-        qkv = h.new_empty(rows, heads + 2 * kv_heads, head_dim)
-        gate_up, act = h.new_empty(chunk, 2 * inter), h.new_empty(chunk, inter)
-        attn = h.new_empty(rows, heads, head_dim)
-        gemm, cos, sin = packed_gemm.compute_address(), cos_sin[0], cos_sin[1]
-        prepared = _one_sequence_prefill(qkv[:, :heads], kv_cache, metadata, attn)
-        built = []
-        for i, (layer, w) in enumerate(zip(layers, weights, strict=True)):
-            w_qkv, w_o, w_gate_up, w_down = (p.buffer.data_ptr() for p in w)  # type: ignore[union-attr]
-            k_cache, v_cache = kv_cache.layer(i)
-            bias = layer.self_attn.qkv_proj.bias
-            norm, post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-            delta = None if i == 0 else out.data_ptr()  # the previous layer's MLP output
-            head = (gemm, h.data_ptr(), delta, norm.data_ptr())
-            qkv_part = (
-                eps, x.data_ptr(), rows, hidden, w_qkv, None if bias is None else bias.data_ptr(),
-                qkv.data_ptr(), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                k_cache.data_ptr(), v_cache.data_ptr(), metadata.slot_mapping.data_ptr(),
-            )  # fmt: skip
-            mlp = (
-                w_o, h.data_ptr(), hidden, post.data_ptr(), eps, w_gate_up, inter, w_down,
-                o.data_ptr(), x.data_ptr(), gate_up.data_ptr(), act.data_ptr(), out.data_ptr(),
-                chunk, threads,
-            )  # fmt: skip
-            whole = None
-            if prepared is not None:
-                attention = prepared.kernel_arguments(layer.self_attn.scale, attn)
-                whole = (
-                    *head, post.data_ptr(), *qkv_part, *attention, w_o, w_gate_up, inter, w_down,
-                    o.data_ptr(), gate_up.data_ptr(), act.data_ptr(), out.data_ptr(), chunk,
-                    threads,
-                )  # fmt: skip
-            built.append(
-                _Layer(
-                    (*head, *qkv_part, threads), mlp, whole, k_cache, v_cache, layer.self_attn.scale
-                )  # fmt: skip
-            )
-        buffers = (x, o, gate_up, act, attn, prepared)  # the C calls hold their addresses
-        return cls(library, built, metadata, qkv, out, kv_heads, buffers)
+        rows, heads, kv_heads, head_dim = (
+            h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        )  # fmt: skip
+        chunk = min(rows, MLP_CHUNK_ROWS)
+        buffers = {
+            "x": torch.empty_like(h),
+            "o": torch.empty_like(h),
+            "out": torch.empty_like(h),
+            "qkv": h.new_empty(rows, heads + 2 * kv_heads, head_dim),
+            "gate_up": h.new_empty(chunk, 2 * c.intermediate_size),
+            "act": h.new_empty(chunk, c.intermediate_size),
+            "attn": h.new_empty(rows, heads, head_dim),
+        }
+        attention = _one_sequence_prefill(
+            buffers["qkv"][:, :heads], kv_cache, metadata, buffers["attn"]
+        )
+        template = LayerArgs(
+            gemm=packed_gemm.compute_address(), h=h.data_ptr(), eps=parts[0].norm.eps,  # type: ignore[union-attr]
+            rows=rows, hidden=c.hidden_size, H=heads, KV=kv_heads, D=head_dim,
+            I=c.intermediate_size, chunk=chunk, nthreads=torch.get_num_threads(),
+            cos=cos_sin[0].data_ptr(), signed_sin=cos_sin[1].data_ptr(),
+            slot_mapping=metadata.slot_mapping.data_ptr(),
+            **{name: t.data_ptr() for name, t in buffers.items()},
+        )  # fmt: skip
+        if attention is not None:
+            (
+                template.attention, template.seq_slots, template.S, template.tile_tokens,
+                template.scratch, template.sgemm, template.set_threads,
+            ) = attention.kernel_arguments(buffers["attn"])  # fmt: skip
+        args = []
+        for i, part in enumerate(parts):
+            assert part is not None
+            a = LayerArgs.from_buffer_copy(template)
+            a.delta = None if i == 0 else template.out  # the previous layer's MLP output
+            a.norm_w, a.post_norm_w = part.norm.weight.data_ptr(), part.post_norm.weight.data_ptr()
+            a.w_qkv, a.w_o, a.w_gate_up, a.w_down = (w.buffer.data_ptr() for w in part.packed)
+            a.qkv_bias = None if part.qkv_bias is None else part.qkv_bias.data_ptr()
+            a.k_cache, a.v_cache = (t.data_ptr() for t in kv_cache.layer(i))
+            a.scale = part.scale
+            args.append(a)
+        return cls(library, args, layers, kv_cache, metadata, buffers, attention)
 
     def run(self, i: int) -> torch.Tensor:
         """Layer i: the residual stream h updated in place; returns the layer's MLP output, a
         buffer that the next layer reads (adds to h) before it writes its own there."""
-        layer = self._layers[i]
-        if layer.whole is not None:
-            self._library.pc_layer(*layer.whole)
-            return self._out
-        self._library.pc_attention_inputs(*layer.inputs)
-        qkv, kv_heads = self._qkv, self._kv_heads
-        heads = qkv.shape[1] - 2 * kv_heads
+        address, buffers = self._addresses[i], self._buffers
+        if self._attention is not None:
+            self._library.pc_layer(address)
+            return buffers["out"]
+        self._library.pc_layer_inputs(address)
+        qkv, attn = buffers["qkv"], self._layers[i].self_attn
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-        caches = (layer.k_cache, layer.v_cache)
-        attended = paged_attention(q, k, v, *caches, self._metadata, layer.scale)
-        attended = attended.reshape(qkv.shape[0], heads * qkv.shape[2]).contiguous()
-        self._library.pc_mlp_block(
-            layer.inputs[0], attended.data_ptr(), attended.shape[0], attended.shape[1], *layer.mlp
-        )
-        return self._out
+        k_cache, v_cache = self._kv_cache.layer(i)
+        attended = paged_attention(q, k, v, k_cache, v_cache, self._metadata, attn.scale)
+        attended = attended.reshape(qkv.shape[0], attn.q_size).contiguous()
+        self._library.pc_layer_outputs(address, attended.data_ptr())
+        return buffers["out"]
 
 
-def _packed(layer: DecoderLayer) -> list[PackedWeight] | None:
-    """The layer's four packed weights (qkv, o, gate/up, down), or None if any is missing or
-    stale."""
+class _Parts(NamedTuple):
+    """What the calls read from one layer, looked up once (module attributes are slow)."""
+
+    packed: list[PackedWeight]  # qkv, o, gate/up, down
+    norm: RMSNorm
+    post_norm: RMSNorm
+    qkv_bias: torch.Tensor | None
+    scale: float
+
+
+def _layer_parts(layer: DecoderLayer) -> _Parts | None:
+    """The layer's parts, or None if a projection has no packed weight (or a stale one)."""
     attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    packed = [linear.current_packed() for linear in linears]
-    return None if any(p is None for p in packed) else packed  # type: ignore[return-value]
+    qkv = attn.qkv_proj
+    packed = [p.current_packed() for p in (qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(p is None for p in packed):
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return _Parts(packed, *norms, qkv.bias, attn.scale)  # type: ignore[arg-type]
 
 
 def _one_sequence_prefill(
@@ -190,7 +215,7 @@ def _check_step(
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     kv_cache: PagedKVCache,
     metadata: AttentionMetadata,
-    weights: list[list[PackedWeight]],
+    parts: list[_Parts],
 ) -> None:
     """What the compiled calls read through raw pointers, checked once for all layers."""
     c = model.config
@@ -200,19 +225,15 @@ def _check_step(
     shapes = [(hidden, width), (q_size, hidden), (hidden, 2 * inter), (inter, hidden)]
     cache_shape = (kv_cache.num_blocks, kv_cache.block_size, kv_heads, head_dim)
     caches = [t for i in range(kv_cache.num_layers) for t in kv_cache.layer(i)]
-    norms = [
-        norm
-        for layer in model.model.layers
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm)  # type: ignore[union-attr]
-    ]
-    biases = [layer.self_attn.qkv_proj.bias for layer in model.model.layers]  # type: ignore[union-attr]
+    norms = [norm for p in parts for norm in (p.norm, p.post_norm)]
+    eps = norms[0].eps
     slots = metadata.slot_mapping
     ok = (
         h.shape[1] == hidden
         and h.dtype == torch.float32
         and all(t.shape == (rows, 1, head_dim) and t.is_contiguous() for t in cos_sin)
         and all(t.dtype == torch.float32 and t.is_cpu for t in cos_sin)
-        and kv_cache.num_layers == len(weights)
+        and kv_cache.num_layers == len(parts)
         and all(
             t.shape == cache_shape and t.is_contiguous() and t.dtype == torch.float32 and t.is_cpu
             for t in caches
@@ -220,17 +241,15 @@ def _check_step(
         and slots.shape == (rows,)
         and slots.dtype == torch.int64
         and slots.is_contiguous()
-        and all([(p.in_features, p.out_features) for p in w] == shapes for w in weights)
+        and all([(w.in_features, w.out_features) for w in p.packed] == shapes for p in parts)
         and all(
-            n.weight.shape == (hidden,)
-            and n.weight.is_contiguous()
-            and n.weight.dtype == torch.float32
-            and n.eps == model.model.norm.eps
-            for n in norms
-        )  # fmt: skip
+            w.shape == (hidden,) and w.is_contiguous() and w.dtype == torch.float32
+            for w in (n.weight for n in norms)
+        )
+        and all(n.eps == eps for n in norms)
         and all(
             b is None or (b.shape == (width,) and b.is_contiguous() and b.dtype == torch.float32)
-            for b in biases
+            for b in (p.qkv_bias for p in parts)
         )
     )
     if not ok:

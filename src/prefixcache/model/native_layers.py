@@ -9,8 +9,8 @@ on `small` (2 threads) the three take a 2,048-token prefill from 1,163 to 1,080 
 docs/model.md). Results differ from torch's only by float rounding (summation order, fused
 multiply-adds, a polynomial exp with relative error <= 3.1e-7).
 
-The library also holds each layer as one call (`pc_layer`) or two around the attention, used by
-`prefixcache.model.fused_layers` where the projections hold packed weights.
+The library also runs a whole layer as one call (`pc_layer`) or two around the attention
+(`pc_layer_inputs`, `pc_layer_outputs`), for `prefixcache.model.fused_layers`.
 
 `available()` is False, and the decoder keeps its torch code, where there is no C compiler, the
 build or a one-time probe against torch fails, or ``PREFIXCACHE_NATIVE_LAYERS=0``;
@@ -64,21 +64,16 @@ def _library() -> ctypes.CDLL | None:
     library.pc_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, _I]
     library.pc_silu_mul.argtypes = [_P, _P, _I, _I, _I]
     library.pc_rotary.argtypes = [_P, ctypes.c_int64, _I, _I, _I, _P, _P, _I]
-    library.pc_attention_inputs.argtypes = [_P, _P, _P, _P, ctypes.c_float, _P, _I, _I, _P, _P]
-    library.pc_attention_inputs.argtypes += [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I]
-    library.pc_mlp_block.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _I]
-    library.pc_mlp_block.argtypes += [_P] * 6 + [_I, _I]
-    f32 = ctypes.c_float
-    library.pc_layer.argtypes = [_P] * 5 + [f32, _P, _I, _I, _P, _P, _P, _I, _I, _I] + [_P] * 7
-    library.pc_layer.argtypes += [_I, f32, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P]
-    library.pc_layer.argtypes += [_I, _I]
+    library.pc_layer.argtypes = [_P]  # a struct layer_args (`fused_layers.LayerArgs`)
+    library.pc_layer_inputs.argtypes = [_P]
+    library.pc_layer_outputs.argtypes = [_P, _P]
     for function in (
         library.pc_add_rms_norm,
         library.pc_silu_mul,
         library.pc_rotary,
-        library.pc_attention_inputs,
-        library.pc_mlp_block,
         library.pc_layer,
+        library.pc_layer_inputs,
+        library.pc_layer_outputs,
     ):
         function.restype = None
     return library

@@ -123,7 +123,7 @@ static void project(packed_gemm_fn gemm, const float *x, int rows, int k, const 
 /* h [rows, hidden] += delta (unless NULL); x = RMSNorm(h) * norm_w; qkv [rows, (H + 2 KV) D]
  * = x W_qkv^T (+ bias); q and k rotated in place (cos, signed_sin: [rows, D]); this step's k
  * and v copied to their slots of the caches [num_slots, KV, D]. */
-void pc_attention_inputs(packed_gemm_fn gemm, float *h, const float *delta, const float *norm_w,
+static void pc_attention_inputs(packed_gemm_fn gemm, float *h, const float *delta, const float *norm_w,
                          float eps, float *x, int rows, int hidden, const void *w_qkv,
                          const float *bias, float *qkv, int H, int KV, int D, const float *cos,
                          const float *signed_sin, float *k_cache, float *v_cache,
@@ -144,7 +144,7 @@ void pc_attention_inputs(packed_gemm_fn gemm, float *h, const float *delta, cons
 /* o = attn [rows, q_size] W_o^T; h += o; x = RMSNorm(h) * norm_w; out [rows, hidden] =
  * (silu(x W_gate^T) * x W_up^T) W_down^T, `chunk` rows at a time (gate_up: [chunk, 2 I], act:
  * [chunk, I] scratch). */
-void pc_mlp_block(packed_gemm_fn gemm, const float *attn, int rows, int q_size, const void *w_o,
+static void pc_mlp_block(packed_gemm_fn gemm, const float *attn, int rows, int q_size, const void *w_o,
                   float *h, int hidden, const float *norm_w, float eps, const void *w_gate_up,
                   int I, const void *w_down, float *o, float *x, float *gate_up, float *act,
                   float *out, int chunk, int nthreads) {
@@ -164,22 +164,48 @@ typedef void (*attention_fn)(const float *q, int64_t q_row_stride, const float *
                              float *scratch, int T, int S, int H, int KV, int D, float scale,
                              int tile_tokens, int nthreads, void *sgemm, void *set_threads);
 
-/* A whole layer for a step that is one sequence's prefill: pc_attention_inputs, the attention
- * of the rows over seq_slots [S] (attn: [rows, H, D]), pc_mlp_block; x doubles as the second
- * norm's output. Returns through out, as pc_mlp_block. */
-void pc_layer(packed_gemm_fn gemm, float *h, const float *delta, const float *norm_w,
-              const float *post_norm_w, float eps, float *x, int rows, int hidden,
-              const void *w_qkv, const float *bias, float *qkv, int H, int KV, int D,
-              const float *cos, const float *signed_sin, float *k_cache, float *v_cache,
-              const int64_t *slot_mapping, attention_fn attention, const int64_t *seq_slots,
-              int S, float scale, float *attn, float *scratch, int tile_tokens, void *sgemm,
-              void *set_threads, const void *w_o, const void *w_gate_up, int I,
-              const void *w_down, float *o, float *gate_up, float *act, float *out, int chunk,
-              int nthreads) {
-    pc_attention_inputs(gemm, h, delta, norm_w, eps, x, rows, hidden, w_qkv, bias, qkv, H, KV, D,
-                        cos, signed_sin, k_cache, v_cache, slot_mapping, nthreads);
-    attention(qkv, (int64_t)(H + 2 * KV) * D, k_cache, v_cache, seq_slots, attn, scratch, rows, S,
-              H, KV, D, scale, tile_tokens, nthreads, sgemm, set_threads);
-    pc_mlp_block(gemm, attn, rows, H * D, w_o, h, hidden, post_norm_w, eps, w_gate_up, I, w_down,
-                 o, x, gate_up, act, out, chunk, nthreads);
+/* One layer of one step: prefixcache.model.fused_layers.LayerArgs mirrors this layout. */
+struct layer_args {
+    packed_gemm_fn gemm;
+    float *h;            /* [rows, hidden], the residual stream, updated in place */
+    const float *delta;  /* [rows, hidden], the previous layer's MLP output, or NULL */
+    const float *norm_w, *post_norm_w;
+    float eps;
+    int rows, hidden, H, KV, D, I, chunk, nthreads;
+    const void *w_qkv, *w_o, *w_gate_up, *w_down; /* packed */
+    const float *qkv_bias;                        /* or NULL */
+    const float *cos, *signed_sin;                /* [rows, D] */
+    float *k_cache, *v_cache;                     /* [num_slots, KV, D] */
+    const int64_t *slot_mapping;                  /* [rows] */
+    float *x, *qkv, *o, *gate_up, *act, *out;     /* buffers; out: the MLP output */
+    /* the attention, for pc_layer: pc_attention's address and its arguments */
+    attention_fn attention;
+    const int64_t *seq_slots;
+    int S, tile_tokens;
+    float scale;
+    float *attn, *scratch;
+    void *sgemm, *set_threads;
+};
+
+/* The steps before the attention (pc_attention_inputs) */
+void pc_layer_inputs(const struct layer_args *a) {
+    pc_attention_inputs(a->gemm, a->h, a->delta, a->norm_w, a->eps, a->x, a->rows, a->hidden,
+                        a->w_qkv, a->qkv_bias, a->qkv, a->H, a->KV, a->D, a->cos, a->signed_sin,
+                        a->k_cache, a->v_cache, a->slot_mapping, a->nthreads);
+}
+
+/* The steps after it (pc_mlp_block) on the attention output attended [rows, H * D] */
+void pc_layer_outputs(const struct layer_args *a, const float *attended) {
+    pc_mlp_block(a->gemm, attended, a->rows, a->H * a->D, a->w_o, a->h, a->hidden, a->post_norm_w,
+                 a->eps, a->w_gate_up, a->I, a->w_down, a->o, a->x, a->gate_up, a->act, a->out,
+                 a->chunk, a->nthreads);
+}
+
+/* A whole layer, for a step that is one sequence's prefill through pc_attention */
+void pc_layer(const struct layer_args *a) {
+    pc_layer_inputs(a);
+    a->attention(a->qkv, (int64_t)(a->H + 2 * a->KV) * a->D, a->k_cache, a->v_cache, a->seq_slots,
+                 a->attn, a->scratch, a->rows, a->S, a->H, a->KV, a->D, a->scale, a->tile_tokens,
+                 a->nthreads, a->sgemm, a->set_threads);
+    pc_layer_outputs(a, a->attn);
 }
