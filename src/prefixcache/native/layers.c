@@ -1,5 +1,6 @@
 /* The decoder's element-wise steps on the CPU, float32: residual add + RMSNorm, rotary
- * embedding in place, and the SwiGLU activation (silu(gate) * up).
+ * embedding in place, and the SwiGLU activation (silu(gate) * up); and whole layers built
+ * from them and MKL's packed GEMM (at the end).
  *
  * Built by prefixcache.native for prefixcache.model.native_layers (cc -O3 -march=native
  * -fopenmp) at first use and called through ctypes. Each is one pass over its rows where torch
@@ -92,16 +93,14 @@ void pc_rotary(float *x, int64_t row_stride, int T, int heads, int D, const floa
     }
 }
 
-/* ---- A layer's steps around its attention, each group one call --------------------------
+/* ---- A whole layer in one or two calls (prefixcache.model.fused_layers) -----------------
  *
- * Between two compiled calls the decoder ran 50-100 Python operations (checks, allocations,
- * ctypes), and right after a GEMM has streamed megabytes of weights through the caches each of
- * them misses: on `small` the gaps between the calls of a 128-token step took 8 ms where the same
- * Python takes 2 ms with the caches warm (a snippet of 30 torch calls: 43 us after a 128-row
- * GEMM, 13 us alone, 40 us after summing 16 MB; one thread or two alike). So the steps before
- * the attention (add + norm, qkv projection, rotary, the K/V write) and after it (o projection,
- * add + norm, the MLP) are one call each: the same operations in the same order, through the
- * same packed GEMM, so the results are the same bits as the separate calls. */
+ * The steps before the attention (add + norm, qkv projection, rotary, the K/V write) and after
+ * it (o projection, add + norm, the MLP) are one call each, and for a step that is one
+ * sequence's prefill the attention kernel goes in between (`pc_layer`): no Python between the
+ * GEMMs, whose streams of weights flush the interpreter's data (the reason: fused_layers.py).
+ * The same operations in the same order, through the same packed GEMM: the same bits as the
+ * separate calls. */
 
 /* MKL's cblas_sgemm_compute (from libtorch): row-major C = A B + beta C, B packed */
 typedef void (*packed_gemm_fn)(int layout, int transa, int transb, int m, int n, int k,
