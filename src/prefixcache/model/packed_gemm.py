@@ -130,7 +130,7 @@ class PackedWeight:
 @functools.cache
 def compute_address() -> int:
     """Address of MKL's ``cblas_sgemm_compute``, for compiled code that multiplies through
-    packed weights itself (`native_layers.attention_inputs`, `native_layers.mlp_block`)."""
+    packed weights itself (`prefixcache.model.fused_layers`)."""
     cblas = _cblas()
     address = None if cblas is None else ctypes.cast(cblas.compute, ctypes.c_void_p).value
     if not address:
