@@ -100,14 +100,6 @@ static void gather_head(const float *k_cache, const float *v_cache, const int64_
 static inline int local_heads(int KV, int nthreads) { return KV % nthreads == 0; }
 static inline int64_t kv_copies(int KV, int nthreads) { return KV > nthreads ? KV : nthreads; }
 
-/* Floats of scratch `pc_attention` needs: K and V per kv head (or per thread, whichever is
- * more), then per thread the stacked queries, outputs and scores of one tile. */
-int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthreads) {
-    const int64_t rows = (int64_t)(H / KV) * tile_tokens;
-    return 2 * kv_copies(KV, nthreads) * S * D +
-           (int64_t)nthreads * rows * (2 * (int64_t)D + S);
-}
-
 /* One work item's tile: new tokens t0 .. t0 + m - 1 of kv head h, whose G query heads are
  * h * G .. h * G + G - 1, against k_h, v_h ([C + t0 + m, D] at least, gathered). */
 static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, const float *v_h,
@@ -143,30 +135,60 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
  *
  * The paths above gather a head's K and V into a buffer that MKL then copies again into its
  * packed panels. After a cache hit the gather is paid for few queries: at 128 new tokens over
- * 2,048 keys it was 0.33 of 3.1 ms per layer. Here two register-tiled loops read the cache
- * directly, one key row at a time through `slots`. Scores are kept transposed, st [keys,
- * rows_pad] (row r = g * m + t: query head h * G + g, token t0 + t), so one vector holds 16
- * rows' scores for one key: QK^T is a broadcast of K[j][d] times a vector of Q^T[d] (no
- * transposed copy of K), the softmax runs down the columns with no horizontal reductions, and
- * P V broadcasts P^T[j][r] against the four vectors of V row j. PV goes through the keys in
- * chunks of 32 whose V rows stay in L1 across the row tiles; the next chunk's rows are
- * prefetched meanwhile. On `small` (2 threads, one layer, 128 new over 2,048 keys): 3.1 -> 2.9
- * ms; the model's cached step 3% faster. With head_dim 128 this was slower than MKL (18.6 vs
- * 16.5 ms), so it is limited to 64. */
+ * 2,048 keys it was 0.33 of 3.1 ms per layer. Here register-tiled loops read the cache directly,
+ * one key row at a time through `slots`, in blocks of 32 keys with an online softmax (a running
+ * max and sum per row; the output sums rescaled when a row's max grows), the way FlashAttention
+ * does on GPUs.
+ *
+ * Scores are kept transposed, st [keys, ld] (row r = g * m + t: query head h * G + g, token
+ * t0 + t; ld = rows rounded up to 16), so one vector holds 16 rows' scores for one key: QK^T is
+ * a broadcast of K[j][d] times a vector of Q^T[d] (no transposed copy of K), the softmax runs
+ * down the columns with no horizontal reductions, and P V broadcasts P^T[j][r] against the four
+ * vectors of V row j. Q^T is stored as panels [D][48], one per register tile's rows, so each
+ * tile streams through contiguous memory.
+ *
+ * Why blocks, and why all of a head's tiles (up to GROUP_TILES of them) inside each block: a
+ * whole tile's scores (2,048 keys x 96 rows, 786 KB) did not fit in L2 next to the head's K
+ * and V, and each tile fetched K and V from memory again. With one 32-key block at a time the
+ * scores stay in L1 (12 KB), and the block's K and V rows, fetched once, serve every tile of
+ * the head. K rows are prefetched one register tile ahead during QK, the next block's V rows
+ * during PV. On `small` (2 threads, 12 layers' caches, 128 new over 2,048 keys): 41.2 -> 36.0
+ * ms; per tile, whole-score passes took 1,000-1,190 k cycles against ~940 k now. Measured and
+ * dropped: 16- or 64-key blocks, 16-token tiles (48 rows), 4 keys x 6 vectors per QK tile, a
+ * lazily updated max (rescaling only on growth by e^8: no faster, 7x the rounding error). With
+ * head_dim 128 the earlier whole-score version was slower than MKL (18.6 vs 16.5 ms), so this
+ * is limited to 64. */
 #ifdef __AVX512F__
 #define DIRECT_HEAD_DIM 64
-#define QK_KEYS 8  /* keys per QK register tile ... */
-#define QK_VECS 3  /* ... times row vectors: 24 accumulators */
-#define PV_ROWS 6  /* rows per PV register tile, times head_dim / 16 = 4 vectors: 24 */
-#define PV_KEYS 32 /* keys per PV chunk */
+#define QK_KEYS 8       /* keys per QK register tile ... */
+#define QK_VECS 3       /* ... times row vectors: 24 accumulators */
+#define PANEL (QK_VECS * LANES) /* Q^T panel width: the rows of one QK register tile */
+#define PV_ROWS 6       /* rows per PV register tile, times head_dim / 16 = 4 vectors: 24 */
+#define KEY_BLOCK 32    /* keys per online-softmax block */
+#define GROUP_TILES 4   /* tiles of one kv head that share each key block */
+#define MAX_TILE_VECS 16 /* rows per tile on this path: at most 16 vectors (256 rows) */
 
 static inline int direct_applies(int D, int tile_rows) {
-    return D == DIRECT_HEAD_DIM && tile_rows % LANES == 0;
+    return D == DIRECT_HEAD_DIM && tile_rows <= MAX_TILE_VECS * LANES;
+}
+
+static inline int64_t panel_floats(int rows) {
+    return (int64_t)(rows + PANEL - 1) / PANEL * PANEL * DIRECT_HEAD_DIM;
+}
+
+/* Floats of per-thread scratch `direct_head` needs for tiles of tile_rows rows. */
+static int64_t direct_floats(int tile_rows) {
+    const int64_t ld = (tile_rows + LANES - 1) / LANES * LANES;
+    return KEY_BLOCK * ld + GROUP_TILES * (panel_floats(tile_rows) + ld * DIRECT_HEAD_DIM);
 }
 
 static inline vfloat load_vec(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
 static inline void store_vec(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
 static inline vfloat splat(float x) { return (vfloat)_mm512_set1_ps(x); }
+static inline void prefetch_row(const float *row) {
+    for (int c = 0; c < DIRECT_HEAD_DIM * (int)sizeof(float); c += 64)
+        _mm_prefetch((const char *)row + c, _MM_HINT_T0);
+}
 
 /* st[i][0 .. 16 nv) = sum_d k_rows[i][d] * qt[d][0 .. 16 nv), i < nk; nk and nv constants
  * after inlining, so the accumulators live in registers */
@@ -188,16 +210,20 @@ static inline __attribute__((always_inline)) void qk_tile(const float *const *k_
         for (int v = 0; v < nv; v++) store_vec(st + (int64_t)i * lds + v * LANES, acc[i][v]);
 }
 
-/* scores of nk keys (QK_KEYS or 1) against all nvec row vectors */
+/* scores of nk keys (QK_KEYS or 1) against all nvec row vectors; qt in panels */
 static void qk_keys(const float *const *k_rows, const float *qt, int ld, float *st, int nk,
                     int nvec) {
     int v = 0;
-    for (; v + QK_VECS <= nvec; v += QK_VECS)
-        if (nk == QK_KEYS) qk_tile(k_rows, qt + v * LANES, ld, st + v * LANES, ld, QK_KEYS, QK_VECS);
-        else qk_tile(k_rows, qt + v * LANES, ld, st + v * LANES, ld, 1, QK_VECS);
-    for (; v < nvec; v++)
-        if (nk == QK_KEYS) qk_tile(k_rows, qt + v * LANES, ld, st + v * LANES, ld, QK_KEYS, 1);
-        else qk_tile(k_rows, qt + v * LANES, ld, st + v * LANES, ld, 1, 1);
+    for (; v + QK_VECS <= nvec; v += QK_VECS) {
+        const float *panel = qt + (int64_t)(v / QK_VECS) * DIRECT_HEAD_DIM * PANEL;
+        if (nk == QK_KEYS) qk_tile(k_rows, panel, PANEL, st + v * LANES, ld, QK_KEYS, QK_VECS);
+        else qk_tile(k_rows, panel, PANEL, st + v * LANES, ld, 1, QK_VECS);
+    }
+    for (; v < nvec; v++) {
+        const float *col = qt + (int64_t)(v / QK_VECS) * DIRECT_HEAD_DIM * PANEL + v % QK_VECS * LANES;
+        if (nk == QK_KEYS) qk_tile(k_rows, col, PANEL, st + v * LANES, ld, QK_KEYS, 1);
+        else qk_tile(k_rows, col, PANEL, st + v * LANES, ld, 1, 1);
+    }
 }
 
 /* o[r0 .. r0 + nr) (+)= sum over keys j0 .. j1 of P^T[j][r] * V row j; o: [rows, D]; `first`
@@ -225,108 +251,199 @@ static inline __attribute__((always_inline)) void pv_tile(const float *pt, int l
             store_vec(o + (int64_t)(r0 + i) * DIRECT_HEAD_DIM + k * LANES, acc[i][k]);
 }
 
-/* In place over st [keys, ld]: each of the rows' columns becomes exp(scale * (s - max)) over
- * the keys its row sees (0 beyond: keys `open` .. keys - 1 are the tile's own tokens, seen up
- * to the row's token); inv[r] = 1 / the column's sum. */
-static void softmax_columns(float *st, int ld, int rows, int m, int open, int keys,
-                            float scale, float *inv) {
+/* The cache rows of one kv head: row j of K (or V) is at base + slots[j] * stride. */
+struct head_rows {
+    const float *k, *v;
+    const int64_t *slots;
+    int64_t stride;
+};
+
+static inline const float *k_row(const struct head_rows *hr, int j) { return hr->k + hr->slots[j] * hr->stride; }
+static inline const float *v_row(const struct head_rows *hr, int j) { return hr->v + hr->slots[j] * hr->stride; }
+
+/* st rows 0 .. nk = scores of keys b0 .. b0 + nk against the tile's rows; keys up to `keys`
+ * exist, so the K rows one register tile ahead are prefetched while it can */
+static __attribute__((noinline)) void qk_block(const struct head_rows *hr, int b0, int nk,
+                                               int keys, const float *qt, int ld, float *st) {
+    const float *k_rows[QK_KEYS];
+    int j = 0;
+    for (; j + QK_KEYS <= nk; j += QK_KEYS) {
+        for (int i = 0; i < QK_KEYS; i++) k_rows[i] = k_row(hr, b0 + j + i);
+        if (b0 + j + 2 * QK_KEYS <= keys)
+            for (int i = 0; i < QK_KEYS; i++) prefetch_row(k_row(hr, b0 + j + QK_KEYS + i));
+        qk_keys(k_rows, qt, ld, st + (int64_t)j * ld, QK_KEYS, ld / LANES);
+    }
+    for (; j < nk; j++) {
+        k_rows[0] = k_row(hr, b0 + j);
+        qk_keys(k_rows, qt, ld, st + (int64_t)j * ld, 1, ld / LANES);
+    }
+}
+
+/* A tile's softmax state: per row vector the running max and sum, and the last key each row
+ * sees (its own token: keys `open` .. are the tile's own tokens, seen causally). */
+struct tile_state {
+    int rows, ld, m, t0, open, keys;
+    float *qt, *o; /* Q^T panels; output sums [rows, D] */
+    vfloat max[MAX_TILE_VECS], sum[MAX_TILE_VECS], last[MAX_TILE_VECS];
+};
+
+/* The block's scores st [nk, ld] (keys b0 ..) become exp(scale * (s - max)), with max the
+ * row's running max updated by this block (0 for keys the row does not see); the running sums
+ * and, where a row's max grew, its output sums so far are rescaled to the new max. */
+static __attribute__((noinline)) void softmax_block(float *st, int b0, int nk,
+                                                    struct tile_state *ts, float scale) {
+    const int ld = ts->ld, masked = b0 + nk > ts->open;
     for (int v = 0; v < ld / LANES; v++) {
         float *col = st + v * LANES;
-        vfloat last; /* the last key each lane's row sees */
-        for (int l = 0; l < LANES; l++) {
-            const int r = v * LANES + l;
-            last[l] = (float)(r < rows ? open + r % m : keys - 1);
+        vfloat mx = ts->max[v];
+        for (int j = 0; j < nk; j++) {
+            const __m512 s = (__m512)load_vec(col + (int64_t)j * ld);
+            if (masked && b0 + j >= ts->open) {
+                const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(b0 + j)), (__m512)ts->last[v], _CMP_LE_OQ);
+                mx = (vfloat)_mm512_mask_max_ps((__m512)mx, seen, (__m512)mx, s);
+            } else mx = (vfloat)_mm512_max_ps((__m512)mx, s);
         }
-        vfloat mx = splat(-INFINITY);
-        for (int j = 0; j < open; j++) mx = (vfloat)_mm512_max_ps((__m512)mx, (__m512)load_vec(col + (int64_t)j * ld));
-        for (int j = open; j < keys; j++) {
-            const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)j), (__m512)last, _CMP_LE_OQ);
-            mx = (vfloat)_mm512_mask_max_ps((__m512)mx, seen, (__m512)mx, (__m512)load_vec(col + (int64_t)j * ld));
+        const __mmask16 grew = b0 ? _mm512_cmp_ps_mask((__m512)mx, (__m512)ts->max[v], _CMP_GT_OQ) : 0;
+        if (grew) {
+            const vfloat alpha = exp_nonpositive((ts->max[v] - mx) * scale);
+            ts->sum[v] *= alpha;
+            for (int l = 0; l < LANES; l++) {
+                const int r = v * LANES + l;
+                if (!((grew >> l) & 1) || r >= ts->rows) continue;
+                const vfloat a = splat(alpha[l]);
+                for (int k = 0; k < DIRECT_HEAD_DIM; k += LANES) {
+                    float *p = ts->o + (int64_t)r * DIRECT_HEAD_DIM + k;
+                    store_vec(p, load_vec(p) * a);
+                }
+            }
         }
+        ts->max[v] = mx;
         const vfloat shift = mx * -scale;
         vfloat sum0 = {0}, sum1 = {0};
         int j = 0;
-        for (; j + 2 <= open; j += 2) { /* two independent chains */
-            float *a = col + (int64_t)j * ld, *b = a + ld;
-            const vfloat x0 = exp_nonpositive(load_vec(a) * scale + shift);
-            const vfloat x1 = exp_nonpositive(load_vec(b) * scale + shift);
-            store_vec(a, x0);
-            store_vec(b, x1);
-            sum0 += x0;
-            sum1 += x1;
-        }
-        for (; j < keys; j++) {
+        if (!masked)
+            for (; j + 2 <= nk; j += 2) { /* two independent chains */
+                float *a = col + (int64_t)j * ld, *b = a + ld;
+                const vfloat x0 = exp_nonpositive(load_vec(a) * scale + shift);
+                const vfloat x1 = exp_nonpositive(load_vec(b) * scale + shift);
+                store_vec(a, x0);
+                store_vec(b, x1);
+                sum0 += x0;
+                sum1 += x1;
+            }
+        for (; j < nk; j++) {
             float *a = col + (int64_t)j * ld;
             vfloat x = exp_nonpositive(load_vec(a) * scale + shift);
-            if (j >= open) {
-                const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)j), (__m512)last, _CMP_LE_OQ);
+            if (b0 + j >= ts->open) {
+                const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(b0 + j)), (__m512)ts->last[v], _CMP_LE_OQ);
                 x = (vfloat)_mm512_maskz_mov_ps(seen, (__m512)x);
             }
             store_vec(a, x);
             sum0 += x;
         }
-        sum0 += sum1;
-        for (int l = 0; l < LANES; l++) inv[v * LANES + l] = 1.0f / sum0[l];
+        ts->sum[v] += sum0 + sum1;
     }
 }
 
-/* One work item's tile, as attend_tile, reading K and V through slots. qt: [D, rows_pad]
- * (then reused as the [rows, D] output sums); st: [keys, rows_pad]. */
-static void direct_tile(const float *q, int64_t q_row_stride, const float *k_cache,
-                        const float *v_cache, const int64_t *slots, float *out, int C, int t0,
-                        int m, int h, int H, int KV, int G, float scale, float *qt, float *st) {
+/* o (+)= P V over the block's nk keys (rows v_rows); the next block's next_n V rows (keys
+ * from `next`) are prefetched a few per row tile */
+static __attribute__((noinline)) void pv_block(const float *st, int ld, int rows, int nk,
+                                               const float *const *v_rows, float *o, int first,
+                                               const struct head_rows *hr, int next,
+                                               int next_n) {
+    const int per_tile = PV_ROWS * next_n / rows + 1;
+    int r0 = 0, p = 0;
+    for (; r0 + PV_ROWS <= rows; r0 += PV_ROWS) {
+        for (const int stop = p + per_tile < next_n ? p + per_tile : next_n; p < stop; p++)
+            prefetch_row(v_row(hr, next + p));
+        pv_tile(st, ld, r0, 0, nk, v_rows, o, first, PV_ROWS);
+    }
+    for (; r0 < rows; r0++) pv_tile(st, ld, r0, 0, nk, v_rows, o, first, 1);
+}
+
+/* All of kv head h's new tokens, GROUP_TILES tiles at a time: each key block in turn through
+ * every tile of the group. buf: direct_floats(G * tile_tokens). */
+static void direct_head(const float *q, int64_t q_row_stride, const float *k_cache,
+                        const float *v_cache, const int64_t *slots, float *out, int C, int T,
+                        int tile_tokens, int h, int H, int KV, int G, float scale, float *buf) {
     enum { D = DIRECT_HEAD_DIM };
-    const int rows = G * m, ld = (rows + LANES - 1) / LANES * LANES;
-    const int keys = C + t0 + m, open = C + t0; /* keys 0 .. open - 1: seen by every row */
-    const int64_t slot_stride = (int64_t)KV * D, head = (int64_t)h * D;
-    for (int r = 0; r < rows; r++) {
-        const float *src = q + (int64_t)(t0 + r % m) * q_row_stride + (int64_t)(h * G + r / m) * D;
-        for (int d = 0; d < D; d++) qt[(int64_t)d * ld + r] = src[d];
-    }
-    for (int r = rows; r < ld; r++) /* padding rows: zero queries, their scores unused */
-        for (int d = 0; d < D; d++) qt[(int64_t)d * ld + r] = 0.0f;
-    const float *k_rows[QK_KEYS];
-    int j = 0;
-    for (; j + QK_KEYS <= keys; j += QK_KEYS) {
-        for (int i = 0; i < QK_KEYS; i++) k_rows[i] = k_cache + slots[j + i] * slot_stride + head;
-        qk_keys(k_rows, qt, ld, st + (int64_t)j * ld, QK_KEYS, ld / LANES);
-    }
-    for (; j < keys; j++) {
-        k_rows[0] = k_cache + slots[j] * slot_stride + head;
-        qk_keys(k_rows, qt, ld, st + (int64_t)j * ld, 1, ld / LANES);
-    }
-    float inv[MAX_TILE_ROWS];
-    softmax_columns(st, ld, rows, m, open, keys, scale, inv);
-    float *o = qt; /* [rows, D]: Q^T is no longer needed */
-    const float *v_rows[PV_KEYS];
-    const int prefetch_keys = (PV_KEYS * PV_ROWS + rows - 1) / rows; /* per row tile */
-    for (int j0 = 0; j0 < keys; j0 += PV_KEYS) {
-        const int j1 = keys - j0 < PV_KEYS ? keys : j0 + PV_KEYS, next = j1 + PV_KEYS < keys ? j1 + PV_KEYS : keys;
-        for (int jj = j0; jj < j1; jj++) v_rows[jj - j0] = v_cache + slots[jj] * slot_stride + head;
-        for (int r0 = 0, p = j1; r0 < rows; r0 += PV_ROWS) {
-            for (int stop = p + prefetch_keys < next ? p + prefetch_keys : next; p < stop; p++) {
-                const char *row = (const char *)(v_cache + slots[p] * slot_stride + head);
-                for (int c = 0; c < D * (int)sizeof(float); c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
+    const struct head_rows hr = {k_cache + (int64_t)h * D, v_cache + (int64_t)h * D, slots, (int64_t)KV * D};
+    const int tile_rows = G * tile_tokens, tile_ld = (tile_rows + LANES - 1) / LANES * LANES;
+    float *st = buf, *qts = st + (int64_t)KEY_BLOCK * tile_ld;
+    float *os = qts + GROUP_TILES * panel_floats(tile_rows);
+    struct tile_state tiles[GROUP_TILES];
+    const float *v_rows[KEY_BLOCK];
+    for (int g0 = 0; g0 < T; g0 += GROUP_TILES * tile_tokens) {
+        int nt = 0;
+        for (int t0 = g0; t0 < T && nt < GROUP_TILES; t0 += tile_tokens, nt++) {
+            struct tile_state *ts = &tiles[nt];
+            ts->m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
+            ts->t0 = t0, ts->rows = G * ts->m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
+            ts->open = C + t0, ts->keys = C + t0 + ts->m;
+            ts->qt = qts + nt * panel_floats(tile_rows), ts->o = os + (int64_t)nt * tile_ld * D;
+            for (int r = 0; r < ts->ld; r++) { /* padding rows: zero queries, scores unused */
+                const float *src = q + (int64_t)(t0 + r % ts->m) * q_row_stride + (int64_t)(h * G + r / ts->m) * D;
+                float *dst = ts->qt + (int64_t)(r / PANEL) * D * PANEL + r % PANEL;
+                for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = r < ts->rows ? src[d] : 0.0f;
             }
-            if (rows - r0 >= PV_ROWS) pv_tile(st, ld, r0, j0, j1, v_rows, o, j0 == 0, PV_ROWS);
-            else
-                for (int r = r0; r < rows; r++) pv_tile(st, ld, r, j0, j1, v_rows, o, j0 == 0, 1);
+            for (int v = 0; v < ts->ld / LANES; v++) {
+                ts->max[v] = splat(-INFINITY);
+                ts->sum[v] = (vfloat){0};
+                for (int l = 0; l < LANES; l++) {
+                    const int r = v * LANES + l;
+                    ts->last[v][l] = (float)(r < ts->rows ? ts->open + r % ts->m : ts->keys - 1);
+                }
+            }
         }
-    }
-    for (int r = 0; r < rows; r++) {
-        float *dst = out + ((int64_t)(t0 + r % m) * H + h * G + r / m) * D;
-        for (int d = 0; d < D; d++) dst[d] = o[(int64_t)r * D + d] * inv[r];
+        const int keys = tiles[nt - 1].keys; /* the group's last tile sees the most */
+        for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
+            const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
+            for (int j = 0; j < block; j++) v_rows[j] = v_row(&hr, b0 + j);
+            for (int t = 0; t < nt; t++) {
+                struct tile_state *ts = &tiles[t];
+                if (b0 >= ts->keys) continue;
+                const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
+                const int next = b0 + KEY_BLOCK, next_n = t == 0 && next < keys ? (keys - next < KEY_BLOCK ? keys - next : KEY_BLOCK) : 0;
+                qk_block(&hr, b0, nk, ts->keys, ts->qt, ts->ld, st);
+                softmax_block(st, b0, nk, ts, scale);
+                pv_block(st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, &hr, next, next_n);
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const struct tile_state *ts = &tiles[t];
+            for (int r = 0; r < ts->rows; r++) {
+                const float f = 1.0f / ts->sum[r / LANES][r % LANES];
+                float *dst = out + ((int64_t)(ts->t0 + r % ts->m) * H + h * G + r / ts->m) * D;
+                for (int d = 0; d < D; d++) dst[d] = ts->o[(int64_t)r * D + d] * f;
+            }
+        }
     }
 }
 #else
 static inline int direct_applies(int D, int tile_rows) { (void)D; (void)tile_rows; return 0; }
-static void direct_tile(const float *q, int64_t q_row_stride, const float *k_cache,
-                        const float *v_cache, const int64_t *slots, float *out, int C, int t0,
-                        int m, int h, int H, int KV, int G, float scale, float *qt, float *st) {
+static int64_t direct_floats(int tile_rows) { (void)tile_rows; return 0; }
+static void direct_head(const float *q, int64_t q_row_stride, const float *k_cache,
+                        const float *v_cache, const int64_t *slots, float *out, int C, int T,
+                        int tile_tokens, int h, int H, int KV, int G, float scale, float *buf) {
     (void)q, (void)q_row_stride, (void)k_cache, (void)v_cache, (void)slots, (void)out, (void)C;
-    (void)t0, (void)m, (void)h, (void)H, (void)KV, (void)G, (void)scale, (void)qt, (void)st;
+    (void)T, (void)tile_tokens, (void)h, (void)H, (void)KV, (void)G, (void)scale, (void)buf;
 }
 #endif
+
+/* Floats of scratch one thread of `pc_attention` works in: the stacked queries, outputs and
+ * scores of one tile, or what `direct_head` needs, whichever is more. */
+static int64_t per_thread_floats(int S, int G, int D, int tile_tokens) {
+    const int64_t rows = (int64_t)G * tile_tokens, tiles = rows * (2 * (int64_t)D + S);
+    const int64_t direct = direct_applies(D, (int)rows) ? direct_floats((int)rows) : 0;
+    return tiles > direct ? tiles : direct;
+}
+
+/* Floats of scratch `pc_attention` needs: K and V per kv head (or per thread, whichever is
+ * more), then per_thread_floats for each thread. */
+int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthreads) {
+    return 2 * kv_copies(KV, nthreads) * S * D +
+           (int64_t)nthreads * per_thread_floats(S, H / KV, D, tile_tokens);
+}
 
 /* q: [T, H, D] with rows q_row_stride floats apart (heads and D contiguous); k_cache, v_cache:
  * [num_slots, KV, D]; slots: [S]; out: [T, H, D] contiguous; scratch: pc_scratch_floats.
@@ -356,16 +473,14 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
     {
         const int previous = set_threads(1); /* MKL stays single-threaded inside the team */
         const int thread = omp_get_thread_num();
-        float *stacked_q = per_thread + thread * tile_rows * (2 * D + S);
+        float *stacked_q = per_thread + thread * per_thread_floats(S, G, D, tile_tokens);
         float *stacked_out = stacked_q + tile_rows * D;
         float *scores = stacked_out + tile_rows * D;
         if (direct) {
 #pragma omp for schedule(dynamic, 1)
             for (int h = 0; h < KV; h++)
-                for (int t0 = 0; t0 < T; t0 += tile_tokens)
-                    direct_tile(q, q_row_stride, k_cache, v_cache, slots, out, C, t0,
-                                T - t0 < tile_tokens ? T - t0 : tile_tokens, h, H, KV, G, scale,
-                                stacked_q, scores);
+                direct_head(q, q_row_stride, k_cache, v_cache, slots, out, C, T, tile_tokens, h,
+                            H, KV, G, scale, stacked_q);
         } else if (local) {
             float *k_h = kv_buffers + 2 * thread * head_floats, *v_h = k_h + head_floats;
 #pragma omp for schedule(dynamic, 1)
