@@ -38,7 +38,7 @@ class Case:
     fn: Callable[..., object]
     setup: Callable[[], object] | None = None
 
-    def time_ms(self) -> float:
+    def call(self) -> float:
         arg = self.setup() if self.setup else None
         start = time.perf_counter()
         self.fn() if self.setup is None else self.fn(arg)
@@ -46,13 +46,22 @@ class Case:
 
 
 def median_ms(cases: list[Case], repeats: int) -> dict[str, float]:
-    """Median per case; cases run round-robin (one warm-up round) so load drift hits all alike."""
+    """Median per case. Cases take turns, round by round, so load drift hits all alike; each
+    timed call directly follows an untimed call of the same case, so every case is timed with
+    its weights just used, as an engine's back-to-back steps find them.
+
+    Why the untimed call: on the 2-core VM these figures come from, the same 48 projections of
+    a cached step took 64 ms run back to back but 93 ms after 1.3 s of sleep (76 ms when other
+    weights ran in between, 76 ms when its own weights were read first): how long ago a model's
+    memory and threads were last used moves a 100 ms step by up to half, and without the call
+    our cached step ran 1.5-1.9 s after our weights' last use (transformers' full prefill in
+    between) while transformers' ran 0.1 s after its prefill.
+    """
     times: dict[str, list[float]] = {case.name: [] for case in cases}
-    for round_index in range(repeats + 1):
+    for _ in range(repeats):
         for case in cases:
-            elapsed = case.time_ms()
-            if round_index:
-                times[case.name].append(elapsed)
+            case.call()  # untimed: the case's weights and threads just used
+            times[case.name].append(case.call())
     return {name: statistics.median(values) for name, values in times.items()}
 
 
