@@ -45,10 +45,11 @@ class Case:
         return (time.perf_counter() - start) * 1e3
 
 
-def median_ms(cases: list[Case], repeats: int) -> dict[str, float]:
+def median_ms(cases: list[Case], repeats: int, warm: bool = True) -> dict[str, float]:
     """Median per case. Cases take turns, round by round, so load drift hits all alike; each
     timed call directly follows an untimed call of the same case, so every case is timed with
-    its weights just used, as an engine's back-to-back steps find them.
+    its weights just used, as an engine's back-to-back steps find them (``warm=False``: one
+    untimed round first, then each case timed where its turn falls, the order used before).
 
     Why the untimed call: on the 2-core VM these figures come from, the same 48 projections of
     a cached step took 64 ms run back to back but 93 ms after 1.3 s of sleep (76 ms when other
@@ -58,9 +59,13 @@ def median_ms(cases: list[Case], repeats: int) -> dict[str, float]:
     between) while transformers' ran 0.1 s after its prefill.
     """
     times: dict[str, list[float]] = {case.name: [] for case in cases}
+    if not warm:
+        for case in cases:
+            case.call()
     for _ in range(repeats):
         for case in cases:
-            case.call()  # untimed: the case's weights and threads just used
+            if warm:
+                case.call()  # untimed: the case's weights and threads just used
             times[case.name].append(case.call())
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -145,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
             Case("hf_short", lambda: hf.step(ids[:new])),
         ],
         args.repeats,
+        warm=not args.no_warm,
     )
     ideal, r = ideal_speedup(loaded, total, cached)
     check = (ours_prefix.step(ids, 0)[0] - hf.step(ids)).abs().max().item()
@@ -163,6 +169,7 @@ def _summary(args, loaded, ms, ideal, r, check) -> dict:  # noqa: ANN001
         "tokens": args.tokens,
         "cached": args.cached,
         "repeats": args.repeats,
+        "warm_call": not args.no_warm,
         "params": sum(p.numel() for p in loaded.model.parameters()),
         "ms": {k: round(v, 2) for k, v in ms.items()},
         "full_prefill_ratio_ours_over_hf": round(ms["ours_full"] / ms["hf_full"], 3),
@@ -179,9 +186,11 @@ def _summary(args, loaded, ms, ideal, r, check) -> dict:  # noqa: ANN001
 def print_table(s: dict) -> None:
     ms = s["ms"]
     new = s["tokens"] - s["cached"]
+    timing = "each after an untimed call" if s["warm_call"] else "no warm call"
     print(
         f"model={s['model']} params={s['params'] / 1e6:.1f}M threads={s['threads']} "
-        f"(median of {s['repeats']}, ms; 1-min load avg {s['load_avg_1min'][0]} at start, "
+        f"(median of {s['repeats']}, ms, {timing}; "
+        f"1-min load avg {s['load_avg_1min'][0]} at start, "
         f"{s['load_avg_1min'][1]} at end)"
     )
     print(f"{'case':<34}{'ours':>10}{'transformers':>14}{'ours/hf':>9}")
@@ -208,6 +217,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--cached", type=int, default=1920)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--no-warm",
+        action="store_true",
+        help="time each case where its turn falls, without an untimed call of it just before",
+    )
     args = parser.parse_args()
     if not 0 < args.cached < args.tokens:
         parser.error("need 0 < --cached < --tokens")
