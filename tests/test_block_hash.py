@@ -127,11 +127,13 @@ def test_bulk_and_small_paths_agree_with_the_reference_encoding(algo: str, num_t
         parent = hasher.block(parent, tokens[i * 16 : (i + 1) * 16])
         expected.append(parent)
     assert hasher.chain(tokens, LAB_NS) == expected
+    assert hasher.chain(tuple(tokens), LAB_NS) == expected  # not a list: the other conversion
 
 
-def test_bulk_path_across_layout_batches_with_chunks_equals_block_by_block() -> None:
-    # Block size 512 makes a layout row 2,063 bytes, so 300 blocks take two table batches; ids
-    # that are multiples of 256 end in a NUL byte, which the token chunks must keep.
+def test_incremental_bulk_path_with_chunks_equals_block_by_block() -> None:
+    # 10 blocks, then 301 more continuing the chain (each block's hash continues a state that
+    # has consumed the constant prefix); ids that are multiples of 256 end in a NUL byte, which
+    # the token chunks must keep.
     hasher = _hasher("sha256", block_size=512)
     tokens = [(i * 256) % 2**32 if i % 3 else (i * 7919) % 150_000 for i in range(512 * 311)]
     root = hasher.root(LAB_NS)

@@ -18,15 +18,11 @@ import functools
 import hashlib
 import struct
 import sys
-import threading
 import warnings
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-import numpy.typing as npt
 
 __all__ = [
     "HASH_ALGOS",
@@ -170,7 +166,13 @@ def encode_namespace(namespace: Namespace) -> bytes:
 def _pack_big_endian(token_ids: Sequence[int]) -> array[int]:
     """Token ids as u32 in big-endian byte order (validated): one conversion, one in-place swap."""
     try:
-        packed = array("I", token_ids)  # the fastest conversion from Python ints
+        if type(token_ids) is list:
+            # the fastest conversion from Python ints: 3.7 ns per id where array("I", ids)
+            # takes 5.4 (12,288 ids: 44 vs 66 us, CPython 3.11)
+            packed = array("I")
+            packed.fromlist(token_ids)
+        else:
+            packed = array("I", token_ids)
     except OverflowError as exc:
         raise ValueError("token ids must be integers in [0, 2**32)") from exc
     if sys.byteorder == "little":
@@ -210,30 +212,18 @@ def _parent_header(digest_size: int) -> bytes:
     return struct.pack(">BI", TAG_PARENT, digest_size)
 
 
-# Below this many new blocks, bodies are built one by one; above, through a layout table.
-_BULK_MIN_BLOCKS = 8
-# A layout table holds at most this many bytes (one per thread and hasher, reused across calls).
-_TABLE_BYTES = 1 << 19
-
-
-class _Layout(threading.local):
-    """Per-thread scratch for `BlockHasher`: rows of ``prefix ‖ tokens ‖ suffix``, where only the
-    token columns change between calls (the constant columns are written once)."""
-
-    table: npt.NDArray[np.uint8] | None = None
-
-
 class BlockHasher:
     """Computes namespace roots and chained block digests for one algorithm and block size.
 
-    The hot path (`extend`) packs all new tokens once as big-endian u32, copies them into the token
-    columns of a per-thread layout table whose magic and field-header columns are pre-filled, splits
-    the rows into bytes with one C call, then per block hashes ``body + parent``.
+    The hot path (`extend`) packs all new tokens once as big-endian u32 and cuts the bytes into
+    blocks; each block's digest then continues a hash state that has already consumed the
+    constant ``BLOCK_MAGIC ‖ tokens header`` (hashlib's ``copy``), with the block's token bytes
+    and ``parent header ‖ parent``: no body is assembled. On the Mooncake replay (23 blocks of
+    512 tokens per request) this took hashing from 98 to 92 us per request in isolation; the
+    layout table it replaces built each body in numpy and split it into bytes objects.
     """
 
-    __slots__ = (
-        "algo", "block_size", "digest_size", "_hash", "_new", "_prefix", "_suffix", "_layout"
-    )
+    __slots__ = ("algo", "block_size", "digest_size", "_hash", "_state", "_prefix", "_suffix")
 
     def __init__(self, block_size: int, algo: str = "sha256") -> None:
         if block_size < 1:
@@ -241,12 +231,12 @@ class BlockHasher:
         self.algo = algo
         self.block_size = block_size
         self._hash = get_hash_fn(algo)
-        self._new: Callable[[bytes], Any] | None = _HASHLIB_NEW.get(algo)
         self.digest_size = HASH_ALGOS[algo]
-        # body = _prefix ‖ token bytes ‖ _suffix  (no extras)
+        # encoding without extras = _prefix ‖ token bytes ‖ _suffix ‖ parent
         self._prefix = BLOCK_MAGIC + struct.pack(">BI", TAG_TOKENS, 4 * block_size)
         self._suffix = _parent_header(self.digest_size)
-        self._layout = _Layout()
+        new = _HASHLIB_NEW.get(algo)
+        self._state: Any = None if new is None else new(self._prefix)  # copied per block
 
     def __reduce__(self) -> tuple[type[BlockHasher], tuple[int, str]]:
         # pickle / deepcopy rebuild from the parameters (the per-thread scratch is not state)
@@ -282,11 +272,9 @@ class BlockHasher:
         if num_new <= 0:
             return 0
         parent = digests[-1] if digests else root
-        if num_new < _BULK_MIN_BLOCKS or (
-            extras is not None and any(extras(start + i) for i in range(num_new))
-        ):
+        width = 4 * bs
+        if extras is not None and any(extras(start + i) for i in range(num_new)):
             token_bytes = encode_tokens(token_ids[start * bs : (start + num_new) * bs])
-            width = 4 * bs
             blocks = [token_bytes[i * width : (i + 1) * width] for i in range(num_new)]
             if chunks is not None:
                 chunks.extend(blocks)
@@ -294,39 +282,24 @@ class BlockHasher:
             return num_new
         # Validate and pack every new token once (a copy of the list costs more than the tail).
         packed = _pack_big_endian(token_ids if start == 0 else token_ids[start * bs :])
-        width = 4 * bs
-        token_rows = np.frombuffer(packed, dtype=np.uint8, count=num_new * width)
-        token_rows = token_rows.reshape(num_new, width)  # block i's encoded token bytes
-        table = self._table(num_new)
-        pre = len(self._prefix)
-        new = self._new
-        h = self._hash
-        step = len(table)
-        for first in range(0, num_new, step):
-            n = min(step, num_new - first)
-            rows = token_rows[first : first + n]
-            table[:n, pre : pre + width] = rows
-            # One C call splits rows into bytes objects ("V" keeps trailing NULs).
-            if chunks is not None:
-                chunks.extend(rows.view(f"V{width}").ravel().tolist())
-            bodies: list[bytes] = table[:n].view(f"V{table.shape[1]}").ravel().tolist()
-            if new is not None:  # sha256 / blake2b: call hashlib directly, no wrapper frame
-                digests.extend([parent := new(body + parent).digest() for body in bodies])
-            else:
-                digests.extend([parent := h(body + parent) for body in bodies])
+        data = packed.tobytes()
+        blocks = [data[i * width : (i + 1) * width] for i in range(num_new)]
+        if chunks is not None:
+            chunks.extend(blocks)
+        suffix, state = self._suffix, self._state
+        if state is not None:  # sha256 / blake2b: continue the prefix's state
+            for block in blocks:
+                h = state.copy()
+                h.update(block)
+                h.update(suffix + parent)
+                parent = h.digest()
+                digests.append(parent)
+        else:
+            prefix, hash_fn = self._prefix, self._hash
+            digests.extend(
+                [parent := hash_fn(prefix + block + suffix + parent) for block in blocks]
+            )
         return num_new
-
-    def _table(self, num_blocks: int) -> npt.NDArray[np.uint8]:
-        """This thread's layout table: at least ``num_blocks`` rows, or as many as fit the cap."""
-        table = self._layout.table
-        width = len(self._prefix) + 4 * self.block_size + len(self._suffix)
-        rows = min(num_blocks, max(_BULK_MIN_BLOCKS, _TABLE_BYTES // width))
-        if table is None or len(table) < rows:
-            table = np.empty((rows, width), dtype=np.uint8)
-            table[:, : len(self._prefix)] = np.frombuffer(self._prefix, dtype=np.uint8)
-            table[:, width - len(self._suffix) :] = np.frombuffer(self._suffix, dtype=np.uint8)
-            self._layout.table = table
-        return table
 
     def _extend_each(
         self,
