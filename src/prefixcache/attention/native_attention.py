@@ -170,7 +170,9 @@ def prefill_path(
 ) -> str:
     """How `attend` splits a prefill of these sizes at the current thread count: one of
     `PREFILL_PATHS` (all kv heads gathered once for the team; after a cache hit, each thread
-    gathering the head it works on, or reading it straight from the cache)."""
+    gathering the head it works on, or reading it straight from the cache in key blocks: an
+    AVX-512 build, head_dim 64, at most 256 query rows per tile, i.e. 8 query heads per kv
+    head)."""
     kernel = _kernel_or_raise()
     path = kernel.attention_path(
         num_tokens, seq_len, num_heads, num_kv_heads, head_dim, TILE_TOKENS,
