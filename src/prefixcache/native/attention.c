@@ -153,8 +153,8 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
  * scores stay in L1 (12 KB), and the block's K and V rows, fetched once, serve every tile of
  * the head. K rows are prefetched one register tile ahead during QK, the next block's V rows
  * during PV. On `small` (2 threads, 12 layers' caches, 128 new over 2,048 keys): 41.2 -> 36.0
- * ms; per tile, whole-score passes took 1,000-1,190 k cycles against ~940 k now. Measured and
- * dropped: 16- or 64-key blocks, 16-token tiles (48 rows), 4 keys x 6 vectors per QK tile, a
+ * ms, where QK and PV had each run at ~60% of the FMA peak and a head's first tile 17% slower
+ * than its others. Measured and dropped: 16- or 64-key blocks, 16-token tiles (48 rows), 4 keys x 6 vectors per QK tile, a
  * lazily updated max (rescaling only on growth by e^8: no faster, 7x the rounding error). With
  * head_dim 128 the earlier whole-score version was slower than MKL (18.6 vs 16.5 ms), so this
  * is limited to 64. */
