@@ -381,10 +381,14 @@ static void direct_head(const float *q, int64_t q_row_stride, const float *k_cac
             ts->t0 = t0, ts->rows = G * ts->m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
             ts->open = C + t0, ts->keys = C + t0 + ts->m;
             ts->qt = qts + nt * panel_floats(tile_rows), ts->o = os + (int64_t)nt * tile_ld * D;
-            for (int r = 0; r < ts->ld; r++) { /* padding rows: zero queries, scores unused */
-                const float *src = q + (int64_t)(t0 + r % ts->m) * q_row_stride + (int64_t)(h * G + r / ts->m) * D;
+            for (int r = 0; r < ts->ld; r++) {
                 float *dst = ts->qt + (int64_t)(r / PANEL) * D * PANEL + r % PANEL;
-                for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = r < ts->rows ? src[d] : 0.0f;
+                if (r >= ts->rows) { /* padding rows: zero queries, scores unused */
+                    for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = 0.0f;
+                    continue;
+                }
+                const float *src = q + (int64_t)(t0 + r % ts->m) * q_row_stride + (int64_t)(h * G + r / ts->m) * D;
+                for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = src[d];
             }
             for (int v = 0; v < ts->ld / LANES; v++) {
                 ts->max[v] = splat(-INFINITY);
