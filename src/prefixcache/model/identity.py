@@ -29,10 +29,14 @@ def model_identity(
     weight_files: list[Path],
     memo_dir: Path | None = None,
 ) -> str:
-    """Hex SHA-256 over the identity fields, prefixed with the architecture for readability."""
+    """Hex SHA-256 over the identity fields, prefixed with the architecture for readability.
+
+    ``path`` is a checkpoint directory (its config.json is covered) or a single-file checkpoint
+    (GGUF: the configuration is inside the file, which ``weight_files`` covers).
+    """
     fields = {
         "architecture": config.architecture,
-        "config_sha256": file_digest(path / "config.json", memo_dir),
+        "config_sha256": file_digest(path / "config.json", memo_dir) if path.is_dir() else None,
         "weights": {f.name: file_digest(f, memo_dir) for f in sorted(weight_files)},
         "dtype": dtype,
         "rope": asdict(config.rope),

@@ -1,7 +1,9 @@
-"""`load_model`: a built-in name or a checkpoint directory -> `LoadedModel`.
+"""`load_model`: a built-in name, a checkpoint directory or a .gguf file -> `LoadedModel`.
 
 Ties together config, decoder, weights, tokenizer and identity; the engine's only entry point
-into this package.
+into this package. A checkpoint is either a transformers-style directory (config.json,
+safetensors, tokenizer.json) or a GGUF file (`prefixcache.model.gguf_checkpoint`); both give the
+same `ModelConfig`, `Tokenizer` and parameters.
 """
 
 from __future__ import annotations
@@ -12,14 +14,31 @@ from pathlib import Path
 import torch
 
 from prefixcache.attention import PagedKVCache
-from prefixcache.model.builtin import BUILTIN_MODELS, cache_dir, ensure_builtin
+from prefixcache.model.builtin import (
+    BUILTIN_MODELS,
+    PACKAGED_MODELS,
+    PackagedModelMissing,
+    builtin_names,
+    cache_dir,
+    ensure_builtin,
+    ensure_packaged,
+)
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import CausalLM
+from prefixcache.model.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from prefixcache.model.identity import model_identity
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.model.weights import load_weights, weight_files
 
-__all__ = ["DTYPES", "LoadedModel", "ModelLoadError", "load_model", "resolve_model_path"]
+__all__ = [
+    "DTYPES",
+    "Checkpoint",
+    "LoadedModel",
+    "ModelLoadError",
+    "load_model",
+    "open_checkpoint",
+    "resolve_model_path",
+]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -58,21 +77,61 @@ class LoadedModel:
         )
 
 
-def resolve_model_path(name_or_dir: str) -> Path:
-    """A built-in name (created on first use) or an existing checkpoint directory."""
-    if name_or_dir in BUILTIN_MODELS:
-        return ensure_builtin(name_or_dir)
-    path = Path(name_or_dir).expanduser()
-    if not path.is_dir():
-        names = ", ".join(BUILTIN_MODELS)
-        raise ModelLoadError(
-            f"model {name_or_dir!r} is neither a built-in model ({names}) nor a directory"
-        )
-    return path
+def resolve_model_path(name_or_path: str) -> Path:
+    """A built-in name (generated on first use, or a packaged model's file), an existing
+    checkpoint directory, or a .gguf file."""
+    if name_or_path in BUILTIN_MODELS:
+        return ensure_builtin(name_or_path)
+    if name_or_path in PACKAGED_MODELS:
+        try:
+            return ensure_packaged(name_or_path)
+        except PackagedModelMissing as exc:
+            raise ModelLoadError(str(exc)) from None
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return path
+    names = ", ".join(builtin_names())
+    raise ModelLoadError(
+        f"model {name_or_path!r} is neither a built-in model ({names}), "
+        "a checkpoint directory nor a .gguf file"
+    )
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """What a checkpoint gives before its weights are read: config, tokenizer, identity."""
+
+    path: Path  # a checkpoint directory, or a .gguf file
+    config: ModelConfig
+    gguf: GGUFCheckpoint | None = None
+
+    def tokenizer(self) -> Tokenizer:
+        return self.gguf.tokenizer() if self.gguf else Tokenizer.from_dir(self.path)
+
+    def load_weights(self, model: CausalLM) -> None:
+        if self.gguf:
+            self.gguf.load_weights(model, self.config)
+        else:
+            load_weights(model, self.path)
+
+    def identity(self, dtype: str) -> str:
+        """The fingerprint that roots the cache namespace (covers every byte of the weights)."""
+        files = [self.gguf.path] if self.gguf else weight_files(self.path)
+        return model_identity(self.path, self.config, dtype, files, cache_dir() / "digests")
+
+
+def open_checkpoint(name_or_path: str) -> Checkpoint:
+    """Resolve ``name_or_path`` and read its configuration (no weights yet)."""
+    path = resolve_model_path(name_or_path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        gguf = GGUFCheckpoint(gguf_file)
+        return Checkpoint(gguf_file, gguf.config(), gguf)
+    return Checkpoint(path, ModelConfig.from_dir(path))
 
 
 def load_model(
-    name_or_dir: str, dtype: str = "float32", device: str = "cpu", pack_weights: bool = True
+    name_or_path: str, dtype: str = "float32", device: str = "cpu", pack_weights: bool = True
 ) -> LoadedModel:
     """Load config, weights (cast to ``dtype``) and tokenizer; no network access.
 
@@ -82,27 +141,31 @@ def load_model(
     """
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
-    path = resolve_model_path(name_or_dir)
-    config = ModelConfig.from_dir(path)
+    checkpoint = open_checkpoint(name_or_path)
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
-    model = _build(config, path, torch_dtype, torch_device, pack_weights)
-    files = weight_files(path)
-    identity = model_identity(path, config, dtype, files, cache_dir() / "digests")
+    model = _build(checkpoint, torch_dtype, torch_device, pack_weights)
     return LoadedModel(
-        config, model, Tokenizer.from_dir(path), path, identity, torch_dtype, torch_device
+        checkpoint.config,
+        model,
+        checkpoint.tokenizer(),
+        checkpoint.path,
+        checkpoint.identity(dtype),
+        torch_dtype,
+        torch_device,
     )
 
 
 def _build(
-    config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, pack: bool
+    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, pack: bool
 ) -> CausalLM:
+    config = checkpoint.config
     with torch.device("meta"):
         model = CausalLM(config)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
-    load_weights(model, path)
+    checkpoint.load_weights(model)
     model.prepare_cpu_projections(pack)
     model.init_rotary()
     return model.eval()

@@ -8,9 +8,9 @@ tensor. Knows nothing about tokenizers or the cache.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -18,7 +18,7 @@ from safetensors import safe_open
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import CausalLM
 
-__all__ = ["WeightLoadError", "load_weights", "weight_files"]
+__all__ = ["WeightLoadError", "load_tensors", "load_weights", "weight_files"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -64,21 +64,36 @@ def _sharded_files(index: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, path: str | Path) -> None:
-    """Fill every parameter of ``model`` from the checkpoint at ``path``."""
-    targets = _targets(model, model.config)
-    loaded: set[str] = set()
-    for file in weight_files(path):
+    """Fill every parameter of ``model`` from the safetensors checkpoint at ``path``."""
+    load_tensors(model, _safetensors_items(weight_files(path)), f"checkpoint {path}")
+
+
+def _safetensors_items(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if _load_one(handle, name, targets, model.config):
-                    loaded.add(name)
+                yield name, handle.get_tensor(name)
+
+
+def load_tensors(
+    model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str
+) -> None:
+    """Copy transformers-named tensors into ``model`` (fusing q/k/v and gate/up), one at a time,
+    checking every shape; every parameter must be filled. ``source`` names the checkpoint."""
+    targets = _targets(model, model.config)
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if _load_one(name, tensor, targets, model.config):
+            loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise WeightLoadError(f"missing tensor {missing[0]!r}{more} in checkpoint {path}")
+        raise WeightLoadError(f"missing tensor {missing[0]!r}{more} in {source}")
 
 
-def _load_one(handle: Any, name: str, targets: dict[str, _Target], config: ModelConfig) -> bool:
+def _load_one(
+    name: str, tensor: torch.Tensor, targets: dict[str, _Target], config: ModelConfig
+) -> bool:
     """Copy one checkpoint tensor into place; False when it is deliberately skipped."""
     if name.endswith(_IGNORED_SUFFIXES):
         return False
@@ -87,7 +102,6 @@ def _load_one(handle: Any, name: str, targets: dict[str, _Target], config: Model
     target = targets.get(name)
     if target is None:
         raise WeightLoadError(f"unexpected tensor {name!r} in checkpoint")
-    tensor = handle.get_tensor(name)
     expected = (target.size, *target.param.shape[1:])
     if tuple(tensor.shape) != expected:
         raise WeightLoadError(

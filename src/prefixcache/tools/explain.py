@@ -293,19 +293,11 @@ def _token_cell(index: int, token_id: int, tokenizer: Any, mark: bool) -> str:
 
 def load_model_view(name: str, dtype: str = "float32") -> ModelView:
     """The model's cache identity (as the engine computes it) and tokenizer, without weights."""
-    from prefixcache.model.builtin import cache_dir
-    from prefixcache.model.config import ModelConfig
-    from prefixcache.model.identity import model_identity
-    from prefixcache.model.loader import resolve_model_path
-    from prefixcache.model.tokenizer import Tokenizer
-    from prefixcache.model.weights import weight_files
+    from prefixcache.model.loader import open_checkpoint
 
     try:
-        path = resolve_model_path(name)
-        config = ModelConfig.from_dir(path)
-        files = weight_files(path)
-        identity = model_identity(path, config, dtype, files, cache_dir() / "digests")
-        return ModelView(identity, Tokenizer.from_dir(path))
+        checkpoint = open_checkpoint(name)
+        return ModelView(checkpoint.identity(dtype), checkpoint.tokenizer())
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot load model {name!r}: {exc}") from None
 
