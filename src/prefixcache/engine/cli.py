@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prefixcache.catalog import DTYPE_NAMES, model_help
 from prefixcache.cli import CliError
 
 __all__ = ["add_arguments", "run"]
@@ -20,7 +21,10 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts (text); or use --file")
     parser.add_argument("--file", type=Path, help="JSONL file of prompts")
-    parser.add_argument("--model", default="tiny", help="tiny, small or a checkpoint directory")
+    parser.add_argument("--model", default="tiny", help=model_help("tiny"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    parser.add_argument("--chat", action="store_true",
+                        help="each prompt is a user message, rendered with the chat template")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -45,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_cache,
             prefix_cache=args.prefix_cache,
             seed=args.seed,
+            dtype=args.dtype,
         )
         for item in items:
             params = SamplingParams(
@@ -53,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
                 seed=item.get("seed", args.seed),
             )
             prompt = item.get("prompt", item.get("prompt_token_ids"))
+            if args.chat and isinstance(prompt, str):
+                prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
             salt = item.get("cache_salt", args.cache_salt)
             (out,) = llm.generate([prompt], params, cache_salt=salt)
             _print(out, args.json)

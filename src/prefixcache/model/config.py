@@ -193,11 +193,29 @@ class ModelConfig:
         )
 
 
+# model_type -> architecture, for a config.json without "architectures" (transformers falls back
+# the same way through its auto classes)
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures")
-    if not archs:
-        raise ConfigError("config.json has no 'architectures' entry")
-    return str(archs[0])
+    if archs:
+        return str(archs[0])
+    model_type = raw.get("model_type")
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    if model_type:
+        raise ConfigError(
+            f"config.json has no 'architectures' and an unsupported model_type {model_type!r} "
+            f"(supported: {', '.join(_MODEL_TYPES)})"
+        )
+    raise ConfigError("config.json has neither 'architectures' nor 'model_type'")
 
 
 def _eos_ids(generation: dict[str, Any], raw: dict[str, Any]) -> tuple[int, ...]:

