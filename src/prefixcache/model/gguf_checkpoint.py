@@ -34,13 +34,12 @@ __all__ = [
 
 # GGUF `general.architecture` -> the transformers architecture our decoder implements
 GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",  # llama.cpp also writes Mistral 7B as "llama"
-    "mistral": "MistralForCausalLM",
+    "llama": "LlamaForCausalLM",  # llama.cpp writes Mistral 7B as "llama" too
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
 # llama.cpp stores q/k rows of these architectures permuted for its interleaved rotary kernel
-_PERMUTED_QK = ("llama", "mistral")
+_PERMUTED_QK = ("llama",)
 
 # The splits llama.cpp's BPE pre-tokenizer applies for each `tokenizer.ggml.pre` value
 # (llama-vocab.cpp), as `tokenizers` regexes applied in sequence, each splitting the pieces the

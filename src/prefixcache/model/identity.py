@@ -34,10 +34,15 @@ def model_identity(
     ``path`` is a checkpoint directory (its config.json is covered) or a single-file checkpoint
     (GGUF: the configuration is inside the file, which ``weight_files`` covers).
     """
+    single_file = not path.is_dir()
     fields = {
         "architecture": config.architecture,
-        "config_sha256": file_digest(path / "config.json", memo_dir) if path.is_dir() else None,
-        "weights": {f.name: file_digest(f, memo_dir) for f in sorted(weight_files)},
+        "config_sha256": None if single_file else file_digest(path / "config.json", memo_dir),
+        # a single file is named by its content alone: a renamed copy is the same model
+        "weights": {
+            ("model" if single_file else f.name): file_digest(f, memo_dir)
+            for f in sorted(weight_files)
+        },
         "dtype": dtype,
         "rope": asdict(config.rope),
     }
