@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_helpers import byte_level_tokens, write_gguf
 
+from gguf_helpers import byte_level_tokens, write_gguf
 from prefixcache import LLM, SamplingParams
 from prefixcache.attention import AttentionMetadata, PagedKVCache
 from prefixcache.model import load_model

@@ -156,6 +156,7 @@ class GGUFCheckpoint:
         embed = self._tensor("token_embd.weight")
         raw: dict[str, Any] = {
             "architectures": [GGUF_ARCHITECTURES[self.arch]],
+            "model_type": self.arch,  # transformers' name for these three is the GGUF one
             "vocab_size": int(embed.shape[-1]),  # ggml order: [hidden, vocab]
             "hidden_size": hidden,
             "intermediate_size": int(self._arch_field("feed_forward_length", required=True)),

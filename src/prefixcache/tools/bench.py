@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from prefixcache.catalog import model_help
 from prefixcache.errors import CliError
 
 __all__ = ["BenchResult", "add_arguments", "make_workload", "run", "run_bench"]
@@ -94,7 +95,7 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="tiny, small or a checkpoint directory")
+    parser.add_argument("--model", default="tiny", help=model_help("tiny"))
     parser.add_argument("--prefix-cache", default="hash,radix",
                         help="implementations to compare with cache-off (comma list)")
     parser.add_argument("--num-prefixes", type=int, default=4)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixcache.catalog import model_help
 from prefixcache.errors import CliError
 
 __all__ = [
@@ -321,7 +322,7 @@ def format_result(result: CheckResult, num_items: int) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="built-in name or checkpoint dir")
+    parser.add_argument("--model", default="tiny", help=model_help("tiny"))
     parser.add_argument("--workload", default="builtin", help="builtin, or a JSON/JSONL file")
     parser.add_argument(
         "--num-kv-blocks", type=int, default=DEFAULT_NUM_KV_BLOCKS, help="KV pool size (64)"

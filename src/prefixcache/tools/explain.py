@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cache.block_hash import HASH_ALGOS, BlockHasher, Namespace
+from prefixcache.catalog import model_help
 from prefixcache.errors import CliError
 
 __all__ = [
@@ -305,7 +306,7 @@ def load_model_view(name: str, dtype: str = "float32") -> ModelView:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", help="prompt A: text, @file, a file path, or a JSON token-id list")
     parser.add_argument("b", help="prompt B (same forms as A)")
-    parser.add_argument("--model", default="tiny", help="model for A (and B): built-in or dir")
+    parser.add_argument("--model", default="tiny", help=model_help("tiny"))
     parser.add_argument("--model-b", default=None, help="a different model for B")
     parser.add_argument("--dtype", default="float32", help="dtype the engine runs (identity)")
     parser.add_argument("--salt-a", default=None, help="effective cache salt of A")

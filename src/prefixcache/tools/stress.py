@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from prefixcache.catalog import model_help
 from prefixcache.errors import CliError
 
 __all__ = ["StressConfig", "StressReport", "add_arguments", "run", "run_stress"]
@@ -226,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache", default="hash", help="hash | radix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny", help=model_help("tiny"))
     parser.add_argument("--json", action="store_true", help="also print the report as JSON")
 
 
