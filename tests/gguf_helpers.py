@@ -134,6 +134,8 @@ def _add_tensor(writer: object, name: str, values: np.ndarray, qtype: str, rng: 
     kind = gguf.GGMLQuantizationType[qtype]
     if qtype == "F32":
         writer.add_tensor(name, values.astype(np.float32))  # type: ignore[attr-defined]
+    elif qtype == "I8":  # a type that holds integers, not weights: no dequantization exists
+        writer.add_tensor(name, values.astype(np.int8))  # type: ignore[attr-defined]
     elif qtype == "F16":
         writer.add_tensor(name, values.astype(np.float16))  # type: ignore[attr-defined]
     elif qtype in _K_BLOCKS:

