@@ -15,7 +15,7 @@ from typing import Any
 
 import uvicorn
 
-from prefixcache.server.cli import add_arguments, build_app
+from prefixcache.server.cli import add_arguments, build_app, uvicorn_options
 
 
 @dataclass
@@ -38,12 +38,14 @@ class RunningServer:
 def start_server(argv: list[str]) -> RunningServer:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    app = build_app(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    app = build_app(args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    options = {**uvicorn_options(args), "log_config": None}  # pytest captures the logs
+    config = uvicorn.Config(app, log_level="warning", **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

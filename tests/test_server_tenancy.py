@@ -179,7 +179,11 @@ def test_reset_needs_admin(server: RunningServer) -> None:
 def test_metrics_label_domains_not_prompts(server: RunningServer) -> None:
     prompt = secret_prompt()
     cached(server, GLOBEX, prompt)
-    text = httpx.get(server.base_url + "/metrics").text
+    url = server.base_url + "/metrics"
+    assert httpx.get(url).status_code == 401  # tenant names and traffic: not for anyone
+    denied = httpx.get(url, headers={"Authorization": f"Bearer {ACME}"})
+    assert denied.status_code == 403 and denied.json()["error"]["type"] == "permission_error"
+    text = httpx.get(url, headers={"Authorization": f"Bearer {OPS}"}).text
     domains = {sample.labels.get("domain") for family in text_string_to_metric_families(text)
                for sample in family.samples if "domain" in sample.labels}
     assert {"tenant:acme", "group:partners", "none"} <= domains

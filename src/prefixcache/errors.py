@@ -1,7 +1,28 @@
-"""User-facing errors shared by the command line tools."""
+"""User-facing errors shared by the command line tools, and how an exception is described in
+logs: its type and where it was raised, never its message (which may quote a tenant's input)."""
 
 from __future__ import annotations
+
+import traceback
+from types import TracebackType
+
+__all__ = ["CliError", "code_location", "describe_exception"]
 
 
 class CliError(Exception):
     """A user error on the command line: printed as one line, exit status 2."""
+
+
+def code_location(tb: TracebackType | None) -> str:
+    """``function (file.py:line)`` of the innermost frame of ``tb``, or "" without one."""
+    frames = traceback.extract_tb(tb)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"{frame.name} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``TypeName at function (file.py:line)``: safe to log, enough to find the bug."""
+    where = code_location(exc.__traceback__)
+    return f"{type(exc).__name__} at {where}" if where else type(exc).__name__

@@ -39,27 +39,53 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+DEFAULT_MAX_EVENT_BYTES = 64 * 1024 * 1024
+
+
+def event_size(event: KVCacheEvent) -> int:
+    """Approximate bytes an event keeps alive: its digests, token ids and block ids."""
+    if isinstance(event, BlockStored):
+        return 64 + 33 * len(event.block_hashes) + 8 * (len(event.token_ids) + len(event.block_ids))
+    if isinstance(event, BlockRemoved):
+        return 64 + 33 * len(event.block_hashes) + 8 * len(event.block_ids)
+    return 64
+
+
 class EventBuffer:
-    """Buffered KV events, bounded: beyond ``max_events`` undrained events, new ones are dropped
-    and counted in ``num_dropped`` (a consumer that never drains cannot grow memory)."""
+    """Buffered KV events, bounded in count and in bytes: beyond ``max_events`` undrained events
+    or ``max_bytes`` of them, new ones are dropped and counted in ``num_dropped`` (a consumer
+    that never drains cannot grow memory). Disabled, it keeps nothing."""
 
-    __slots__ = ("enabled", "max_events", "num_dropped", "_events")
+    __slots__ = ("enabled", "max_events", "max_bytes", "num_dropped", "num_bytes", "_events")
 
-    def __init__(self, enabled: bool = True, max_events: int = 100_000) -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        max_events: int = 100_000,
+        max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    ) -> None:
         self.enabled = enabled
         self.max_events = max_events
+        self.max_bytes = max_bytes
         self.num_dropped = 0
+        self.num_bytes = 0
         self._events: list[KVCacheEvent] = []
 
     def emit(self, event: KVCacheEvent) -> None:
         if not self.enabled:
             return
-        if len(self._events) >= self.max_events:
+        size = event_size(event)
+        if len(self._events) >= self.max_events or self.num_bytes + size > self.max_bytes:
             self.num_dropped += 1
             return
         self._events.append(event)
+        self.num_bytes += size
 
     def take(self) -> list[KVCacheEvent]:
         """Drain the buffered events, oldest first."""
         events, self._events = self._events, []
+        self.num_bytes = 0
         return events
+
+    def __len__(self) -> int:
+        return len(self._events)

@@ -107,11 +107,14 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         to a list of conversations, rendered with the model's chat template (or
         ``chat_template``), as vLLM's ``LLM.chat``. Outputs as `generate`'s; ``prompt`` holds
-        the rendered text."""
+        the rendered text. Marker strings typed inside message content stay text (see
+        `Tokenizer.encode_chat`)."""
         conversations = _as_conversations(messages)
         texts = [self.chat_prompt_text(c, chat_template, add_generation_prompt)
                  for c in conversations]
-        prompts: list[Prompt] = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        prompts: list[Prompt] = [
+            self.chat_prompt(c, chat_template, add_generation_prompt) for c in conversations
+        ]
         outputs = self.generate(prompts, sampling_params, cache_salt, use_cache)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
@@ -129,10 +132,17 @@ class LLM:
         )
         return str(text)
 
-    def chat_prompt(self, messages: Sequence[Message]) -> list[int]:
-        """The token ids `chat` would run for one conversation."""
-        text = self.chat_prompt_text(messages)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def chat_prompt(
+        self,
+        messages: Sequence[Message],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The token ids `chat` runs for one conversation: marker strings inside a message's
+        content are encoded as text, only the template's own markers as control tokens."""
+        return list(self.tokenizer.encode_chat(
+            [dict(m) for m in messages], add_generation_prompt, chat_template=chat_template
+        ))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (refused, False, while requests hold blocks)."""

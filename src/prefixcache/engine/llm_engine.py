@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -27,6 +26,7 @@ from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
 from prefixcache.engine.stop import check_stop, emittable_text
+from prefixcache.errors import describe_exception
 from prefixcache.model.host_memory import retain_freed_memory
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
@@ -40,8 +40,10 @@ _MAX_HISTORY = 10_000  # finished requests whose timing `stats()` still reports
 class LLMEngine:
     """Continuous-batching generation over a paged, prefix-cached KV pool.
 
-    ``model`` is a preset name (``"tiny"``, ``"small"``), a checkpoint directory or a
-    `LoadedModel`. ``num_kv_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
+    ``model`` is a built-in name (``"smollm2"``, ``"tiny"``, ``"small"``), a checkpoint directory,
+    a .gguf file or a `LoadedModel`. ``kv_events``: buffer the cache's KV events (bounded) for a
+    consumer that drains them with `take_kv_events`; off, nothing is kept.
+    ``num_kv_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
     ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
     invariant after each step (tests). Creating an engine tunes the process's malloc to keep
     freed tensor memory (`prefixcache.model.host_memory`).
@@ -66,6 +68,8 @@ class LLMEngine:
         seed: int = 0,
         dtype: str = "float32",
         check_integrity: bool = False,
+        kv_events: bool = False,
+        kv_events_with_tokens: bool = False,
     ) -> None:
         retain_freed_memory()
         self.loaded = _load(model, dtype)
@@ -82,6 +86,10 @@ class LLMEngine:
             enable_caching=enable_prefix_caching,
             model_id=self.loaded.identity,
             zero_on_reuse=zero_freed_blocks,
+            # events only for a consumer that drains them (`take_kv_events`), token ids only
+            # when asked: buffered events would otherwise keep every tenant's prompt ids alive
+            enable_kv_events=kv_events,
+            events_with_tokens=kv_events_with_tokens,
         )
         self.runner = ModelRunner(
             self.loaded.model, self.config, num_blocks=num_blocks, block_size=block_size
@@ -295,10 +303,9 @@ class LLMEngine:
 
     def _fail_request(self, request: Request, exc: Exception, now: float) -> list[RequestOutput]:
         """End every unfinished choice of ``request``'s group with finish reason ``error``."""
-        where = _code_location(exc)
-        message = f"the request failed inside the engine: {type(exc).__name__}{where}"
         # the type and code location only: an exception's message may quote prompt text
-        logger.error("request %s failed: %s%s", request.request_id, type(exc).__name__, where)
+        message = f"the request failed inside the engine: {describe_exception(exc)}"
+        logger.error("request %s failed: %s", request.request_id, describe_exception(exc))
         parent = self._groups.get(request.request_id)
         outputs = []
         for choice in parent.choices if parent is not None else [request]:
@@ -381,6 +388,10 @@ class LLMEngine:
 
     # ---- cache control and stats ----------------------------------------------------------------
 
+    def take_kv_events(self) -> list[Any]:
+        """Drain the KV events buffered since the last call (empty unless ``kv_events``)."""
+        return self.cache.take_events()
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while requests hold blocks."""
         return self.cache.reset()
@@ -405,15 +416,6 @@ class LLMEngine:
             "requests": dict(self._history),
             "cache": stats.as_dict(),
         }
-
-
-def _code_location(exc: BaseException) -> str:
-    """`` at function (file.py:line)`` of the innermost frame that raised ``exc``."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return ""
-    frame = frames[-1]
-    return f" at {frame.name} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
 
 
 def _load(model: Any, dtype: str) -> Any:

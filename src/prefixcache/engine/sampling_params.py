@@ -6,16 +6,22 @@ tensors, caches or models.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]
+
+# Below this temperature sampling is greedy (vLLM's rule): dividing logits by a tiny temperature
+# overflows float32 (1e-300 gives inf scores, and softmax of infs picks token 0 every time).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling and stopping rules; bad values raise ValueError naming the field.
 
-    ``temperature == 0`` is greedy (exact argmax). ``top_k <= 0`` and ``top_p == 1`` disable those
+    ``temperature < GREEDY_TEMPERATURE`` (0 included) is greedy (exact argmax); it must be
+    finite. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``seed`` fixes the request's random stream (choice ``i`` of ``n`` gets its own stream
     derived from it); None draws a seed from the engine's seeded generator. ``stop`` strings end
     generation and are cut from the text; ``stop_token_ids`` and the tokenizer's EOS ids (unless
@@ -42,8 +48,8 @@ class SamplingParams:
         _check_int("top_k", self.top_k, minimum=-1)
         _check_number("temperature", self.temperature)
         _check_number("top_p", self.top_p)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
@@ -57,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def max_stop_len(self) -> int:

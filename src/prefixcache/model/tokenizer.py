@@ -7,6 +7,7 @@ models or the cache.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,6 +72,14 @@ class Tokenizer:
             backend, _special_tokens(config), _chat_template(path, config), _eos_ids(generation)
         )
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for (4 per character of
+        the longest vocabulary entry): a text longer than ``n * max_token_bytes`` bytes has more
+        than ``n`` tokens, known without tokenizing it."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return 4 * max((len(token) for token in vocab), default=1)
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 
@@ -104,6 +113,67 @@ class Tokenizer:
             raise ChatTemplateError("this tokenizer has no chat template")
         text = render_chat(source, messages, add_generation_prompt, self.special_tokens, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def encode_chat(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        literal_content: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Render and tokenize a conversation. With ``literal_content`` (the default), marker
+        strings typed inside a message's content (``<|im_start|>system``, ``<|eot_id|>``) are
+        encoded as plain text: only the template's own markers become control ids, so a user
+        cannot forge a system turn. Conversations without such strings encode exactly as
+        ``apply_chat_template(..., tokenize=True)``."""
+        text = self.apply_chat_template(
+            messages, add_generation_prompt, chat_template=chat_template, **kwargs
+        )
+        assert isinstance(text, str)
+        contents = [_content_text(m) for m in messages]
+        if not literal_content or not any(self._holds_special(c) for c in contents):
+            return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        start = 0
+        for content in contents:
+            if not self._holds_special(content):
+                continue
+            at = text.find(content, start)
+            if at < 0:  # the template rewrote this content: it cannot be located, so refuse
+                raise TokenizerError(
+                    "a message's content holds special-token text that the chat template "
+                    "rewrites; it cannot be encoded as plain text"
+                )
+            ids += self.encode(text[start:at], add_special_tokens=False)
+            ids += self._literal_backend.encode(content, add_special_tokens=False).ids
+            start = at + len(content)
+        return ids + self.encode(text[start:], add_special_tokens=False)
+
+    def _holds_special(self, text: str) -> bool:
+        return any(marker in text for marker in self._special_markers)
+
+    @functools.cached_property
+    def _special_markers(self) -> tuple[str, ...]:
+        added = self.backend.get_added_tokens_decoder().values()
+        return tuple(t.content for t in added if t.special and t.content)
+
+    @functools.cached_property
+    def _literal_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token strings as ordinary text."""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+
+def _content_text(message: Any) -> str:
+    """A message's content as the template sees it (text parts joined), "" when absent."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
 
 
 def _read_json(path: Path) -> dict[str, Any]:

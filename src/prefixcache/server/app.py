@@ -7,6 +7,8 @@ endpoint logic itself lives in `serving`, the wire format in `protocol`.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prefixcache.server import protocol
 from prefixcache.server.async_engine import AsyncEngine
 from prefixcache.server.errors import ApiError, install_error_handlers
+from prefixcache.server.limits import BodyLimit
 from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixcache.server.serving import OpenAIServing
@@ -46,14 +49,22 @@ def create_app(
     max_queue_len: int = 256,
     default_max_tokens: int = 256,
     log_interval_s: float = 10.0,
+    max_request_bytes: int = 8 * 1024 * 1024,
+    trust_content_markers: bool = False,
+    metrics_key: str | None = None,
+    metrics_domain_labels: str = "name",
 ) -> FastAPI:
-    """An OpenAI-compatible app over ``engine`` (an `LLMEngine`, driven from its own thread)."""
-    metrics = ServerMetrics(model_name, block_bytes(engine))
+    """An OpenAI-compatible app over ``engine`` (an `LLMEngine`, driven from its own thread).
+
+    With a tenants file, ``/metrics`` answers only an admin tenant's key or ``metrics_key``.
+    """
+    metrics = ServerMetrics(model_name, block_bytes(engine), metrics_domain_labels)
     max_pending = engine.scheduler.max_num_seqs + max_queue_len
     async_engine = AsyncEngine(engine, max_pending=max_pending, metrics=metrics,
                                log_interval_s=log_interval_s)
     serving = OpenAIServing(async_engine, model_name=model_name, tenants=tenants,
-                            metrics=metrics, default_max_tokens=default_max_tokens)
+                            metrics=metrics, default_max_tokens=default_max_tokens,
+                            trust_content_markers=trust_content_markers)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -67,7 +78,8 @@ def create_app(
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_error_handlers(app)
-    _add_routes(app, serving, tenants)
+    _add_routes(app, serving, tenants, metrics_key)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     return app
 
 
@@ -89,8 +101,33 @@ def _auth_dependency(tenants: TenantRegistry) -> Any:
     return authenticate
 
 
-def _add_routes(app: FastAPI, serving: OpenAIServing, tenants: TenantRegistry) -> None:
+def _metrics_auth(tenants: TenantRegistry, metrics_key: str | None) -> Any:
+    """/metrics names tenants and their traffic: behind an admin or metrics key when tenanted."""
+    key_digest = hashlib.sha256(metrics_key.encode()).digest() if metrics_key else None
+
+    def authorize(request: Request) -> None:
+        if tenants.trusted:
+            return
+        token = _bearer(request)
+        if token and key_digest is not None and hmac.compare_digest(
+            hashlib.sha256(token.encode()).digest(), key_digest
+        ):
+            return
+        tenant = tenants.authenticate(token)
+        if tenant is None:
+            raise ApiError(401, "/metrics needs an admin or metrics API key: send "
+                           "'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not tenant.admin:
+            raise ApiError(403, "/metrics needs an admin or metrics API key")
+
+    return authorize
+
+
+def _add_routes(
+    app: FastAPI, serving: OpenAIServing, tenants: TenantRegistry, metrics_key: str | None
+) -> None:
     auth = _auth_dependency(tenants)
+    metrics_auth = _metrics_auth(tenants, metrics_key)
     async_engine = serving.engine
 
     @app.post("/v1/completions")
@@ -113,7 +150,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, tenants: TenantRegistry) -
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(metrics_auth)])
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from prefixcache.errors import describe_exception
 from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
 
 __all__ = ["AsyncEngine", "EngineFailure", "EngineOverloaded"]
@@ -62,7 +63,9 @@ class AsyncEngine:
         self.max_pending = max_pending
         self.metrics = metrics
         self.log_interval_s = log_interval_s
-        self.snapshot = EngineSnapshot()
+        self.snapshot = EngineSnapshot.take(engine)  # gauges read true levels before any step
+        if metrics is not None:
+            metrics.update(self.snapshot)
         self.num_pending = 0  # event-loop side only
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
@@ -174,8 +177,7 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.error("engine step failed: %s; failing its requests", type(exc).__name__,
-                         exc_info=exc)
+            logger.error("engine step failed: %s; failing its requests", describe_exception(exc))
             self._fail_all(f"the engine failed while running this request ({type(exc).__name__})")
             return
         self._deliver(outputs)

@@ -13,7 +13,9 @@ from typing import Any
 from prefixcache.catalog import DTYPE_NAMES, model_help
 from prefixcache.errors import CliError
 
-__all__ = ["add_arguments", "build_app", "run"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_arguments", "build_app", "run", "uvicorn_options"]
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 logger = logging.getLogger("prefixcache.server")
 
@@ -54,6 +56,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(never text) to FILE, for `prefixcache simulate`")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--trust-special-tokens-in-content", action="store_true",
+                        help="tokenize marker strings inside chat message content as control "
+                             "tokens (default: as text, so no caller can forge a turn)")
+    parser.add_argument("--metrics-key", default=None,
+                        help="with --tenants: a key that may read /metrics (admins' keys may too)")
+    parser.add_argument("--metrics-domain-labels", default="name",
+                        choices=("name", "digest", "off"),
+                        help="the metrics' domain label: tenant/group name, a stable digest of "
+                             "it, or one value for all")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="larger request bodies get 413 before they are read (default 8 MiB)")
+    parser.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="close a connection whose request headers are not complete in time")
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                        help="close an idle keep-alive connection after this long")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -69,6 +86,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
     if args.log_interval <= 0:
         raise CliError("--log-interval must be > 0")
+    if args.max_request_bytes < 1024:
+        raise CliError("--max-request-bytes must be >= 1024")
+    if args.header_timeout <= 0 or args.timeout_keep_alive <= 0:
+        raise CliError("--header-timeout and --timeout-keep-alive must be > 0")
 
 
 def _tenants(args: argparse.Namespace) -> Any:
@@ -149,7 +170,27 @@ def build_app(args: argparse.Namespace) -> Any:
     return create_app(engine, model_name=args.served_model_name or args.model, tenants=tenants,
                       max_queue_len=args.max_queue_len,
                       default_max_tokens=args.default_max_tokens,
-                      log_interval_s=args.log_interval)
+                      log_interval_s=args.log_interval,
+                      max_request_bytes=args.max_request_bytes,
+                      trust_content_markers=args.trust_special_tokens_in_content,
+                      metrics_key=args.metrics_key,
+                      metrics_domain_labels=args.metrics_domain_labels)
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn settings for parsed ``serve`` arguments: timeouts, and logging left to us in
+    JSON mode so uvicorn's records reach the JSON handler."""
+    import uvicorn
+
+    from prefixcache.server.limits import header_timeout_protocol
+    from prefixcache.tools.cachelog import json_logging_enabled
+
+    return {
+        "access_log": False,
+        "log_config": None if json_logging_enabled() else uvicorn.config.LOGGING_CONFIG,
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "http": header_timeout_protocol(args.header_timeout),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(args)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=False)
+                    **uvicorn_options(args))
     except OSError as exc:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     return 0

@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixcache.errors import describe_exception
+
 __all__ = ["ApiError", "error_body", "install_error_handlers"]
 
 logger = logging.getLogger("prefixcache.server")
@@ -70,7 +72,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """One line for the first validation error, plus the offending parameter's name."""
+    """One line for the first validation error, plus the offending parameter's name. A value
+    error (our own checks) explains more than a union's "not a string" branch: it goes first."""
+    errors = sorted(errors, key=lambda e: e.get("type") != "value_error")
     first = errors[0] if errors else {}
     kind = first.get("type", "")
     if kind == "json_invalid":
@@ -78,6 +82,8 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     param = _field_path(first.get("loc", ()))
     same = [e.get("msg", "") for e in errors if _field_path(e.get("loc", ())) == param]
     msg = "; or ".join(dict.fromkeys(same)) or first.get("msg", "invalid value")
+    if kind == "missing" and param is None:
+        return "the request body is missing: send a JSON object", None
     if kind == "missing":
         return f"missing required parameter {param!r}", param
     if kind == "extra_forbidden":
@@ -103,7 +109,8 @@ async def _on_http(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    logger.error("internal error: %s", type(exc).__name__, exc_info=exc)
+    # no traceback text: an exception's message may quote the request (see describe_exception)
+    logger.error("internal error: %s", describe_exception(exc))
     return ApiError(500, "internal server error").response()
 
 

@@ -9,13 +9,16 @@ by prompt text, token ids or client-supplied strings.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["CONTENT_TYPE", "EngineSnapshot", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE", "DOMAIN_LABELS", "EngineSnapshot", "ServerMetrics"]
+
+DOMAIN_LABELS = ("name", "digest", "off")  # how the `domain` label shows an isolation domain
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "prefixcache:"
@@ -66,7 +69,10 @@ class EngineSnapshot:
 class ServerMetrics:
     """Every metric of the server; ``render()`` is the /metrics body."""
 
-    def __init__(self, model_name: str, block_bytes: int) -> None:
+    def __init__(self, model_name: str, block_bytes: int, domain_labels: str = "name") -> None:
+        if domain_labels not in DOMAIN_LABELS:
+            raise ValueError(f"domain labels must be one of {DOMAIN_LABELS}, got {domain_labels!r}")
+        self.domain_labels = domain_labels
         self.registry = CollectorRegistry(auto_describe=True)
         self.block_bytes = block_bytes
         self._lock = threading.Lock()
@@ -129,13 +135,22 @@ class ServerMetrics:
         self.free_now.set(snap.num_free_blocks)
         self.dup_bytes.set(snap.duplicate_blocks * self.block_bytes)
 
+    def domain_label(self, domain: str) -> str:
+        """The ``domain`` label value: the name, a stable digest of it, or one value for all."""
+        if self.domain_labels == "name":
+            return domain
+        if self.domain_labels == "digest":
+            return "d:" + hashlib.sha256(domain.encode()).hexdigest()[:12]
+        return "all"
+
     def observe_first_token(self, domain: str, seconds: float, num_cached: int) -> None:
-        self.ttft.labels(domain=domain, cache="hit" if num_cached > 0 else "miss").observe(seconds)
+        cache = "hit" if num_cached > 0 else "miss"
+        self.ttft.labels(domain=self.domain_label(domain), cache=cache).observe(seconds)
 
     def observe_finished(
         self, domain: str, seconds: float, reason: str | None
     ) -> None:
-        self.e2e.labels(domain=domain).observe(seconds)
+        self.e2e.labels(domain=self.domain_label(domain)).observe(seconds)
         self.requests.labels(finished_reason=reason or "unknown").inc()
 
     def render(self) -> bytes:

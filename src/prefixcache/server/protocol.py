@@ -12,7 +12,16 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+)
+from pydantic import StrictStr as _PlainStr
 
 __all__ = [
     "ChatCompletionRequest",
@@ -30,6 +39,22 @@ __all__ = [
     "usage_chunk",
 ]
 
+
+
+def _encodable(text: str) -> str:
+    """Reject text UTF-8 cannot encode (a lone surrogate such as "\\ud800", which JSON allows)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text holds a lone surrogate (U+{ord(text[exc.start]):04X} at character "
+            f"{exc.start}) that UTF-8 cannot encode"
+        ) from None
+    return text
+
+
+# every string of a request: strict, and encodable, so no tokenizer, HMAC or log line meets one
+StrictStr = Annotated[_PlainStr, AfterValidator(_encodable)]
 Number = StrictInt | StrictFloat
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 

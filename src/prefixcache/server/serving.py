@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,7 @@ class OpenAIServing:
         tenants: TenantRegistry,
         metrics: ServerMetrics,
         default_max_tokens: int,
+        trust_content_markers: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
@@ -105,24 +107,41 @@ class OpenAIServing:
         self.tenants = tenants
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
+        # False: marker strings in message content are text, never control tokens
+        self.trust_content_markers = trust_content_markers
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     # ---- endpoints ----------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, tenant: Tenant, http: Request) -> Any:
         self._check_common(body)
-        token_ids = self._completion_prompt(body.prompt)
+        self._check_prompt_bytes(_text_bytes(body.prompt), "prompt")
+        token_ids = await self._off_loop(self._completion_prompt, body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         return await self._serve("completion", body, token_ids, max_tokens, tenant, http)
 
     async def chat(self, body: ChatCompletionRequest, tenant: Tenant, http: Request) -> Any:
         self._check_common(body)
-        token_ids = self._chat_prompt(body)
+        self._check_prompt_bytes(sum(_text_bytes(m.text()) for m in body.messages), "messages")
+        token_ids = await self._off_loop(self._chat_prompt, body)
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
         return await self._serve("chat", body, token_ids, max_tokens, tenant, http)
 
     # ---- request -> engine ----------------------------------------------------------------------
+
+    async def _off_loop(self, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
+        """Tokenize (and render chat templates) on worker threads: a long prompt must not stall
+        every other connection's event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, arg)
+
+    def _check_prompt_bytes(self, num_bytes: int, param: str) -> None:
+        """Refuse, before tokenizing, a text that must hold more tokens than the context."""
+        limit = self.max_model_len * self.tokenizer.max_token_bytes
+        if num_bytes > limit:
+            raise ApiError(400, f"the prompt is {num_bytes} bytes: more tokens than this "
+                           f"model's context of {self.max_model_len} can hold", param=param)
 
     def _check_common(self, body: protocol._SamplingFields) -> None:
         if body.model != self.model_name:
@@ -158,8 +177,8 @@ class OpenAIServing:
         if not any(m["content"] for m in messages):
             raise ApiError(400, "the messages are empty", param="messages")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True)
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                             literal_content=not self.trust_content_markers)
         except ValueError as exc:
             raise ApiError(400, f"cannot apply the chat template: {exc}",
                            param="messages") from None
@@ -298,6 +317,15 @@ async def _wait_disconnect(http: Request) -> None:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _text_bytes(prompt: Any) -> int:
+    """UTF-8 bytes of the text in a prompt (a string, or a list of strings); 0 for token ids."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8"))
+    if isinstance(prompt, list):
+        return sum(len(p.encode("utf-8")) for p in prompt if isinstance(p, str))
+    return 0
 
 
 def _param_of(message: str) -> str | None:

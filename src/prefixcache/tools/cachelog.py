@@ -18,6 +18,8 @@ import os
 import time
 from typing import Any
 
+from prefixcache.errors import code_location
+
 __all__ = [
     "DECISION_LOGGER",
     "LOG_ENV",
@@ -29,6 +31,7 @@ __all__ = [
     "short",
 ]
 
+_SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "fastapi")
 LOG_ENV = "PREFIXCACHE_LOG"  # "json": JSON lines on stderr plus cache decisions at DEBUG
 DECISION_LOGGER = "prefixcache.cache.decisions"
 SHORT_DIGEST_CHARS = 12
@@ -56,7 +59,10 @@ class JsonFormatter(logging.Formatter):
             if key not in _STANDARD_ATTRS and not key.startswith("_"):
                 out[key] = value
         if record.exc_info and record.exc_info[0] is not None:
-            out["exc_type"] = record.exc_info[0].__name__  # type only: messages may echo input
+            # type and code location only, never the message or traceback text: both may
+            # echo a tenant's input
+            out["exc_type"] = record.exc_info[0].__name__
+            out["exc_where"] = code_location(record.exc_info[2])
         return json.dumps(out, default=str)
 
 
@@ -71,13 +77,22 @@ def configure(fmt: str = "json", level: str = "info", decisions: bool = True) ->
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in _SERVER_LOGGERS:  # uvicorn installs its own plain-text handlers: route them here
+        server_logger = logging.getLogger(name)
+        server_logger.handlers[:] = []
+        server_logger.propagate = True
     logger.setLevel(logging.DEBUG if decisions else logging.NOTSET)
     return handler
 
 
+def json_logging_enabled() -> bool:
+    """Whether ``PREFIXCACHE_LOG=json`` asks for JSON logs."""
+    return os.environ.get(LOG_ENV, "").lower() == "json"
+
+
 def configure_from_env(engine: Any = None) -> bool:
     """``PREFIXCACHE_LOG=json``: JSON logs, and the decision log attached to ``engine``."""
-    if os.environ.get(LOG_ENV, "").lower() != "json":
+    if not json_logging_enabled():
         return False
     configure("json")
     if engine is not None:

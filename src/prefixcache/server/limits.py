@@ -1,0 +1,127 @@
+"""Limits applied before a request reaches the endpoints: body size and header read time.
+
+`BodyLimit` is an ASGI middleware answering 413 (OpenAI error body) to a request body over
+``max_bytes``, from its Content-Length before reading anything, or while a chunked body streams
+in. `HeaderTimeoutH11Protocol` is uvicorn's h11 protocol with a deadline for a request's headers
+(uvicorn's own keep-alive timeout only runs between requests), so connections that never finish
+their headers are closed instead of held open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from prefixcache.server.errors import error_body
+
+__all__ = ["BodyLimit", "HeaderTimeoutH11Protocol", "header_timeout_protocol"]
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: bodies over ``max_bytes`` get 413 and never reach the app whole."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._reject(send)
+            return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message: Message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send: Any) -> None:
+        message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+        body = json.dumps(error_body(413, message, code="request_too_large")).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """h11 with a deadline: a request whose headers are not complete ``header_timeout_s`` after
+    its first byte (or after the connection opened) closes the connection."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_request():
+            self._cancel_header_timer()
+        elif self._header_timer is None:
+            self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _in_request(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if not self._in_request() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def header_timeout_protocol(timeout_s: float) -> type[HeaderTimeoutH11Protocol]:
+    """The protocol class for uvicorn's ``http=`` option, with this header deadline."""
+    return type("HeaderTimeoutH11", (HeaderTimeoutH11Protocol,), {"header_timeout_s": timeout_s})
