@@ -192,14 +192,17 @@ def test_metrics_label_domains_not_prompts(server: RunningServer) -> None:
 
 def test_queue_full_is_429_and_disconnect_aborts(server: RunningServer) -> None:
     acme = client_for(server, ACME)
-    streams = [acme.completions.create(model=MODEL, prompt=secret_prompt(), max_tokens=1500,
-                                       stream=True, temperature=0.0,
-                                       extra_body={"ignore_eos": True}) for _ in range(2)]
+    streams = [client_for(server, key).completions.create(
+        model=MODEL, prompt=secret_prompt(), max_tokens=1500, stream=True, temperature=0.0,
+        extra_body={"ignore_eos": True}) for key in (ACME, GLOBEX)]
     for stream in streams:  # both are running: each produced a first chunk
         next(iter(stream))
-    with pytest.raises(openai.RateLimitError) as info:
+    with pytest.raises(openai.RateLimitError) as info:  # the server's queue is full
+        client_for(server, HOSPITAL).completions.create(model=MODEL, prompt="one", max_tokens=2)
+    assert info.value.status_code == 429 and "at its limit" in info.value.body["message"]
+    with pytest.raises(openai.RateLimitError) as info:  # and acme holds its half of it
         acme.completions.create(model=MODEL, prompt="one more", max_tokens=2)
-    assert info.value.status_code == 429 and "limit" in info.value.body["message"]
+    assert "this caller" in info.value.body["message"]
     for stream in streams:
         stream.close()
     wait_idle(server)

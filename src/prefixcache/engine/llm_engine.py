@@ -12,13 +12,14 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 import torch
 
 from prefixcache.cache import PrefixCache, Sequence, make_prefix_cache
+from prefixcache.engine.fairness import DomainLimits, blocks_needed
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.runner import ModelRunner, blocks_for_budget
@@ -70,6 +71,8 @@ class LLMEngine:
         check_integrity: bool = False,
         kv_events: bool = False,
         kv_events_with_tokens: bool = False,
+        domain_limits: Mapping[str, DomainLimits] | None = None,
+        default_domain_limits: DomainLimits | None = None,
     ) -> None:
         retain_freed_memory()
         self.loaded = _load(model, dtype)
@@ -101,6 +104,8 @@ class LLMEngine:
             policy=policy,
             lpm_max_wait_steps=lpm_max_wait_steps,
             dedup=dedup,
+            domain_limits=domain_limits,
+            default_domain_limits=default_domain_limits,
         )
         self.sampler = Sampler()
         self.check_integrity = check_integrity
@@ -135,8 +140,10 @@ class LLMEngine:
         cache_salt: str | bytes | None = None,
         use_cache: bool = True,
         arrival_time: float | None = None,
+        domain: str = "",
     ) -> Request:
-        """Queue a request. Bad input raises ValueError and leaves the engine unchanged."""
+        """Queue a request. Bad input raises ValueError and leaves the engine unchanged.
+        ``domain`` is its isolation domain (tenant or group) for fair sharing and caps."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -144,7 +151,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
         self._validate_length(len(token_ids), params)
+        self._validate_domain_caps(len(token_ids), params, domain)
         request = self._new_request(request_id, token_ids, params, cache_salt, use_cache)
+        request.domain = domain
         if arrival_time is not None:
             request.timing.arrival_time = arrival_time
         self._groups[request_id] = request
@@ -188,6 +197,20 @@ class LLMEngine:
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
                 f"KV blocks of {self.block_size} tokens, but the pool has only "
                 f"{self.cache.num_blocks}"
+            )
+
+    def _validate_domain_caps(self, num_prompt: int, params: SamplingParams, domain: str) -> None:
+        """A request that could never fit its domain's caps is refused now, not queued forever."""
+        limits = self.scheduler.limits_for(domain)
+        if limits.max_seqs is not None and params.n > limits.max_seqs:
+            raise ValueError(
+                f"n ({params.n}) exceeds this caller's limit of {limits.max_seqs} running sequences"
+            )
+        needed = blocks_needed(num_prompt, params.max_tokens, params.n, self.block_size)
+        if limits.max_blocks is not None and needed > limits.max_blocks:
+            raise ValueError(
+                f"n ({params.n}) x (prompt {num_prompt} + max_tokens {params.max_tokens} tokens) "
+                f"needs up to {needed} KV blocks, over this caller's limit of {limits.max_blocks}"
             )
 
     def _new_request(

@@ -78,6 +78,7 @@ class Request:
     parent: Request | None = None
     forked: bool = False  # n > 1: children were forked after the prompt
     children: list[Request] = field(default_factory=list)  # choices 1..n-1, once forked
+    domain: str = ""  # isolation domain (tenant or group) for fair sharing; "" single-tenant
     arrival_index: int = 0  # admission order key (FCFS); children inherit their parent's
     arrival_step: int = 0
     status: RequestStatus = RequestStatus.WAITING

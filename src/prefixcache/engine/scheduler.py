@@ -13,6 +13,12 @@ One step spends at most ``max_num_batched_tokens`` tokens over at most ``max_num
 3. In-batch dedup: a waiting request whose first uncached block is being computed in this step by
    another request waits a step, so it hits instead of computing the same block twice.
 
+Fairness across isolation domains (`prefixcache.engine.fairness`): waiting requests are taken
+round-robin across domains (the domain holding the fewest sequences first), each domain in policy
+order; while several domains have work, a domain over its equal share is admitted nothing while
+another waits, is the first to lose sequences when blocks run out, and is preempted to let an
+under-share domain's request start. With one domain all of this is inert.
+
 Policies: ``fcfs`` (arrival order) and ``lpm`` (longest cached prefix first, aged). Under ``lpm`` a
 request's score is ``hit_blocks + steps_waited``; once it has waited ``lpm_max_wait_steps`` steps
 it is promoted, and promoted requests go before all others in arrival order. Starvation bound: a
@@ -26,10 +32,11 @@ hittable), and forks ``n - 1`` children off a request whose prompt just finished
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 from prefixcache.cache import CacheHit, PrefixCache
+from prefixcache.engine.fairness import DomainLimits, DomainUsage, fair_order
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.sampler import derive_seed, make_generator
 
@@ -91,6 +98,8 @@ class Scheduler:
         policy: str = "fcfs",
         lpm_max_wait_steps: int = 16,
         dedup: bool = True,
+        domain_limits: Mapping[str, DomainLimits] | None = None,
+        default_domain_limits: DomainLimits | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
@@ -109,8 +118,15 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_index = 0
         self.num_preemptions = 0
+        self.num_fairness_preemptions = 0  # of those, to let an under-share domain start
         self.num_deferred = 0
         self.num_block_copies = 0
+        self.domain_limits = dict(domain_limits or {})
+        self.default_domain_limits = default_domain_limits or DomainLimits()
+
+    def limits_for(self, domain: str) -> DomainLimits:
+        """The hard caps of ``domain``: its own entry, else the default."""
+        return self.domain_limits.get(domain, self.default_domain_limits)
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -135,21 +151,27 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.step_index)
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        shares = _Shares.of(self) if self._num_domains() > 1 else None
+        if shares is not None:
+            self._preempt_for_fairness(out, shares)
+        num_fair = len(out.preempted)
+        budget = self._schedule_running(out, self.max_num_batched_tokens, shares)
+        if len(out.preempted) == num_fair:  # no sequence ran out of blocks this step
+            self._schedule_waiting(out, budget, shares)
         out.block_copies = self.cache.take_block_copies()
         out.blocks_to_zero = self.cache.take_blocks_to_zero()
         self.num_block_copies += len(out.block_copies)
         self.step_index += 1
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, shares: _Shares | None
+    ) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_uncomputed_tokens, budget)
-            table = self._allocate_or_preempt(request, num_new, out)
+            table = self._allocate_or_preempt(request, num_new, out, i, shares)
             if table is None:
                 break  # it preempted itself: nothing after it is left
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
@@ -158,17 +180,64 @@ class Scheduler:
         return budget
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, out: SchedulerOutput
+        self, request: Request, num_new: int, out: SchedulerOutput, index: int,
+        shares: _Shares | None,
     ) -> list[int] | None:
+        """Allocate, preempting not-yet-scheduled running requests (from ``index`` on) until it
+        fits: the newest of the domain most over its share, else the newest of all."""
         while True:
             table = self.cache.allocate(request.seq, num_new)
             if table is not None:
                 return table
-            victim = self.running.pop()
+            victim = self._victim(index, shares)
+            self.running.remove(victim)
             self._preempt(victim)
+            if shares is not None:
+                shares.release(victim)
             out.preempted.append(victim)
             if victim is request:
                 return None
+
+    def _victim(self, index: int, shares: _Shares | None) -> Request:
+        candidates = self.running[index:]
+        if shares is not None:
+            over = shares.most_over_share({r.domain for r in candidates})
+            if over is not None:
+                return next(r for r in reversed(candidates) if r.domain == over)
+        return candidates[-1]
+
+    def _num_domains(self) -> int:
+        domains = {r.domain for r in self.running}
+        domains.update(r.domain for r in self.waiting)
+        return len(domains)
+
+    def _preempt_for_fairness(self, out: SchedulerOutput, shares: _Shares) -> None:
+        """Let each under-share domain's first waiting request start: preempt the newest
+        sequences of over-share domains until it has a sequence slot and blocks for its first
+        chunk, or no domain is over its share."""
+        firsts: dict[str, Request] = {}
+        for request in self.waiting:
+            firsts.setdefault(request.domain, request)
+        for domain, request in firsts.items():
+            if shares.is_over(domain):
+                continue
+            while not self._could_start(request, shares):
+                over = shares.most_over_share({r.domain for r in self.running} - {domain})
+                if over is None:
+                    break
+                victim = next(r for r in reversed(self.running) if r.domain == over)
+                self.running.remove(victim)
+                self._preempt(victim)
+                shares.release(victim)
+                out.preempted.append(victim)
+                self.num_fairness_preemptions += 1
+
+    def _could_start(self, request: Request, shares: _Shares) -> bool:
+        if shares.total_seqs() + _reserved_seqs(request) > self.max_num_seqs:
+            return False
+        hit = self._peek(request)
+        first_chunk = min(request.num_tokens - hit.num_tokens, self.max_num_batched_tokens)
+        return self.cache.num_free_blocks >= -(-first_chunk // self.cache.block_size)
 
     def _preempt(self, request: Request) -> None:
         self.cache.free(request.seq)
@@ -178,23 +247,78 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, shares: _Shares | None
+    ) -> None:
         in_flight = self._digests_in_flight(out.chunks)
         num_seqs = sum(_reserved_seqs(r) for r in self.running)
-        for request, hit in self._waiting_in_order():
-            if budget <= 0 or num_seqs + _reserved_seqs(request) > self.max_num_seqs:
+        blocked: set[str] = set()  # domains whose next request cannot start this step
+        waiting_domains = {r.domain for r in self.waiting}
+        for request, hit in self._waiting_in_fair_order():
+            if budget <= 0:
                 break
+            domain = request.domain
+            if domain in blocked:
+                continue  # no overtaking inside a domain
+            if num_seqs + _reserved_seqs(request) > self.max_num_seqs or not self._within_limits(
+                request, shares, waiting_domains
+            ):
+                blocked.add(domain)
+                continue
             first_miss = self._first_miss_digest(request, hit)
             if first_miss is not None and first_miss in in_flight and out.chunks:
                 out.num_deferred += 1
                 continue
             num_new = self._admit(request, budget, out)
             if num_new == 0:
-                break  # blocks do not fit: later requests wait too (no overtaking)
+                blocked.add(domain)  # blocks do not fit: its later requests wait too
+                continue
             budget -= num_new
             num_seqs += _reserved_seqs(request)
+            if shares is not None:
+                shares.admit(request, len(out.chunks[-1].block_table))
             in_flight.update(self._chunk_digests(out.chunks[-1]))
         self.num_deferred += out.num_deferred
+
+    def _within_limits(
+        self, request: Request, shares: _Shares | None, waiting_domains: set[str]
+    ) -> bool:
+        """The domain's hard caps allow one more request, and (several domains having work)
+        it is not at or over its share while another domain waits."""
+        domain, limits = request.domain, self.limits_for(request.domain)
+        if shares is None and limits.max_seqs is None and limits.max_blocks is None:
+            return True
+        held = shares.usage.get(domain, DomainUsage()) if shares else self._held(domain)
+        if limits.max_seqs is not None and (
+            held.num_seqs + _reserved_seqs(request) > limits.max_seqs
+        ):
+            return False
+        if limits.max_blocks is not None and held.num_blocks >= limits.max_blocks:
+            return False
+        if shares is None:
+            return True
+        others_wait = bool(waiting_domains - {domain})
+        return not (others_wait and shares.is_over(domain, at_share=True))
+
+    def _held(self, domain: str) -> DomainUsage:
+        held = DomainUsage()
+        for r in self.running:
+            if r.domain == domain:
+                held.num_seqs += _reserved_seqs(r)
+                held.num_blocks += len(self.cache.block_table(r.seq))
+        return held
+
+    def _waiting_in_fair_order(self) -> list[tuple[Request, CacheHit]]:
+        ordered = list(self._waiting_in_order())
+        hits = {id(r): hit for r, hit in ordered}
+        fair = fair_order([r for r, _ in ordered], self._usage_seqs())
+        return [(r, hits[id(r)]) for r in fair]
+
+    def _usage_seqs(self) -> dict[str, DomainUsage]:
+        usage: dict[str, DomainUsage] = {}
+        for r in self.running:
+            usage.setdefault(r.domain, DomainUsage()).num_seqs += _reserved_seqs(r)
+        return usage
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Match + allocate; returns the tokens scheduled (0: nothing fits, nothing changed)."""
@@ -293,6 +417,7 @@ class Scheduler:
                 base_seed=parent.base_seed,
                 parent=parent,
                 forked=True,
+                domain=parent.domain,
                 arrival_index=parent.arrival_index,
                 arrival_step=parent.arrival_step,
                 status=RequestStatus.RUNNING,
@@ -305,6 +430,58 @@ class Scheduler:
         position = self.running.index(parent) + 1
         self.running[position:position] = children
         return children
+
+
+@dataclass(slots=True)
+class _Shares:
+    """One step's view of the domains with work: what each holds and its equal share."""
+
+    usage: dict[str, DomainUsage]
+    fair_seqs: float
+    fair_blocks: float
+    blocks_of: dict[int, int]  # id(request) -> blocks it held when the step began
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> _Shares:
+        domains = {r.domain for r in scheduler.running} | {r.domain for r in scheduler.waiting}
+        usage: dict[str, DomainUsage] = {d: DomainUsage() for d in domains}
+        blocks_of: dict[int, int] = {}
+        for r in scheduler.running:
+            blocks_of[id(r)] = len(scheduler.cache.block_table(r.seq))
+            usage[r.domain].num_seqs += _reserved_seqs(r)
+            usage[r.domain].num_blocks += blocks_of[id(r)]
+        k = len(domains)
+        return cls(usage, scheduler.max_num_seqs / k, scheduler.cache.num_blocks / k, blocks_of)
+
+    def total_seqs(self) -> int:
+        return sum(u.num_seqs for u in self.usage.values())
+
+    def is_over(self, domain: str, at_share: bool = False) -> bool:
+        """Holding more than its share (``at_share``: or exactly its share) of either."""
+        u = self.usage.get(domain, DomainUsage())
+        if at_share:
+            return u.num_seqs >= self.fair_seqs or u.num_blocks >= self.fair_blocks
+        return u.num_seqs > self.fair_seqs or u.num_blocks > self.fair_blocks
+
+    def most_over_share(self, domains: set[str]) -> str | None:
+        """Of ``domains``, the one furthest over its share (by its larger ratio), if any."""
+        over = [d for d in domains if self.is_over(d)]
+        return max(over, key=self._ratio, default=None)
+
+    def _ratio(self, domain: str) -> float:
+        u = self.usage[domain]
+        return max(u.num_seqs / self.fair_seqs, u.num_blocks / self.fair_blocks)
+
+    def release(self, request: Request) -> None:
+        u = self.usage[request.domain]
+        u.num_seqs -= _reserved_seqs(request)
+        u.num_blocks -= self.blocks_of.pop(id(request), 0)
+
+    def admit(self, request: Request, num_blocks: int) -> None:
+        u = self.usage.setdefault(request.domain, DomainUsage())
+        u.num_seqs += _reserved_seqs(request)
+        u.num_blocks += num_blocks
+        self.blocks_of[id(request)] = num_blocks
 
 
 def _reserved_seqs(request: Request) -> int:

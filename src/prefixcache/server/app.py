@@ -60,8 +60,10 @@ def create_app(
     """
     metrics = ServerMetrics(model_name, block_bytes(engine), metrics_domain_labels)
     max_pending = engine.scheduler.max_num_seqs + max_queue_len
+    # with tenants, one domain may hold at most half of the queue
+    per_domain = None if tenants.trusted else max(1, max_pending // 2)
     async_engine = AsyncEngine(engine, max_pending=max_pending, metrics=metrics,
-                               log_interval_s=log_interval_s)
+                               log_interval_s=log_interval_s, max_pending_per_domain=per_domain)
     serving = OpenAIServing(async_engine, model_name=model_name, tenants=tenants,
                             metrics=metrics, default_max_tokens=default_max_tokens,
                             trust_content_markers=trust_content_markers)

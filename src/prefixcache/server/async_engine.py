@@ -45,8 +45,8 @@ class _Stream:
 class AsyncEngine:
     """Runs ``engine.step()`` in a thread while work is pending; outputs go to asyncio queues.
 
-    ``max_pending`` bounds the requests accepted and not yet finished (running + waiting); one
-    more gets `EngineOverloaded`.
+    ``max_pending`` bounds the requests accepted and not yet finished (running + waiting), and
+    ``max_pending_per_domain`` those of one isolation domain; one more gets `EngineOverloaded`.
     """
 
     def __init__(
@@ -56,11 +56,15 @@ class AsyncEngine:
         max_pending: int,
         metrics: ServerMetrics | None = None,
         log_interval_s: float = 10.0,
+        max_pending_per_domain: int | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.engine = engine
         self.max_pending = max_pending
+        # one domain (tenant or group) may not fill the whole queue: others could only get 429
+        self.max_pending_per_domain = max_pending_per_domain or max_pending
+        self._pending_by_domain: dict[str, int] = {}  # event-loop side only
         self.metrics = metrics
         self.log_interval_s = log_interval_s
         self.snapshot = EngineSnapshot.take(engine)  # gauges read true levels before any step
@@ -95,10 +99,16 @@ class AsyncEngine:
 
     async def add(
         self, request_id: str, prompt_token_ids: list[int], params: Any, salt: str | None,
-        use_cache: bool,
+        use_cache: bool, domain: str = "",
     ) -> asyncio.Queue[Any]:
         """Queue a request; its outputs arrive on the returned queue, the last one with
-        ``request_finished``. Raises ValueError (bad request) or `EngineOverloaded`."""
+        ``request_finished``. Raises ValueError (bad request) or `EngineOverloaded` (the
+        server's limit, or ``domain``'s own share of it, is reached)."""
+        if self._pending_by_domain.get(domain, 0) >= self.max_pending_per_domain:
+            raise EngineOverloaded(
+                f"this caller has {self.max_pending_per_domain} queued and running requests, "
+                "its limit; retry later"
+            )
         if self.num_pending >= self.max_pending:
             raise EngineOverloaded(
                 f"the server is at its limit of {self.max_pending} queued and running requests; "
@@ -108,20 +118,28 @@ class AsyncEngine:
 
         def add_in_thread() -> None:
             self.engine.add_request(request_id, None, params, prompt_token_ids=prompt_token_ids,
-                                    cache_salt=salt, use_cache=use_cache)
+                                    cache_salt=salt, use_cache=use_cache, domain=domain)
             self._streams[request_id] = stream
 
-        self.num_pending += 1
+        self._count(domain, +1)
         try:
             await self.call(add_in_thread)
         except BaseException:
-            self.num_pending -= 1
+            self._count(domain, -1)
             raise
         return stream.queue
 
-    def release(self) -> None:
+    def release(self, domain: str = "") -> None:
         """The caller is done with a request added by `add` (finished or aborted)."""
-        self.num_pending -= 1
+        self._count(domain, -1)
+
+    def _count(self, domain: str, delta: int) -> None:
+        self.num_pending += delta
+        left = self._pending_by_domain.get(domain, 0) + delta
+        if left > 0:
+            self._pending_by_domain[domain] = left
+        else:
+            self._pending_by_domain.pop(domain, None)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op once finished); fire and forget, thread safe."""

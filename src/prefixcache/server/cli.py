@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-special-tokens-in-content", action="store_true",
                         help="tokenize marker strings inside chat message content as control "
                              "tokens (default: as text, so no caller can forge a turn)")
+    parser.add_argument("--domain-max-seqs", type=int, default=None,
+                        help="cap on one tenant's (or group's) running sequences; tenants-file "
+                             "field max_running_seqs overrides it per tenant")
+    parser.add_argument("--domain-max-kv-blocks", type=int, default=None,
+                        help="cap on one tenant's (or group's) KV blocks; tenants-file field "
+                             "max_kv_blocks overrides it per tenant")
     parser.add_argument("--metrics-key", default=None,
                         help="with --tenants: a key that may read /metrics (admins' keys may too)")
     parser.add_argument("--metrics-domain-labels", default="name",
@@ -86,6 +92,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
     if args.log_interval <= 0:
         raise CliError("--log-interval must be > 0")
+    for name in ("domain_max_seqs", "domain_max_kv_blocks"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_request_bytes < 1024:
         raise CliError("--max-request-bytes must be >= 1024")
     if args.header_timeout <= 0 or args.timeout_keep_alive <= 0:
@@ -111,9 +120,28 @@ def _tenants(args: argparse.Namespace) -> Any:
     return registry
 
 
-def _engine(args: argparse.Namespace) -> Any:
+def _domain_limits(args: argparse.Namespace, tenants: Any) -> tuple[Any, dict[str, Any]]:
+    """The default caps and each tenant's (a group takes the tightest of its members')."""
+    from prefixcache.engine.fairness import DomainLimits
+
+    default = DomainLimits(args.domain_max_seqs, args.domain_max_kv_blocks)
+    limits: dict[str, DomainLimits] = {}
+    for tenant in tenants.tenants():
+        seqs = tenant.max_running_seqs or default.max_seqs
+        blocks = tenant.max_kv_blocks or default.max_blocks
+        known = limits.get(tenant.scheduling_domain)
+        if known is not None:
+            seqs = min(x for x in (seqs, known.max_seqs) if x) if seqs or known.max_seqs else None
+            blocks = (min(x for x in (blocks, known.max_blocks) if x)
+                      if blocks or known.max_blocks else None)
+        limits[tenant.scheduling_domain] = DomainLimits(seqs, blocks)
+    return default, limits
+
+
+def _engine(args: argparse.Namespace, tenants: Any) -> Any:
     from prefixcache.engine.llm_engine import LLMEngine
 
+    default_limits, limits = _domain_limits(args, tenants)
     try:
         return LLMEngine(
             args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -121,6 +149,7 @@ def _engine(args: argparse.Namespace) -> Any:
             hash_algo=args.hash_algo, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
             zero_freed_blocks=args.zero_freed_blocks, seed=args.seed, dtype=args.dtype,
+            domain_limits=limits, default_domain_limits=default_limits,
         )
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot start the engine: {exc}") from None
@@ -152,7 +181,7 @@ def build_app(args: argparse.Namespace) -> Any:
 
     _check_args(args)
     tenants = _tenants(args)
-    engine = _engine(args)
+    engine = _engine(args, tenants)
     from prefixcache.tools.cachelog import configure_from_env
 
     configure_from_env(engine)  # PREFIXCACHE_LOG=json: JSON logs + cache decisions (no text)

@@ -207,7 +207,7 @@ class OpenAIServing:
         request_id = protocol.new_id(prefix)
         try:
             queue = await self.engine.add(request_id, token_ids, params, scope.salt,
-                                          scope.use_cache)
+                                          scope.use_cache, tenant.scheduling_domain)
         except EngineOverloaded as exc:
             raise ApiError(429, str(exc), code="queue_full") from None
         except ValueError as exc:
@@ -300,7 +300,7 @@ class OpenAIServing:
 
     def _finish(self, job: _Job) -> None:
         """Release the request's slot; abort it in the engine if the client left early."""
-        self.engine.release()
+        self.engine.release(job.tenant.scheduling_domain)
         self.metrics.prompt_tokens.inc(job.tally.num_prompt)
         self.metrics.generation_tokens.inc(sum(job.tally.num_outputs))
         if not job.tally.done:

@@ -38,7 +38,7 @@ __all__ = [
 
 SECRET_ENV = "PREFIXCACHE_SECRET"
 MODES = ("tenant", "group", "none")
-_TENANT_FIELDS = {"api_keys", "isolation", "admin"}
+_TENANT_FIELDS = {"api_keys", "isolation", "admin", "max_running_seqs", "max_kv_blocks"}
 # type tags of the salt encoding: a tenant named X never equals a group named X, and an absent
 # client salt never equals an empty one
 _TAG_TENANT, _TAG_GROUP, _TAG_SALT, _TAG_NO_SALT = b"T", b"G", b"S", b"N"
@@ -56,6 +56,8 @@ class Tenant:
     tenant_id: str
     isolation: str = "tenant"
     admin: bool = False
+    max_running_seqs: int | None = None  # caps of its scheduling domain (tenants file)
+    max_kv_blocks: int | None = None
 
     @property
     def mode(self) -> str:
@@ -69,6 +71,12 @@ class Tenant:
         if self.mode == "none":
             return "none"
         return f"tenant:{self.tenant_id}"
+
+    @property
+    def scheduling_domain(self) -> str:
+        """Who shares a fair share and caps: the trusted group, else the tenant itself (also in
+        mode ``none``: tenants that share no cache still get a share each)."""
+        return self.isolation if self.mode == "group" else f"tenant:{self.tenant_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +115,10 @@ class TenantRegistry:
         # keyed by the key's SHA-256 so lookups do not compare raw keys byte by byte
         self._by_digest = {_key_digest(k): t for k, t in (tenants_by_key or {}).items()}
         self.default_tenant = Tenant("default", "tenant", admin=True)
+
+    def tenants(self) -> list[Tenant]:
+        """Every configured tenant (none in trusted mode)."""
+        return list(dict.fromkeys(self._by_digest.values()))
 
     def authenticate(self, api_key: str | None) -> Tenant | None:
         """The key's tenant; the default tenant in trusted mode; None for a missing/unknown key."""
@@ -191,7 +203,13 @@ def _parse_tenant(tenant_id: str, table: Any) -> tuple[Tenant, list[str]]:
     if not isinstance(admin, bool):
         raise TenancyError(f"{where}: admin must be true or false")
     _check_isolation(where, isolation)
-    return Tenant(tenant_id, isolation, admin), keys
+    caps = {name: table.get(name) for name in ("max_running_seqs", "max_kv_blocks")}
+    for name, value in caps.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise TenancyError(f"{where}: {name} must be a positive integer")
+    return Tenant(tenant_id, isolation, admin, caps["max_running_seqs"],
+                  caps["max_kv_blocks"]), keys
 
 
 def _valid_key(key: object) -> bool:
