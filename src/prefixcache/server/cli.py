@@ -126,7 +126,7 @@ def _domain_limits(args: argparse.Namespace, tenants: Any) -> tuple[Any, dict[st
 
     default = DomainLimits(args.domain_max_seqs, args.domain_max_kv_blocks)
     limits: dict[str, DomainLimits] = {}
-    for tenant in tenants.tenants():
+    for tenant in tenants.tenants() if tenants is not None else []:
         seqs = tenant.max_running_seqs or default.max_seqs
         blocks = tenant.max_kv_blocks or default.max_blocks
         known = limits.get(tenant.scheduling_domain)
@@ -138,7 +138,7 @@ def _domain_limits(args: argparse.Namespace, tenants: Any) -> tuple[Any, dict[st
     return default, limits
 
 
-def _engine(args: argparse.Namespace, tenants: Any) -> Any:
+def _engine(args: argparse.Namespace, tenants: Any = None) -> Any:
     from prefixcache.engine.llm_engine import LLMEngine
 
     default_limits, limits = _domain_limits(args, tenants)

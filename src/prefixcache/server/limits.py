@@ -23,10 +23,6 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimit:
     """ASGI middleware: bodies over ``max_bytes`` get 413 and never reach the app whole."""
 
@@ -42,28 +38,31 @@ class BodyLimit:
         if declared is not None and declared > self.max_bytes:
             await self._reject(send)
             return
+        # read the whole body (at most max_bytes) before the app sees it: an app that reads
+        # the body itself would turn a failure here into its own 400
+        parts: list[bytes] = []
         received = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
+        while True:
             message: Message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _TooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
+            if message["type"] != "http.request":  # the client went away mid-body
+                return
+            parts.append(message.get("body", b""))
+            received += len(parts[-1])
+            if received > self.max_bytes:
                 await self._reject(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+            return await receive()  # later calls: disconnect detection
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, send: Any) -> None:
         message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"

@@ -218,14 +218,15 @@ def run_workload(
     """Run ``items`` greedy in waves of ``wave_size``; ``prefix_cache=None`` disables caching."""
     from prefixcache.engine.llm_engine import LLMEngine
 
+    hook = _step_hook(prefix_cache is not None)
     engine = LLMEngine(
         loaded,
         num_kv_blocks=num_kv_blocks,
         enable_prefix_caching=prefix_cache is not None,
         prefix_cache=prefix_cache or "hash",
         check_integrity=True,
+        kv_events=hook is not None,  # the fault hook finds cached blocks through the events
     )
-    hook = _step_hook(prefix_cache is not None)
     out = RunOutput(name, [[] for _ in items], [0] * len(items))
     for start in range(0, len(items), wave_size):
         _run_wave(engine, items, range(start, min(start + wave_size, len(items))), out, hook)
