@@ -55,6 +55,8 @@ class Soak:
         self.base_url = base_url
         self.statuses: dict[str, Counter[int]] = {t: Counter() for t in KEYS}
         self.calm_ttft: dict[str, list[float]] = {"unloaded": [], "loaded": []}
+        self.calm_cached: dict[str, list[int]] = {"unloaded": [], "loaded": []}
+        self.errors: Counter[str] = Counter()  # transport errors by exception type
         self.phase = "unloaded"
         self.stop = False
 
@@ -77,6 +79,7 @@ class Soak:
                     cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
         if first is not None:
             self.calm_ttft[self.phase].append(first)
+        self.calm_cached[self.phase].append(cached)
         return cached
 
     async def calm_loop(self, client: httpx.AsyncClient) -> None:
@@ -98,8 +101,8 @@ class Soak:
                 self.statuses["flood"][response.status_code] += 1
                 if response.status_code == 429:
                     await asyncio.sleep(0.5)
-            except httpx.HTTPError:
-                self.statuses["flood"][-1] += 1
+            except httpx.HTTPError as exc:
+                self.errors[f"flood {type(exc).__name__}"] += 1
 
     async def rogue_loop(self, client: httpx.AsyncClient) -> None:
         rng = random.Random(7)
@@ -130,8 +133,8 @@ class Soak:
                         self.statuses["rogue"][response.status_code] += 1
                         async for _ in response.aiter_lines():
                             break
-            except httpx.HTTPError:
-                self.statuses["rogue"][-1] += 1
+            except httpx.HTTPError as exc:  # the server closes an oversized body's connection
+                self.errors[f"rogue {type(exc).__name__}"] += 1
             await asyncio.sleep(0.05)
 
 
@@ -184,14 +187,14 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
         tasks += [asyncio.ensure_future(soak.flood_loop(client, w)) for w in range(args.flood)]
         await asyncio.sleep(args.seconds)
         soak.stop = True
+        await asyncio.wait(tasks[:1], timeout=600)  # the calm loop's last request
+        after = await soak.calm_once(client, 10**6)  # the flood's last requests still running
         await asyncio.wait(tasks, timeout=600)
         sampler.cancel()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and _metrics(server.base_url).get(
                 "prefixcache:num_requests_running", 1) > 0:
             await asyncio.sleep(1)
-        soak.stop = False
-        after = await soak.calm_once(client, 10**6)
     end = _metrics(server.base_url)
     warm_rss = [m for _, m in rss[soak_start:]]
     settle = warm_rss[len(warm_rss) // 4:]  # after warm-up under load
@@ -199,7 +202,10 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
         "seconds": args.seconds,
         "calm_ttft_ms": {phase: {"p50": _p(v, 0.5), "p99": _p(v, 0.99), "n": len(v)}
                          for phase, v in soak.calm_ttft.items()},
+        "calm_hit_fraction": {phase: sum(c > 0 for c in v) / max(1, len(v))
+                              for phase, v in soak.calm_cached.items()},
         "statuses": {t: dict(sorted(c.items())) for t, c in soak.statuses.items()},
+        "transport_errors": dict(soak.errors),
         "num_5xx": sum(n for c in soak.statuses.values() for s, n in c.items() if s >= 500),
         "rss_mb": {"start": rss[0][1] if rss else None, "after_warmup": settle[0] if settle else
                    None, "end": rss[-1][1] if rss else None,
@@ -219,6 +225,8 @@ def print_table(s: dict[str, Any]) -> None:
           f"p99 ratio {t['loaded']['p99'] / t['unloaded']['p99']:.2f}")
     for tenant, statuses in s["statuses"].items():
         print(f"  {tenant:<6} statuses {statuses}")
+    print(f"  transport errors {s['transport_errors']}; calm requests hitting its prefix "
+          f"{s['calm_hit_fraction']}")
     r = s["rss_mb"]
     print(f"RSS MB start {r['start']:.0f}, after warm-up {r['after_warmup']:.0f}, end "
           f"{r['end']:.0f}, max {r['max']:.0f}; growth after warm-up "

@@ -171,11 +171,18 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_uncomputed_tokens, budget)
+            if shares is not None:
+                num_new = shares.cap_tokens(request.domain, num_new)
+                if num_new == 0:  # its domain spent its share of this step's prefill tokens
+                    i += 1
+                    continue
             table = self._allocate_or_preempt(request, num_new, out, i, shares)
             if table is None:
                 break  # it preempted itself: nothing after it is left
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
             budget -= num_new
+            if shares is not None:
+                shares.spend_tokens(request.domain, num_new)
             i += 1
         return budget
 
@@ -269,10 +276,13 @@ class Scheduler:
             if first_miss is not None and first_miss in in_flight and out.chunks:
                 out.num_deferred += 1
                 continue
-            num_new = self._admit(request, budget, out)
+            cap = budget if shares is None else shares.cap_tokens(domain, budget)
+            num_new = self._admit(request, cap, out) if cap > 0 else 0
             if num_new == 0:
-                blocked.add(domain)  # blocks do not fit: its later requests wait too
+                blocked.add(domain)  # blocks (or its token share) do not fit: its later wait too
                 continue
+            if shares is not None:
+                shares.spend_tokens(domain, num_new)
             budget -= num_new
             num_seqs += _reserved_seqs(request)
             if shares is not None:
@@ -440,6 +450,9 @@ class _Shares:
     fair_seqs: float
     fair_blocks: float
     blocks_of: dict[int, int]  # id(request) -> blocks it held when the step began
+    # each domain's share of this step's token budget for prefill chunks (a decode token, one
+    # per sequence, always goes): a flood's long prefills cannot make every step slow
+    tokens_left: dict[str, int]
 
     @classmethod
     def of(cls, scheduler: Scheduler) -> _Shares:
@@ -451,7 +464,20 @@ class _Shares:
             usage[r.domain].num_seqs += _reserved_seqs(r)
             usage[r.domain].num_blocks += blocks_of[id(r)]
         k = len(domains)
-        return cls(usage, scheduler.max_num_seqs / k, scheduler.cache.num_blocks / k, blocks_of)
+        tokens = {d: max(1, scheduler.max_num_batched_tokens // k) for d in domains}
+        return cls(usage, scheduler.max_num_seqs / k, scheduler.cache.num_blocks / k, blocks_of,
+                   tokens)
+
+    def cap_tokens(self, domain: str, num_new: int) -> int:
+        """``num_new`` limited to the domain's prefill share left; a single (decode) token
+        always passes."""
+        if num_new <= 1:
+            return num_new
+        return max(0, min(num_new, self.tokens_left.get(domain, 0)))
+
+    def spend_tokens(self, domain: str, num_new: int) -> None:
+        if num_new > 1:
+            self.tokens_left[domain] = self.tokens_left.get(domain, 0) - num_new
 
     def total_seqs(self) -> int:
         return sum(u.num_seqs for u in self.usage.values())
