@@ -217,6 +217,34 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
     }
 
 
+async def rss_run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]:
+    """``--rss-requests`` distinct prompts of ``--rss-tokens`` tokens (4 clients, 1 output token
+    each): server RSS after the first tenth (warm-up) and at the end."""
+    rng = random.Random(1)
+    samples: list[float] = []
+    count = 0
+
+    async def client_loop(client: httpx.AsyncClient, worker: int) -> None:
+        nonlocal count
+        while count < args.rss_requests:
+            count += 1
+            ids = [rng.randrange(32, 127) for _ in range(args.rss_tokens)]
+            body = {"model": MODEL_ID, "prompt": ids, "max_tokens": 1}
+            response = await client.post("/v1/completions", json=body,
+                                         headers=_headers(KEYS["calm"]))
+            if response.status_code != 200:
+                raise RuntimeError(f"status {response.status_code}: {response.text[:200]}")
+            if count % max(1, args.rss_requests // 20) == 0:
+                samples.append(_rss_mb(server.proc.pid))
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
+        await asyncio.gather(*(client_loop(client, w) for w in range(4)))
+    warm = samples[len(samples) // 10 :] or samples
+    return {"requests": args.rss_requests, "tokens": args.rss_tokens,
+            "rss_mb_after_warmup": warm[0], "rss_mb_end": warm[-1],
+            "rss_growth_after_warmup": warm[-1] / warm[0] - 1, "rss_mb_samples": samples}
+
+
 def print_table(s: dict[str, Any]) -> None:
     t = s["calm_ttft_ms"]
     print(f"soak {s['seconds']} s: calm tenant TTFT p50/p99 unloaded "
@@ -243,6 +271,9 @@ def main() -> None:
     parser.add_argument("--flood", type=int, default=12, help="concurrent flooding clients")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--num-kv-blocks", type=int, default=512)
+    parser.add_argument("--rss-requests", type=int, default=0,
+                        help="instead of the soak: this many distinct prompts, RSS before/after")
+    parser.add_argument("--rss-tokens", type=int, default=2000)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     (work / "tenants.toml").write_text(TENANTS)
@@ -251,6 +282,14 @@ def main() -> None:
                    "--secret-file", str(work / "secret"), "--num-kv-blocks",
                    str(args.num_kv_blocks), "--log-interval", "30", "--log-level", "warning"]
     with ServerProcess(server_args, work / "server.log") as server:
+        if args.rss_requests:
+            result = asyncio.run(rss_run(args, server))
+            print(f"{result['requests']} requests of {result['tokens']} tokens: RSS "
+                  f"{result['rss_mb_after_warmup']:.0f} MB after warm-up, "
+                  f"{result['rss_mb_end']:.0f} MB at the end "
+                  f"({100 * result['rss_growth_after_warmup']:+.1f}%)")
+            print(json.dumps({"bench": "soak_rss", **result}))
+            return
         summary = asyncio.run(run(args, server))
     print_table(summary)
     print(json.dumps({"bench": "soak", **summary}))
