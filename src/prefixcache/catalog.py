@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_MODEL",
     "DTYPE_NAMES",
     "GENERATED_MODELS",
     "PACKAGED_MODELS",
@@ -18,7 +17,6 @@ __all__ = [
     "model_help",
 ]
 
-DEFAULT_MODEL = "smollm2"  # what `make serve` serves; tools and tests default to `tiny`
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `prefixcache.model.DTYPES`, named without torch
 
 

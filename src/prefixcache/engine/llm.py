@@ -113,7 +113,8 @@ class LLM:
         texts = [self.chat_prompt_text(c, chat_template, add_generation_prompt)
                  for c in conversations]
         prompts: list[Prompt] = [
-            self.chat_prompt(c, chat_template, add_generation_prompt) for c in conversations
+            self.tokenizer.encode_rendered_chat(text, [dict(m) for m in c])
+            for text, c in zip(texts, conversations, strict=True)
         ]
         outputs = self.generate(prompts, sampling_params, cache_salt, use_cache)
         for output, text in zip(outputs, texts, strict=True):

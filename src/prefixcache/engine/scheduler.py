@@ -318,7 +318,14 @@ class Scheduler:
                 held.num_blocks += len(self.cache.block_table(r.seq))
         return held
 
-    def _waiting_in_fair_order(self) -> list[tuple[Request, CacheHit]]:
+    def _waiting_in_fair_order(self) -> Iterable[tuple[Request, CacheHit]]:
+        """Policy order, interleaved across domains. Under FCFS the cache is peeked lazily, only
+        for the requests the step reaches (one domain: exactly `_waiting_in_order`)."""
+        if len({r.domain for r in self.waiting}) < 2:
+            return self._waiting_in_order()
+        if self.policy == "fcfs":
+            fair = fair_order(list(self.waiting), self._usage_seqs())
+            return ((r, self._peek(r)) for r in fair)
         ordered = list(self._waiting_in_order())
         hits = {id(r): hit for r, hit in ordered}
         fair = fair_order([r for r, _ in ordered], self._usage_seqs())

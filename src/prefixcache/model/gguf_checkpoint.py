@@ -274,21 +274,30 @@ class GGUFCheckpoint:
     def _check_types(self) -> None:
         from gguf import GGMLQuantizationType, quants
 
+        # checked before any tensor is read, so a multi-GB file fails at once; the library has
+        # no public query for this, so without its registry `_dequantize` reports the type
+        traits = getattr(quants, "_type_traits", None)
+        if traits is None:
+            return
         plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
-        for name, tensor in self.tensors.items():
-            qtype = tensor.tensor_type
-            if qtype not in plain and qtype not in quants._type_traits:
-                raise GGUFError(
-                    f"{self.path.name}: tensor {name!r} has type {qtype.name}, which the gguf "
-                    "library cannot dequantize"
-                )
+        for tensor in self.tensors.values():
+            if tensor.tensor_type not in plain and tensor.tensor_type not in traits:
+                raise self._type_error(tensor)
 
-    @staticmethod
-    def _dequantize(tensor: Any) -> np.ndarray:
+    def _type_error(self, tensor: Any) -> GGUFError:
+        return GGUFError(
+            f"{self.path.name}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
+            "the gguf library cannot dequantize"
+        )
+
+    def _dequantize(self, tensor: Any) -> np.ndarray:
         """float32 values in torch's dimension order ([rows, cols] for a matrix)."""
         from gguf import quants
 
-        values = quants.dequantize(tensor.data, tensor.tensor_type)
+        try:
+            values = quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise self._type_error(tensor) from None
         shape = [int(d) for d in reversed(tensor.shape)]  # ggml lists the fastest dim first
         values = np.asarray(values, dtype=np.float32).reshape(shape)
         if not values.flags.writeable:  # an F32 tensor comes back as a view of the mapped file

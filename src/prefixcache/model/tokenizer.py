@@ -131,6 +131,12 @@ class Tokenizer:
             messages, add_generation_prompt, chat_template=chat_template, **kwargs
         )
         assert isinstance(text, str)
+        return self.encode_rendered_chat(text, messages, literal_content)
+
+    def encode_rendered_chat(
+        self, text: str, messages: Sequence[Any], literal_content: bool = True
+    ) -> list[int]:
+        """`encode_chat` of a conversation already rendered as ``text``."""
         contents = [_content_text(m) for m in messages]
         if not literal_content or not any(self._holds_special(c) for c in contents):
             return self.encode(text, add_special_tokens=False)
