@@ -1,15 +1,30 @@
-"""Unit tests of the block pool: the intrusive free queue, lazy eviction, the digest map."""
+"""Unit tests of the block pool: the intrusive free queue, lazy eviction, parked blocks."""
 
 from __future__ import annotations
 
 import pytest
 
 from prefixcache.cache import AllBlocksCleared, BlockRemoved
-from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.block_hash import BlockHasher
+from prefixcache.cache.block_pool import BlockPool, KVBlock
+from prefixcache.cache.hash_index import HashIndex
+from prefixcache.cache.keys import ChainKeys
 
 
 def pool_with(num_blocks: int = 6, **kwargs: object) -> BlockPool:
-    return BlockPool(num_blocks, 4, **kwargs)  # type: ignore[arg-type]
+    pool = BlockPool(num_blocks, 4, **kwargs)  # type: ignore[arg-type]
+    pool.attach(HashIndex(pool, ChainKeys(BlockHasher(4), "", False)))
+    return pool
+
+
+def store(pool: BlockPool, block: KVBlock, digest: bytes, token_bytes: bytes) -> bool:
+    """What the hash index does on commit: map the digest unless it is already mapped."""
+    cached = pool.index.cached  # type: ignore[union-attr]
+    if digest in cached:
+        return False
+    cached[digest] = block
+    pool.mark_cached(block, digest, token_bytes)
+    return True
 
 
 def check(pool: BlockPool, held: list[int]) -> None:
@@ -25,8 +40,8 @@ def test_take_pops_lowest_first_and_release_orders_by_digest() -> None:
     assert [b.block_id for b in blocks] == [0, 1, 2, 3]
     assert pool.free_block_ids() == [4, 5] and pool.num_free == 2
     assert pool.stats.min_free_blocks == 2
-    assert pool.store(blocks[0], b"d0", b"t0") and pool.store(blocks[1], b"d1", b"t1")
-    assert not pool.store(blocks[2], b"d0", b"t0")  # a duplicate stays out of the map
+    assert store(pool, blocks[0], b"d0", b"t0") and store(pool, blocks[1], b"d1", b"t1")
+    assert not store(pool, blocks[2], b"d0", b"t0")  # a duplicate stays out of the map
     check(pool, [0, 1, 2, 3])
     pool.release(reversed(blocks))
     assert pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
@@ -36,12 +51,12 @@ def test_take_pops_lowest_first_and_release_orders_by_digest() -> None:
 def test_touch_removes_from_the_middle_without_eviction() -> None:
     pool = pool_with()
     blocks = pool.take(3)
-    pool.store(blocks[1], b"d1", b"t1")
+    store(pool, blocks[1], b"d1", b"t1")
     pool.release(reversed(blocks))
     assert pool.free_block_ids() == [0, 2, 3, 4, 5, 1]
     pool.touch([pool.blocks[3], pool.blocks[1]])
     assert pool.free_block_ids() == [0, 2, 4, 5]
-    assert pool.cached[b"d1"] is pool.blocks[1]
+    assert pool.index.cached[b"d1"] is pool.blocks[1]  # type: ignore[union-attr]
     check(pool, [3, 1])
     pool.touch([pool.blocks[1]])  # already held: only the count moves
     check(pool, [3, 1, 1])
@@ -50,7 +65,7 @@ def test_touch_removes_from_the_middle_without_eviction() -> None:
 def test_lazy_eviction_on_pop_emits_removed_and_bumps_epoch() -> None:
     pool = pool_with(num_blocks=2)
     blocks = pool.take(2)
-    pool.store(blocks[0], b"d0", b"t0")
+    store(pool, blocks[0], b"d0", b"t0")
     pool.release(reversed(blocks))
     assert pool.free_block_ids() == [1, 0]
     epoch = pool.epoch
@@ -59,7 +74,8 @@ def test_lazy_eviction_on_pop_emits_removed_and_bumps_epoch() -> None:
     assert [b.block_id for b in pool.take(1)] == [0]
     assert pool.take_events() == [BlockRemoved(block_hashes=[b"d0"], block_ids=[0])]
     assert pool.epoch == epoch + 1 and pool.stats.num_evictions == 1
-    assert b"d0" not in pool.cached and pool.blocks[0].digest is None
+    assert b"d0" not in pool.index.cached  # type: ignore[union-attr]
+    assert pool.blocks[0].digest is None and pool.num_cached == 0
     check(pool, [0, 1])
     with pytest.raises(RuntimeError, match="free blocks"):
         pool.take(1)
@@ -68,11 +84,11 @@ def test_lazy_eviction_on_pop_emits_removed_and_bumps_epoch() -> None:
 def test_reset_refuses_while_held() -> None:
     pool = pool_with()
     (block,) = pool.take(1)
-    pool.store(block, b"d", b"t")
-    assert pool.reset() is False and pool.cached
+    store(pool, block, b"d", b"t")
+    assert pool.reset() is False and pool.num_cached == 1
     pool.release([block])
     assert pool.reset() is True
-    assert not pool.cached and pool.blocks[0].digest is None
+    assert not pool.index.cached and pool.blocks[0].digest is None  # type: ignore[union-attr]
     assert pool.take_events() == [AllBlocksCleared()]
     check(pool, [])
 
@@ -96,9 +112,9 @@ def test_integrity_catches_broken_links_and_stale_map() -> None:
         check(pool, [])
     pool = pool_with()
     (block,) = pool.take(1)
-    pool.store(block, b"d", b"t")
+    store(pool, block, b"d", b"t")
     block.digest = None
-    with pytest.raises(AssertionError, match="map entry points to a block with its digest"):
+    with pytest.raises(AssertionError, match="keeps its tokens exactly while it has a digest"):
         check(pool, [0])
 
 

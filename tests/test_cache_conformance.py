@@ -307,13 +307,30 @@ def test_disabled_caching_and_isolation_none(kind: str) -> None:
     cache = new_cache(kind, enable_caching=False)
     run_prompt(cache, Sequence("a", range(40)))
     hit = cache.match(Sequence("b", range(40)))
-    assert hit.num_tokens == 0 and cache.stats.num_requests == 2
+    assert hit.num_tokens == 0 and cache.stats.num_requests == 1  # match alone counts nothing
     assert cache.num_cached_blocks == 0
     shared = new_cache(kind)
     run_prompt(shared, Sequence("a", range(40), use_cache=False))
     assert shared.num_cached_blocks == 0
     run_prompt(shared, Sequence("b", range(40)))
     assert shared.match(Sequence("c", range(40), use_cache=False)).num_tokens == 0
+
+
+def test_match_is_pure_and_admission_counts_the_lookup_once(kind: str) -> None:
+    cache = new_cache(kind)
+    run_prompt(cache, Sequence("a", range(40)))
+    before = (dict(cache.stats.as_dict()), cache.num_free_blocks)
+    b = Sequence("b", range(40))
+    for _ in range(3):
+        assert cache.match(b).num_tokens == 32
+    assert (dict(cache.stats.as_dict()), cache.num_free_blocks) == before
+    hit = cache.match(b)
+    assert cache.allocate(b, 8, hit) is not None
+    stats = cache.stats
+    assert stats.num_requests == 2 and stats.num_hit_requests == 1
+    assert stats.num_hit_tokens == 32 and stats.first_miss_blocks == {0: 1, 2: 1}
+    assert cache.allocate(b, 1) is not None  # a later allocation is not a lookup
+    assert stats.num_requests == 2
 
 
 def test_bad_input_is_a_clear_error(kind: str) -> None:

@@ -266,7 +266,7 @@ def test_heap_stays_bounded_under_churn() -> None:
         admit(cache, s)
         cache.free(s)
     cache.check_integrity()
-    assert len(cache._heap) <= 4 * cache.num_nodes + 1024
+    assert len(cache.index._heap) <= 4 * cache.num_nodes + 1024
 
 
 @pytest.mark.parametrize("bad", [{"eviction_policy": "fifo"}, {"num_blocks": 0}])
@@ -280,19 +280,21 @@ def test_integrity_check_names_broken_invariants() -> None:
     cache = radix(10)
     a = Sequence("a", tokens(3 * BS) + [1])
     admit(cache, a)
-    node = cache._root.children[a.root_digest(cache.hasher, "")].children[a.block_digests[0]]
+    root = cache.index._root
+    node = root.children[a.root_digest(cache.hasher, "")].children[a.block_digests[0]]
     node.lock_ref += 1
     with pytest.raises(AssertionError, match="lock_ref"):
         cache.check_integrity()
     node.lock_ref -= 1
-    cache._num_evictable += 1
-    with pytest.raises(AssertionError, match="evictable count"):
+    cache.pool.num_parked += 1
+    with pytest.raises(AssertionError, match="parked"):
         cache.check_integrity()
-    cache._num_evictable -= 1
-    cache._free.append(node.block_ids[0])
-    with pytest.raises(AssertionError, match="no block is both free and cached"):
+    cache.pool.num_parked -= 1
+    block = cache.pool.blocks[node.block_ids[0]]
+    digest, block.digest = block.digest, None
+    with pytest.raises(AssertionError, match="digest"):
         cache.check_integrity()
-    cache._free.pop()
+    block.digest = digest
     cache.check_integrity()
 
 

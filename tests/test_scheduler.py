@@ -8,7 +8,7 @@ import pytest
 from prefixcache.cache import Sequence, make_prefix_cache
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
+from prefixcache.sched import Scheduler, SchedulerOutput
 
 SAMPLED_TOKEN = 7
 

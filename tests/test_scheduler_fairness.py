@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.engine.fairness import DomainLimits, blocks_needed, fair_order
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.request import Request
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.sched.fairness import DomainLimits, blocks_needed, fair_order
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -72,7 +72,7 @@ def test_fair_order_interleaves_domains_least_served_first():
     reqs += [engine.add_request(f"b{i}", [1, 2, 4], params, domain="b") for i in range(2)]
     order = fair_order(reqs, {})
     assert [r.request_id for r in order] == ["a0", "b0", "a1", "b1", "a2"]
-    from prefixcache.engine.fairness import DomainUsage
+    from prefixcache.sched.fairness import DomainUsage
 
     order = fair_order(reqs, {"a": DomainUsage(num_seqs=5)})  # a holds more: b goes first
     assert [r.request_id for r in order] == ["b0", "a0", "b1", "a1", "a2"]

@@ -14,10 +14,9 @@ from prefixcache.sim.config import RunSpec, build_cache
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.mooncake import read_mooncake
 from prefixcache.sim.report import ideal_hit_ratio
-from prefixcache.sim.scheduler import SchedulerConfig, TimedReplica
 from prefixcache.sim.sequential import replay_sequential
 from prefixcache.sim.synthetic import generate
-from prefixcache.sim.timed import replay_timed
+from prefixcache.sim.timed import SchedulerConfig, TimedReplica, replay_timed
 from prefixcache.sim.tokens import TokenSource
 from prefixcache.sim.trace import Trace, TraceRequest
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from prefixcache.cache.base import CacheHit, PrefixCache, Sequence
 from prefixcache.cache.block_hash import BlockExtra, BlockHasher, Namespace
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefixcache.cache.index import CacheHit
+from prefixcache.cache.manager import PrefixCache
+from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 
 __all__ = [

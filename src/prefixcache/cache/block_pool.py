@@ -1,15 +1,18 @@
-"""The block pool: every KV block, its ref count, the free queue and the digest -> block map.
+"""The block pool, the only allocator: every KV block, its ref count, the free queue, the
+owner roots for zero-on-reuse, the copy-on-write and zeroing lists, and the KV event buffer.
 
-Boundary: the pool knows block ids, ref counts, digests and the token bytes a digest stands for.
-It knows nothing about sequences, block tables, hashing or tensors; a prefix cache
-(``hash_cache.py``) drives it, and the runner learns about physical work only through the
-zero-on-reuse list.
+Boundary: the pool knows block ids, ref counts and whether a block is cached (its digest and the
+token bytes the digest stands for). It knows nothing about sequences, block tables, hashing or
+tensors. A `PrefixCache` (``manager.py``) drives it; its prefix index (``index.py``) decides which
+blocks are cached and, for an index that parks its free cached blocks, which one goes next.
 
 - Blocks are created once (``__slots__``) and never allocated again.
 - The free queue is an intrusive doubly-linked list threaded through the blocks, between a head
   and a tail sentinel: popleft, append, appendleft and remove-from-the-middle are O(1) and
   allocate nothing. Its order is the eviction order (the head is evicted first).
-- A free block keeps its digest and stays hittable until it is popped for reuse (lazy eviction).
+- A free cached block stays hittable until it is reused (lazy eviction): it waits in the queue
+  (hash index) or is parked with the index (radix), which gives it up through ``evict``.
+- A block with ``ref_cnt == 0`` is free: queued, or parked; ``num_free`` counts both.
 - ``epoch`` counts the moments a digest was dropped (eviction, reset): a hit found at the current
   epoch is still valid without re-checking each block.
 """
@@ -17,9 +20,18 @@ zero-on-reuse list.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
-from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer, KVCacheEvent
+from prefixcache.cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    EventBuffer,
+    KVCacheEvent,
+)
 from prefixcache.cache.stats import CacheStats
+
+if TYPE_CHECKING:
+    from prefixcache.cache.index import PrefixIndex
 
 __all__ = ["DEFAULT_MAX_EVENTS", "BlockPool", "KVBlock", "check_invariant"]
 
@@ -52,7 +64,7 @@ class KVBlock:
 class BlockPool:
     """``num_blocks`` blocks with ids ``0..num_blocks-1``; the initial free queue is ``0, 1, 2...``.
 
-    ``cached`` maps a digest to the one block that carries it. Counters go to ``stats``.
+    Counters go to ``stats``. `attach` names the prefix index that caches blocks in this pool.
     """
 
     def __init__(
@@ -75,24 +87,39 @@ class BlockPool:
         self.events = EventBuffer(enable_kv_events, max_events)
         self.zero_on_reuse = zero_on_reuse
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.cached: dict[bytes, KVBlock] = {}
-        self.num_free = num_blocks
+        self.index: PrefixIndex | None = None
+        self.num_queued = num_blocks  # free blocks in the queue
+        self.num_parked = 0  # free cached blocks the index keeps out of the queue
+        self.num_cached = 0  # blocks with a digest (hittable), held or free
         self.epoch = 0
+        self._parks = False
         self._to_zero: list[int] = []
+        self._copies: list[tuple[int, int]] = []
         self._head = KVBlock(-1)
         self._tail = KVBlock(-2)
         self._link_all()
+
+    def attach(self, index: PrefixIndex) -> None:
+        """``index`` caches blocks of this pool (before any block is cached)."""
+        self.index = index
+        self._parks = index.parks_blocks
 
     def _link_all(self) -> None:
         chain = [self._head, *self.blocks, self._tail]
         for left, right in zip(chain, chain[1:], strict=False):
             left.next = right
             right.prev = left
+        self.num_queued = self.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now: queued, or parked and evictable."""
+        return self.num_queued + self.num_parked
 
     # -- the free queue -------------------------------------------------------------------------
 
     def free_block_ids(self) -> list[int]:
-        """The free queue from head (evicted first) to tail."""
+        """The free queue from head (evicted first) to tail; parked blocks are not in it."""
         out = []
         block, tail = self._head.next, self._tail
         while block is not tail:
@@ -102,30 +129,50 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on each block, pulling free ones out of the queue (no eviction)."""
-        num_free = self.num_free
+        parks = self._parks
         for block in blocks:
             ref_cnt = block.ref_cnt
             if not ref_cnt:
-                prev = block.prev
-                nxt = block.next
-                prev.next = nxt
-                nxt.prev = prev
-                num_free -= 1
+                if parks and block.digest is not None:
+                    self.num_parked -= 1
+                else:
+                    prev = block.prev
+                    nxt = block.next
+                    prev.next = nxt
+                    nxt.prev = prev
+                    self.num_queued -= 1
             block.ref_cnt = ref_cnt + 1
-        self.num_free = num_free
         self._note_watermark()
 
     def take(self, num: int, owner_root: bytes | None = None) -> list[KVBlock]:
-        """Pop ``num`` blocks from the queue head with ``ref_cnt = 1``, evicting their digests.
+        """``num`` blocks with ``ref_cnt = 1``: the queue's head first, then parked ones the index
+        evicts; a cached block taken loses its digest (an eviction).
 
         The caller checked ``num <= num_free``. ``owner_root`` is the new owner's namespace root
         (used only with zero-on-reuse).
         """
         if num > self.num_free:
             raise RuntimeError(f"take({num}) with only {self.num_free} free blocks")
-        if num <= 0:
-            return []
-        out = []
+        out: list[KVBlock] = []
+        if num > 0:
+            evicted = self._pop_queued(min(num, self.num_queued), out)
+            if len(out) < num:
+                assert self.index is not None
+                parked = self.index.evict(num - len(out))
+                self.num_parked -= len(parked)
+                for block in parked:
+                    block.ref_cnt = 1
+                out += parked
+                evicted = True
+            if evicted:
+                self._evict(out)
+            if self.zero_on_reuse:
+                self._note_owner(out, owner_root)
+        self._note_watermark()
+        return out
+
+    def _pop_queued(self, num: int, out: list[KVBlock]) -> bool:
+        """Pop ``num`` blocks off the queue head into ``out``; True if any carries a digest."""
         evicted = False
         block = self._head.next
         for _ in range(num):
@@ -136,30 +183,22 @@ class BlockPool:
             block = block.next
         self._head.next = block
         block.prev = self._head
-        self.num_free -= num
-        if evicted:
-            self._evict(out)
-        if self.zero_on_reuse:
-            self._note_owner(out, owner_root)
-        self._note_watermark()
-        return out
+        self.num_queued -= num
+        return evicted
 
     def _evict(self, blocks: list[KVBlock]) -> None:
-        cached = self.cached
-        digests, ids = [], []
-        for block in blocks:
-            digest = block.digest
-            if digest is None:
-                continue
-            if cached.get(digest) is block:
-                del cached[digest]
+        cached = [b for b in blocks if b.digest is not None]
+        if not self._parks and self.index is not None:
+            self.index.forget(cached)
+        digests: list[bytes] = []
+        for block in cached:
+            digests.append(block.digest)  # type: ignore[arg-type]  # cached: not None
             block.digest = None
             block.token_bytes = None
-            digests.append(digest)
-            ids.append(block.block_id)
+        self.num_cached -= len(cached)
         self.epoch += 1
-        self.stats.num_evictions += len(digests)
-        self.emit(BlockRemoved(block_hashes=digests, block_ids=ids))
+        self.stats.num_evictions += len(cached)
+        self.emit(BlockRemoved(block_hashes=digests, block_ids=[b.block_id for b in cached]))
 
     def _note_owner(self, blocks: list[KVBlock], owner_root: bytes | None) -> None:
         for block in blocks:
@@ -169,24 +208,24 @@ class BlockPool:
 
     def _note_watermark(self) -> None:
         stats = self.stats
-        if stats.min_free_blocks < 0 or self.num_free < stats.min_free_blocks:
-            stats.min_free_blocks = self.num_free
+        num_free = self.num_queued + self.num_parked
+        if stats.min_free_blocks < 0 or num_free < stats.min_free_blocks:
+            stats.min_free_blocks = num_free
 
     def release(self, blocks_in_order: Iterable[KVBlock]) -> None:
         """Drop one reference on each block, in the given order (callers pass a table reversed).
 
-        A block reaching ``ref_cnt == 0`` goes to the queue tail if it has a digest (it stays
-        hittable) or to the head if not (it is worth nothing).
+        A block reaching ``ref_cnt == 0`` goes to the queue tail if it is cached (it stays
+        hittable; parked instead when the index parks) or to the head if not (worth nothing).
         """
         head = self._head
         last = self._tail.prev
-        released = 0
+        parks = self._parks
         for block in blocks_in_order:
             ref_cnt = block.ref_cnt - 1
             block.ref_cnt = ref_cnt
             if ref_cnt:
                 continue
-            released += 1
             if block.digest is None:
                 first = head.next
                 block.next = first
@@ -195,25 +234,34 @@ class BlockPool:
                 head.next = block
                 if last is head:
                     last = block
+                self.num_queued += 1
+            elif parks:
+                self.num_parked += 1
             else:
                 last.next = block
                 block.prev = last
                 last = block
+                self.num_queued += 1
         last.next = self._tail
         self._tail.prev = last
-        self.num_free += released
 
-    # -- the digest map -------------------------------------------------------------------------
+    def copy_on_write(self, src: KVBlock, owner_root: bytes | None, *, copy: bool) -> KVBlock:
+        """A private block to write instead of the shared ``src`` (whose reference is dropped);
+        ``copy``: its KV must be copied from ``src`` first (queued for the runner)."""
+        (dst,) = self.take(1, owner_root)
+        if copy:
+            self._copies.append((src.block_id, dst.block_id))
+            self.cancel_zero(dst.block_id)  # the copy overwrites the whole block
+        self.release((src,))
+        return dst
 
-    def store(self, block: KVBlock, digest: bytes, token_bytes: bytes) -> bool:
-        """Make ``block`` hittable under ``digest``; False (nothing changed) if already mapped."""
-        cached = self.cached
-        if digest in cached:
-            return False
-        cached[digest] = block
+    # -- cached blocks --------------------------------------------------------------------------
+
+    def mark_cached(self, block: KVBlock, digest: bytes, token_bytes: bytes) -> None:
+        """``block`` (held) now carries ``digest``: the index made it hittable."""
         block.digest = digest
         block.token_bytes = token_bytes
-        return True
+        self.num_cached += 1
 
     def reset(self) -> bool:
         """Drop every digest. Refuses (False, nothing changed) while any block is in use."""
@@ -222,13 +270,18 @@ class BlockPool:
         for block in self.blocks:
             block.digest = None
             block.token_bytes = None
-        self.cached.clear()
+        if self.index is not None:
+            self.index.clear()
+        if self._parks:
+            self._link_all()  # parked blocks rejoin the queue, in id order
+            self.num_parked = 0
+        self.num_cached = 0
         self.epoch += 1
         self.stats.num_resets += 1
         self.emit(AllBlocksCleared())
         return True
 
-    # -- side channels: events and zero-on-reuse ------------------------------------------------
+    # -- side channels: events, copies and zero-on-reuse ----------------------------------------
 
     @property
     def enable_kv_events(self) -> bool:
@@ -244,6 +297,10 @@ class BlockPool:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take()
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
 
     def cancel_zero(self, block_id: int) -> None:
         """``block_id`` is about to be overwritten whole (a copy-on-write target): no zeroing."""
@@ -271,8 +328,14 @@ class BlockPool:
                 block,
                 expected,
             )
+            check_invariant(
+                (block.digest is None) == (block.token_bytes is None),
+                "a block keeps its tokens exactly while it has a digest: {!r}",
+                block,
+            )
         self._check_queue()
-        self._check_map()
+        num_cached = sum(1 for b in blocks if b.digest is not None)
+        check_invariant(num_cached == self.num_cached, "cached count {} kept", num_cached)
 
     def _check_queue(self) -> None:
         seen: set[int] = set()
@@ -283,35 +346,26 @@ class BlockPool:
             )
             check_invariant(block.prev is prev, "free queue links consistent at {!r}", block)
             check_invariant(block.ref_cnt == 0, "no block is both free and in use: {!r}", block)
+            check_invariant(
+                not (self._parks and block.digest is not None),
+                "a parked (cached, free) block is not in the queue: {!r}",
+                block,
+            )
             seen.add(block.block_id)
             check_invariant(len(seen) <= self.num_blocks, "free queue is not a cycle")
             prev, block = block, block.next
         check_invariant(self._tail.prev is prev, "free queue links consistent at the tail")
-        num_zero = sum(1 for b in self.blocks if b.ref_cnt == 0)
-        check_invariant(len(seen) == num_zero, "free queue holds exactly the ref-0 blocks")
+        free = [b for b in self.blocks if b.ref_cnt == 0]
+        parked = sum(1 for b in free if self._parks and b.digest is not None)
+        check_invariant(len(seen) == len(free) - parked, "free queue holds the free blocks")
         check_invariant(
-            self.num_free == num_zero, "num_free {} != {} free blocks", self.num_free, num_zero
+            self.num_queued == len(seen) and self.num_parked == parked,
+            "free counts {} queued + {} parked == {} + {}",
+            self.num_queued,
+            self.num_parked,
+            len(seen),
+            parked,
         )
-
-    def _check_map(self) -> None:
-        for digest, block in self.cached.items():
-            check_invariant(
-                block.digest == digest, "map entry points to a block with its digest: {!r}", block
-            )
-            check_invariant(
-                block.token_bytes is not None, "mapped block keeps its tokens: {!r}", block
-            )
-        for block in self.blocks:
-            if block.digest is not None:
-                check_invariant(
-                    self.cached.get(block.digest) is block,
-                    "a block with a digest is the map's block for it: {!r}",
-                    block,
-                )
-            else:
-                check_invariant(
-                    block.token_bytes is None, "undigested block keeps no tokens: {!r}", block
-                )
 
 
 def check_invariant(condition: bool, invariant: str, *args: object) -> None:

@@ -10,7 +10,7 @@ from prefixcache.engine.outputs import CompletionOutput, GenerationOutput, Reque
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
+from prefixcache.sched import Scheduler, SchedulerOutput
 
 __all__ = [
     "LLM",

@@ -19,16 +19,16 @@ from typing import Any
 import torch
 
 from prefixcache.cache import PrefixCache, Sequence, make_prefix_cache
-from prefixcache.engine.fairness import DomainLimits, blocks_needed
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.runner import ModelRunner, blocks_for_budget
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
 from prefixcache.engine.stop import check_stop, emittable_text
 from prefixcache.errors import describe_exception
 from prefixcache.model.host_memory import retain_freed_memory
+from prefixcache.sched import Scheduler, SchedulerOutput
+from prefixcache.sched.fairness import DomainLimits, blocks_needed
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
 

@@ -1,13 +1,13 @@
-"""A request as the engine tracks it: state, tokens, cache sequence, sampling stream, timing.
+"""A request as the engine tracks it: the scheduler's state plus sampling, text and timing.
 
-One `Request` is one sequence of tokens. A request with ``n > 1`` is one `Request` until its prompt
-is computed; then the scheduler forks ``n - 1`` children (``index`` 1..n-1) that share its blocks.
-The cache sees only ``request.seq``; tensors never appear here.
+`Request` extends the scheduler's `SchedRequest` (queues, sequence, choices) with what only the
+engine needs: sampling parameters and the choice's random stream, generated ids, the
+detokenizer's text, log probabilities and wall-clock timing. The scheduler forks ``n - 1``
+children through `spawn`, which gives each its own stream. Tensors never appear here.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,31 +15,11 @@ from typing import Any
 import torch
 
 from prefixcache.cache import Sequence
+from prefixcache.engine.sampler import derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.sched.request import FINISH_REASONS, RequestStatus, SchedRequest
 
 __all__ = ["FINISH_REASONS", "Request", "RequestStatus", "RequestTiming"]
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "finished_stopped"
-    FINISHED_LENGTH = "finished_length"
-    FINISHED_ABORTED = "finished_aborted"
-    FINISHED_ERROR = "finished_error"  # this request failed inside a step; the others went on
-
-    @property
-    def finished(self) -> bool:
-        return self in FINISH_REASONS
-
-
-FINISH_REASONS: dict[RequestStatus, str] = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
 
 
 @dataclass(slots=True)
@@ -66,75 +46,42 @@ class RequestTiming:
 
 
 @dataclass(slots=True, eq=False)
-class Request:
-    """One sequence being generated. ``seq.token_ids`` = prompt + generated tokens."""
+class Request(SchedRequest):
+    """One choice being generated. ``seq.token_ids`` = prompt + generated tokens."""
 
-    request_id: str
-    seq: Sequence
     params: SamplingParams
     generator: torch.Generator | None
-    index: int = 0
-    base_seed: int = 0  # choice i samples from derive_seed(base_seed, i)
-    parent: Request | None = None
-    forked: bool = False  # n > 1: children were forked after the prompt
-    children: list[Request] = field(default_factory=list)  # choices 1..n-1, once forked
-    domain: str = ""  # isolation domain (tenant or group) for fair sharing; "" single-tenant
-    arrival_index: int = 0  # admission order key (FCFS); children inherit their parent's
-    arrival_step: int = 0
-    status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = -1  # prompt tokens served from the cache at first admission
-    num_preemptions: int = 0
-    timing: RequestTiming = field(default_factory=RequestTiming)
-    detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
-    text: str = ""
-    num_text_emitted: int = 0  # characters of `text` already streamed
-    num_tokens_emitted: int = 0  # output tokens already streamed
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    base_seed: int = field(default=0, kw_only=True)  # choice i samples from derive_seed(.., i)
+    output_token_ids: list[int] = field(default_factory=list, kw_only=True)
+    timing: RequestTiming = field(default_factory=RequestTiming, kw_only=True)
+    detokenizer: Any = field(default=None, kw_only=True)  # IncrementalDetokenizer
+    text: str = field(default="", kw_only=True)
+    num_text_emitted: int = field(default=0, kw_only=True)  # characters of `text` streamed
+    num_tokens_emitted: int = field(default=0, kw_only=True)  # output tokens streamed
+    logprobs: list[dict[str, Any]] = field(default_factory=list, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self.n = self.params.n
+
+    def spawn(self, index: int, seq: Sequence) -> Request:
+        """Choice ``index``: same parameters, its own random stream, the parent's timing."""
+        seed = derive_seed(self.base_seed, index)
+        child = Request(
+            self.request_id,
+            seq,
+            self.params,
+            None if self.params.greedy else make_generator(seed),
+            base_seed=self.base_seed,
+            **SchedRequest.child_fields(self, index),  # type: ignore[arg-type]
+        )
+        child.timing.arrival_time = self.timing.arrival_time
+        child.timing.first_scheduled_time = self.timing.first_scheduled_time
+        return child
 
     @property
-    def seq_id(self) -> str:
-        return self.seq.seq_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.seq.num_prompt_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seq.num_tokens
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.seq.num_tokens - self.seq.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
-
-    @property
-    def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.seq.token_ids[: self.seq.num_prompt_tokens]
-
-    @property
-    def choices(self) -> list[Request]:
+    def choices(self) -> list[Request]:  # type: ignore[override]
         """This request and its forked children, by index (call on the parent)."""
-        return [self, *self.children]
-
-    @property
-    def all_finished(self) -> bool:
-        """Every choice is finished (a parent not yet forked counts its future children)."""
-        if self.params.n > 1 and not self.forked and not self.is_finished:
-            return False
-        return all(r.is_finished for r in self.choices)
+        return [self, *self.children]  # type: ignore[list-item]
 
     def append_output(self, token_id: int) -> None:
         self.seq.append(token_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, bytes_per_block
-from prefixcache.engine.scheduler import SchedulerOutput
+from prefixcache.sched import SchedulerOutput
 
 __all__ = ["ModelRunner", "blocks_for_budget"]
 

@@ -122,7 +122,7 @@ def _tenants(args: argparse.Namespace) -> Any:
 
 def _domain_limits(args: argparse.Namespace, tenants: Any) -> tuple[Any, dict[str, Any]]:
     """The default caps and each tenant's (a group takes the tightest of its members')."""
-    from prefixcache.engine.fairness import DomainLimits
+    from prefixcache.sched.fairness import DomainLimits
 
     default = DomainLimits(args.domain_max_seqs, args.domain_max_kv_blocks)
     limits: dict[str, DomainLimits] = {}

@@ -23,8 +23,8 @@ from prefixcache.sim.loader import FORMATS, load_trace, retime_poisson
 from prefixcache.sim.output import format_table, write_results
 from prefixcache.sim.report import ReplayResult
 from prefixcache.sim.router import ROUTERS
-from prefixcache.sim.scheduler import SchedulerConfig
 from prefixcache.sim.sweep import SweepPlan, plan_sweep, run_sweep
+from prefixcache.sim.timed import SchedulerConfig
 from prefixcache.sim.trace import Trace
 
 _SUFFIXES = {"k": 1_000, "m": 1_000_000}

@@ -54,11 +54,14 @@ def format_blocks(n: int) -> str:
     return str(n)
 
 
-def unlimited_blocks(trace: Trace, with_output: bool) -> int:
-    """Blocks enough that one replica never evicts: every distinct block plus all live ones."""
+def unlimited_blocks(trace: Trace, with_output: bool, n: int = 1) -> int:
+    """Blocks enough that one replica never evicts: every distinct block plus all live ones
+    (with output: each of ``n`` choices' output blocks and a copy of the last prompt block)."""
     bs = trace.block_size
     if with_output:
-        return sum(math.ceil((r.input_length + r.output_length) / bs) for r in trace.requests) + 1
+        per_choice = [math.ceil(r.output_length / bs) + 1 for r in trace.requests]
+        prompts = [math.ceil((r.input_length + r.output_length) / bs) for r in trace.requests]
+        return sum(prompts) + (n - 1) * sum(per_choice) + 1
     distinct = {h for r in trace.requests for h in r.hash_ids[: r.num_full_blocks(bs)]}
     largest = max((math.ceil(r.input_length / bs) for r in trace.requests), default=0)
     return len(distinct) + largest + 1

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from prefixcache.sim.config import RunSpec
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.report import ReplayResult
-from prefixcache.sim.scheduler import SchedulerConfig
 from prefixcache.sim.sequential import Progress, replay_sequential
-from prefixcache.sim.timed import replay_timed
+from prefixcache.sim.timed import SchedulerConfig, replay_timed
 from prefixcache.sim.trace import Trace
 
 

@@ -1,24 +1,208 @@
-"""Timed replay: arrivals on simulated time into one or more `TimedReplica`s behind a router.
+"""Timed replay: arrivals on simulated time into one or more replicas behind a router.
 
-Before each arrival every replica runs its scheduler up to that moment and publishes its KV
-events; the router then picks a replica from the request's digests and the replicas' loads
-(waiting + running requests). One replica with any router is exactly single mode.
+Each replica runs the engine's own scheduler (`prefixcache.sched.Scheduler`: token budget,
+``max_num_seqs``, chunked prefill, preemption, in-batch dedup, n > 1 forks, ``fcfs`` or ``lpm``)
+over a real prefix cache; only the model is replaced, by the cost model's clock and unique filler
+tokens for the generated output. Blocks held by running requests are really held, so they cannot
+be evicted and can make a waiting request wait. Runs of identical decode-only steps (nothing can
+be admitted, no block boundary, no finish, no arrival) are advanced in one go with
+`Scheduler.repeat_steps`, which is exactly the same as stepping one by one.
+
+Before each arrival every replica runs up to that moment and publishes its KV events; the router
+then picks a replica from the request's digests and the replicas' loads (waiting + running
+requests). One replica with any router is exactly single mode.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
-from prefixcache.cache import Sequence
+from prefixcache.cache import PrefixCache, Sequence
+from prefixcache.sched import (
+    SCHEDULE_POLICIES,
+    RequestStatus,
+    SchedRequest,
+    Scheduler,
+    SchedulerOutput,
+)
 from prefixcache.sim.config import RunSpec, build_cache, unlimited_blocks
 from prefixcache.sim.cost_model import CostModel
-from prefixcache.sim.report import ReplayResult, ideal_hit_ratio
+from prefixcache.sim.report import ReplayResult, Tally, ideal_hit_ratio
 from prefixcache.sim.router import Router, make_router
-from prefixcache.sim.scheduler import SchedulerConfig, TimedReplica
 from prefixcache.sim.sequential import Progress, summarize
 from prefixcache.sim.tokens import TokenSource
-from prefixcache.sim.trace import Trace
+from prefixcache.sim.trace import Trace, TraceRequest
+
+__all__ = ["SchedulerConfig", "TimedReplica", "replay_timed"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The scheduler of every simulated replica. ``store_decode=False`` keeps generated tokens
+    out of the cache (prompt-only replay): a request leaves the scheduler once its prompt is
+    computed, its decode steps still count in the step time. ``n`` choices per request."""
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 128
+    store_decode: bool = True
+    schedule_policy: str = "fcfs"
+    lpm_max_wait_steps: int = 16
+    dedup: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.n < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and n must be >= 1")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"unknown schedule policy {self.schedule_policy!r}; "
+                f"choose one of {SCHEDULE_POLICIES}"
+            )
+
+
+@dataclass(slots=True, eq=False)
+class _SimRequest(SchedRequest):
+    """A trace request inside a replica: the scheduler's state plus how much it generated."""
+
+    trace: TraceRequest | None = field(default=None, kw_only=True)
+    num_generated: int = field(default=0, kw_only=True)
+    counted: bool = field(default=False, kw_only=True)  # its first token is in the tally
+
+    def spawn(self, index: int, seq: Sequence) -> SchedRequest:
+        return _SimRequest(
+            self.request_id, seq, trace=self.trace, **SchedRequest.child_fields(self, index)
+        )  # type: ignore[arg-type]
+
+    @property
+    def output_length(self) -> int:
+        assert self.trace is not None
+        return self.trace.output_length
+
+    @property
+    def arrival_s(self) -> float:
+        assert self.trace is not None
+        return self.trace.arrival_s
+
+
+class TimedReplica:
+    """A replica's cache, scheduler and clock."""
+
+    def __init__(
+        self, cache: PrefixCache, cost: CostModel, config: SchedulerConfig, source: TokenSource
+    ) -> None:
+        self.cache = cache
+        self.cost = cost
+        self.config = config
+        self.source = source
+        self.scheduler = Scheduler(
+            cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.schedule_policy,
+            lpm_max_wait_steps=config.lpm_max_wait_steps,
+            dedup=config.dedup,
+        )
+        self.tally = Tally()
+        self.clock = 0.0
+        self.decoding: list[list[int]] = []  # store_decode=False: [steps left] per choice
+        self._num_added = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self.decoding)
+
+    def add(self, request: TraceRequest, seq: Sequence) -> None:
+        """Queue a request that arrives now (the clock is at or past its arrival)."""
+        bs = self.cache.block_size
+        num_output = request.output_length if self.config.store_decode else 0
+        num_blocks = -(-(request.input_length + num_output) // bs)
+        if num_blocks + (self.config.n - 1) * (-(-num_output // bs) + 1) > self.cache.num_blocks:
+            self.tally.num_rejected += 1  # can never fit: served uncached, elsewhere
+            self.tally.add(request.input_length, 0, self.cost.prefill_seconds(request.input_length))
+            return
+        self._num_added += 1
+        self.scheduler.add(
+            _SimRequest(
+                request.request_id,
+                seq,
+                n=self.config.n,
+                arrival_index=self._num_added,
+                trace=request,
+            )
+        )
+
+    def run_until(self, t: float) -> None:
+        """Run steps while there is work and the clock is before ``t`` (a step may end past it)."""
+        while self.clock < t and (self.scheduler.has_unfinished() or self.decoding):
+            self._step(t)
+        if self.clock < t and t != math.inf:
+            self.clock = t
+
+    def _step(self, horizon: float) -> None:
+        out = self.scheduler.schedule()
+        if out.is_empty and not self.decoding:
+            raise RuntimeError("scheduler made no progress (a request larger than the cache?)")
+        num_prefill = sum(c.num_new_tokens for c in out.chunks if c.is_prefill)
+        num_decode = len(out.chunks) - sum(1 for c in out.chunks if c.is_prefill)
+        step_s = self.cost.step_seconds(num_prefill, num_decode + len(self.decoding))
+        self.clock += step_s
+        for request, _row in self.scheduler.update_from_step(out):
+            self._sampled(request, 1)  # type: ignore[arg-type]
+        self._decoded(1)
+        if not num_prefill:
+            self._repeat(out, step_s, horizon)
+        usage = self.cache.usage
+        if usage > self.tally.peak_usage:
+            self.tally.peak_usage = usage
+        self.tally.num_preemptions = self.scheduler.num_preemptions
+
+    def _repeat(self, out: SchedulerOutput, step_s: float, horizon: float) -> None:
+        """Advance identical decode-only steps at once, up to a block boundary, a finish or
+        the next arrival."""
+        running: list[_SimRequest] = self.scheduler.running  # type: ignore[assignment]
+        k: float = self.scheduler.repeatable_steps(out) if running else 0
+        if not running and self.decoding and not self.scheduler.waiting:
+            k = math.inf
+        if horizon != math.inf:
+            k = min(k, math.ceil((horizon - self.clock) / step_s))
+        for request in running:
+            k = min(k, request.output_length - request.num_generated)
+        for steps_left in self.decoding:
+            k = min(k, steps_left[0])
+        if k < 1 or k == math.inf:
+            return
+        num = int(k)
+        unique = self.source.unique
+        self.scheduler.repeat_steps(num, lambda r, n: r.seq.token_ids.extend(unique(n)))
+        self.clock += step_s * num
+        for request in list(running):
+            self._sampled(request, num)
+        self._decoded(num)
+
+    def _sampled(self, request: _SimRequest, num: int) -> None:
+        """``request`` sampled ``num`` tokens (its first one ends its prompt's prefill)."""
+        request.num_generated += num
+        if not request.counted and request.index == 0:
+            request.counted = True
+            ttft = self.clock - request.arrival_s
+            self.tally.add(request.num_prompt_tokens, max(request.num_cached_tokens, 0), ttft)
+        done = request.num_generated >= request.output_length
+        if not self.config.store_decode:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            if not done:
+                self.decoding.append([request.output_length - request.num_generated])
+        elif done:
+            self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+        else:
+            request.seq.token_ids.extend(self.source.unique(1))
+
+    def _decoded(self, num: int) -> None:
+        if self.decoding:
+            for steps_left in self.decoding:
+                steps_left[0] -= num
+            self.decoding = [s for s in self.decoding if s[0] > 0]
 
 
 def replay_timed(
@@ -35,7 +219,9 @@ def replay_timed(
     router = make_router(spec.router, spec.replicas)
     total = spec.capacity_blocks
     per_replica = (
-        unlimited_blocks(trace, config.store_decode) if total is None else total // spec.replicas
+        unlimited_blocks(trace, config.store_decode, config.n)
+        if total is None
+        else total // spec.replicas
     )
     source = TokenSource(trace)
     replicas = [

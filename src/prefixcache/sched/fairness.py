@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from prefixcache.engine.request import Request
+from prefixcache.sched.request import SchedRequest
 
 __all__ = ["DomainLimits", "DomainUsage", "blocks_needed", "fair_order"]
 
@@ -43,18 +43,20 @@ class DomainUsage:
     num_blocks: int = 0
 
 
-def fair_order(candidates: list[Request], usage: Mapping[str, DomainUsage]) -> list[Request]:
+def fair_order(
+    candidates: list[SchedRequest], usage: Mapping[str, DomainUsage]
+) -> list[SchedRequest]:
     """``candidates`` (already in policy order) interleaved across domains: round-robin, the
     domain holding the fewest sequences first (ties: the earliest candidate's). One domain's
     own order is kept, so a single domain's order is exactly the input."""
-    queues: dict[str, list[Request]] = {}
+    queues: dict[str, list[SchedRequest]] = {}
     for request in candidates:
         queues.setdefault(request.domain, []).append(request)
     if len(queues) < 2:
         return list(candidates)
     held = {d: usage[d].num_seqs if d in usage else 0 for d in queues}
     domains = sorted(queues, key=lambda d: held[d])  # stable: first-seen order breaks ties
-    out: list[Request] = []
+    out: list[SchedRequest] = []
     for depth in range(max(len(q) for q in queues.values())):
         out.extend(queues[d][depth] for d in domains if depth < len(queues[d]))
     return out

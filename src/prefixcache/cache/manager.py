@@ -1,0 +1,372 @@
+"""`PrefixCache`: the contract API, written once over the block pool and a prefix index.
+
+The cache knows nothing about tensors: it hands out block ids and decides which blocks are
+reusable. The scheduler is its only caller; the runner consumes the block ids (and the copy and
+zero instructions drained with `take_block_copies` / `take_blocks_to_zero`).
+
+Life of a sequence::
+
+    hit = cache.match(seq)                      # longest cached prefix, block aligned (pure)
+    table = cache.allocate(seq, n, hit)         # touch hits, then take new blocks (or None)
+    ... the runner writes KV for the new tokens ...
+    cache.commit(seq, num_computed_tokens)      # now-full blocks become hittable
+    seq.append(token); cache.allocate(seq, 1)   # decode
+    cache.free(seq)
+
+Ownership: the pool (``block_pool.py``) owns blocks, ref counts, the free queue, events, copies
+and zeroing; the index (``hash_index.py`` or ``radix_index.py``) owns what is cached and the
+eviction order among cached blocks; this class owns the sequences' block tables, the rules of
+the contract and the statistics. `match` is a pure lookup: a request's lookup is counted once,
+when `allocate` admits it with its hit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from operator import attrgetter
+
+from prefixcache.cache.block_hash import BlockHasher
+from prefixcache.cache.block_pool import DEFAULT_MAX_EVENTS, BlockPool, KVBlock, check_invariant
+from prefixcache.cache.events import KVCacheEvent
+from prefixcache.cache.index import CacheHit, PrefixIndex, SeqBlocks
+from prefixcache.cache.keys import ChainKeys
+from prefixcache.cache.sequence import Sequence
+from prefixcache.cache.stats import CacheStats
+
+__all__ = ["PrefixCache"]
+
+_block_id = attrgetter("block_id")
+
+
+class PrefixCache:
+    """A paged KV-cache allocator with prefix reuse over ``num_blocks`` blocks.
+
+    Both indexes keep: only complete, committed blocks are hittable; a block with
+    ``ref_cnt > 1`` (shared) is never written; allocation touches hits before taking new blocks;
+    a failed allocation changes nothing; at least one prompt token is always computed.
+    ``model_id`` roots every namespace; ``zero_on_reuse`` queues a block for zeroing when it
+    changes namespace; ``enable_kv_events`` buffers `BlockStored`/`BlockRemoved`/
+    `AllBlocksCleared` (at most ``max_events``; newer ones are dropped and counted) for
+    `take_events`, with token ids only if ``events_with_tokens``.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hash_algo: str = "sha256",
+        *,
+        enable_caching: bool = True,
+        model_id: str = "",
+        zero_on_reuse: bool = False,
+        enable_kv_events: bool = True,
+        events_with_tokens: bool = True,
+        max_events: int = DEFAULT_MAX_EVENTS,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.model_id = model_id
+        self.events_with_tokens = events_with_tokens
+        self.hasher = BlockHasher(block_size, hash_algo)
+        self.keys = ChainKeys(self.hasher, model_id, events_with_tokens)
+        self.stats = CacheStats()
+        self.pool = BlockPool(
+            num_blocks,
+            block_size,
+            stats=self.stats,
+            enable_kv_events=enable_kv_events,
+            max_events=max_events,
+            zero_on_reuse=zero_on_reuse,
+        )
+        self.index = self._make_index()
+        self.pool.attach(self.index)
+        self._tables: dict[str, SeqBlocks] = {}
+
+    def _make_index(self) -> PrefixIndex:
+        raise NotImplementedError("build a cache with make_prefix_cache('hash' | 'radix', ...)")
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"free={self.pool.num_free}, cached={self.pool.num_cached})"
+        )
+
+    @property
+    def zero_on_reuse(self) -> bool:
+        return self.pool.zero_on_reuse
+
+    # -- match ----------------------------------------------------------------------------------
+
+    def match(self, seq: Sequence) -> CacheHit:
+        """Longest cached prefix of ``seq``, capped at ``num_tokens - 1`` rounded down to a block.
+        Pure: changes no ref count and no statistic."""
+        start_ns = time.perf_counter_ns()
+        hit = self.index.lookup(seq) if self.enable_caching and seq.use_cache else CacheHit()
+        hit.lookup_time_ns = time.perf_counter_ns() - start_ns
+        hit.epoch = self.pool.epoch
+        return hit
+
+    def is_current(self, hit: CacheHit) -> bool:
+        """No cached block was dropped since `match` returned ``hit``: it is still admissible
+        (a lookup now may find more, never less)."""
+        return hit.epoch == self.pool.epoch
+
+    def _count_lookup(self, seq: Sequence, hit: CacheHit | None) -> None:
+        """``seq`` was admitted with ``hit``: count its lookup (once per admission)."""
+        stats = self.stats
+        stats.num_requests += 1
+        stats.num_queried_tokens += len(seq.token_ids)
+        num_hit_blocks = 0
+        if hit is not None:
+            num_hit_blocks = len(hit.block_ids)
+            stats.lookup_time_ns += hit.lookup_time_ns
+        if num_hit_blocks:
+            stats.num_hit_requests += 1
+            stats.num_hit_tokens += num_hit_blocks * self.block_size
+        misses = stats.first_miss_blocks
+        misses[num_hit_blocks] = misses.get(num_hit_blocks, 0) + 1
+
+    # -- allocate -------------------------------------------------------------------------------
+
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None = None
+    ) -> list[int] | None:
+        """Make ``seq``'s block table cover its computed tokens plus ``num_new_tokens``.
+
+        On the first call, ``hit`` (from `match`) supplies the computed prefix. Returns the whole
+        block table, or None when the blocks do not fit (and then nothing changed)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return self._allocate_first(seq, num_new_tokens, hit)
+        if table.seq is not seq:
+            raise ValueError(f"sequence id {seq.seq_id!r} is already live in this cache")
+        return self._allocate_more(table, num_new_tokens)
+
+    def _allocate_first(
+        self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None
+    ) -> list[int] | None:
+        hit_blocks = self._checked_hit(seq, hit)
+        num_hit = len(hit_blocks)
+        computed = num_hit * self.block_size
+        end = computed + num_new_tokens
+        num_new = -(-end // self.block_size) - num_hit
+        pool = self.pool
+        if num_new + num_hit > pool.num_free:
+            num_reused = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+            if num_new + num_reused > pool.num_free:
+                return None
+        pool.touch(hit_blocks)
+        block_ids = list(hit.block_ids) if hit is not None and num_hit else []
+        table = SeqBlocks(seq, list(hit_blocks), block_ids, computed, end, num_hit)
+        if num_hit:
+            assert hit is not None
+            self.index.admit(table, hit)
+        new_blocks = pool.take(num_new, self._owner_root(seq))
+        table.blocks += new_blocks
+        table.block_ids += map(_block_id, new_blocks)
+        seq.num_computed_tokens = computed
+        self._tables[seq.seq_id] = table
+        self._count_lookup(seq, hit)
+        return list(table.block_ids)
+
+    def _checked_hit(self, seq: Sequence, hit: CacheHit | None) -> list[KVBlock]:
+        """The hit's blocks, verified to still be cached for ``seq``."""
+        if hit is None or not hit.block_ids:
+            return []
+        if not (self.enable_caching and seq.use_cache):
+            raise ValueError("a cache hit was given for a sequence that does not use the cache")
+        num_hit = len(hit.block_ids)
+        if hit.num_tokens != num_hit * self.block_size:
+            raise ValueError(f"hit.num_tokens {hit.num_tokens} != {num_hit} blocks")
+        if num_hit > (len(seq.token_ids) - 1) // self.block_size:
+            raise ValueError(f"hit of {num_hit} blocks leaves no prompt token to compute")
+        return self.index.checked_hit(seq, hit)
+
+    def _allocate_more(self, table: SeqBlocks, num_new_tokens: int) -> list[int] | None:
+        bs = self.block_size
+        computed = table.num_computed_tokens
+        end = computed + num_new_tokens
+        blocks = table.blocks
+        num_new = max(0, -(-end // bs) - len(blocks))
+        shared = [
+            i
+            for i in range(computed // bs, min(len(blocks), -(-end // bs)))
+            if blocks[i].ref_cnt > 1
+        ]
+        if num_new + len(shared) > self.pool.num_free:
+            return None
+        root = self._owner_root(table.seq)
+        for i in shared:  # a shared block is never written: the table gets its own copy
+            dst = self.pool.copy_on_write(blocks[i], root, copy=i * bs < computed)
+            blocks[i] = dst
+            table.block_ids[i] = dst.block_id
+        new_blocks = self.pool.take(num_new, root)
+        if new_blocks:
+            blocks.extend(new_blocks)
+            table.block_ids.extend(map(_block_id, new_blocks))
+        table.num_alloc_tokens = max(table.num_alloc_tokens, end)
+        return list(table.block_ids)
+
+    def _owner_root(self, seq: Sequence) -> bytes | None:
+        if not self.pool.zero_on_reuse:
+            return None
+        if seq.use_cache and self.enable_caching:
+            return self.keys.root(seq)
+        return self.keys.namespace_root(seq)
+
+    # -- commit ---------------------------------------------------------------------------------
+
+    def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """The KV of ``seq``'s first ``num_computed_tokens`` tokens is written: full blocks among
+        them become hittable."""
+        table = self._live_table(seq)
+        if not table.num_computed_tokens <= num_computed_tokens <= table.num_alloc_tokens:
+            raise ValueError(
+                f"commit({seq.seq_id!r}, {num_computed_tokens}): must lie between the computed "
+                f"{table.num_computed_tokens} and the allocated {table.num_alloc_tokens} tokens"
+            )
+        if num_computed_tokens > len(seq.token_ids):
+            raise ValueError(
+                f"commit({seq.seq_id!r}, {num_computed_tokens}): only {len(seq.token_ids)} tokens"
+            )
+        seq.num_computed_tokens = table.num_computed_tokens = num_computed_tokens
+        start = table.num_committed_blocks
+        end = num_computed_tokens // self.block_size
+        table.num_committed_blocks = end
+        if self.enable_caching and seq.use_cache:
+            self.index.insert(table, start, end)
+
+    def _live_table(self, seq: Sequence) -> SeqBlocks:
+        table = self._tables.get(seq.seq_id)
+        if table is None or table.seq is not seq:
+            raise ValueError(f"sequence {seq.seq_id!r} holds no blocks in this cache")
+        return table
+
+    # -- free, fork, reset ----------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, deepest first; committed ones stay cached until evicted."""
+        table = self._tables.get(seq.seq_id)
+        if table is None or table.seq is not seq:
+            return
+        del self._tables[seq.seq_id]
+        self.pool.release(reversed(table.blocks))
+        self.index.release(table)
+        seq.num_computed_tokens = 0
+
+    def fork(self, seq: Sequence, child_id: str) -> Sequence:
+        """A child sharing every block of ``seq`` (ref counts up), for n > 1 sampling."""
+        table = self._live_table(seq)
+        if child_id in self._tables:
+            raise ValueError(f"sequence id {child_id!r} is already live in this cache")
+        # shared blocks are never written: pending writes must be re-allocated (copy-on-write)
+        table.num_alloc_tokens = table.num_computed_tokens
+        child = seq.fork(child_id)
+        child.num_computed_tokens = table.num_computed_tokens
+        self.pool.touch(table.blocks)
+        child_table = SeqBlocks(
+            child,
+            list(table.blocks),
+            list(table.block_ids),
+            table.num_computed_tokens,
+            table.num_computed_tokens,
+            table.num_committed_blocks,
+            table.num_path,
+            table.node,
+        )
+        self.index.fork(table, child_table)
+        self._tables[child_id] = child_table
+        return child
+
+    def reset(self) -> bool:
+        """Drop every cached block. Refuses (False, nothing changed) while any block is in use."""
+        return self.pool.reset()
+
+    # -- views and drains -----------------------------------------------------------------------
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The current block table of ``seq`` (empty if it holds none)."""
+        table = self._tables.get(seq.seq_id)
+        if table is None or table.seq is not seq:
+            return []
+        return list(table.block_ids)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, or cached and evictable)."""
+        return self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that are hittable now (held or free)."""
+        return self.pool.num_cached
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (0.0 – 1.0)."""
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (evicted first) to tail."""
+        return self.pool.free_block_ids()
+
+    @property
+    def enable_kv_events(self) -> bool:
+        return self.pool.enable_kv_events
+
+    @property
+    def num_dropped_events(self) -> int:
+        return self.pool.num_dropped_events
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the KV events since the last call."""
+        return self.pool.take_events()
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Drain pending copy-on-write instructions ``(src_block_id, dst_block_id)``; the runner
+        performs them before the step's KV writes."""
+        return self.pool.take_block_copies()
+
+    def take_blocks_to_zero(self) -> list[int]:
+        """Drain blocks whose KV must be zeroed before reuse (zero-on-reuse mode)."""
+        return self.pool.take_blocks_to_zero()
+
+    # -- invariants -----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+        refs: Counter[int] = Counter()
+        for table in self._tables.values():
+            refs.update(table.block_ids)
+        self.pool.check_integrity(refs)
+        for seq_id, table in self._tables.items():
+            self._check_table(seq_id, table)
+        self.index.check(self._tables)
+
+    def _check_table(self, seq_id: str, table: SeqBlocks) -> None:
+        bs = self.block_size
+        blocks = table.blocks
+        check_invariant(table.seq.seq_id == seq_id, "table of {!r} belongs to its sequence", seq_id)
+        check_invariant(
+            [b.block_id for b in blocks] == table.block_ids,
+            "block ids of {!r} match its blocks",
+            seq_id,
+        )
+        check_invariant(
+            table.num_computed_tokens == table.seq.num_computed_tokens
+            and table.num_computed_tokens <= table.num_alloc_tokens <= len(blocks) * bs,
+            "computed <= allocated <= table size for {!r}",
+            seq_id,
+        )
+        first_write = table.num_computed_tokens // bs
+        last_write = -(-table.num_alloc_tokens // bs)
+        if table.num_alloc_tokens == table.num_computed_tokens:
+            last_write = first_write  # nothing is about to be written
+        for block in blocks[first_write:last_write]:
+            check_invariant(
+                block.ref_cnt == 1, "a shared block is never a write target: {!r}", block
+            )

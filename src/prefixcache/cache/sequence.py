@@ -1,0 +1,139 @@
+"""A token sequence as the cache sees it: ids, namespace parts, and its digest chain."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as SequenceABC
+
+from prefixcache.cache.block_hash import BlockExtra, BlockHasher, Namespace
+
+__all__ = ["Sequence"]
+
+
+class Sequence:
+    """A token sequence as the cache sees it: ids, namespace parts, and its digest chain.
+
+    ``salt`` is the *effective* cache salt (namespace part), ``adapter`` the LoRA name, and
+    ``block_extras`` maps a block index to the extras (multimodal inputs) that change its KV.
+    ``use_cache=False`` is isolation mode ``none``: the sequence neither reads nor writes the
+    cache. Digests are computed incrementally by the cache that uses the sequence and kept here.
+    The token ids are copied, unless ``copy=False`` and they are a list that the caller built for
+    this sequence and hands over (a simulator's fresh prompt): the copy of a long prompt touches
+    every int object, ~5 ns per token.
+
+    ``num_computed_tokens`` belongs to the cache that holds the sequence: `allocate` sets it to
+    the hit, `commit` advances it, `free` zeroes it. Everyone else only reads it.
+    """
+
+    __slots__ = (
+        "seq_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "salt",
+        "adapter",
+        "block_extras",
+        "use_cache",
+        "num_computed_tokens",
+        "block_digests",
+        "block_token_bytes",
+        "_digest_key",
+        "_root",
+    )
+
+    def __init__(
+        self,
+        seq_id: str,
+        token_ids: Iterable[int],
+        salt: str | bytes | None = None,
+        *,
+        adapter: str | None = None,
+        block_extras: dict[int, SequenceABC[BlockExtra]] | None = None,
+        use_cache: bool = True,
+        copy: bool = True,
+    ) -> None:
+        self.seq_id = seq_id
+        # copy=False: a list built for this sequence alone becomes its own (it is appended to)
+        self.token_ids: list[int] = (
+            token_ids if not copy and isinstance(token_ids, list) else list(token_ids)
+        )
+        self.num_prompt_tokens = len(self.token_ids)
+        self.salt = salt
+        self.adapter = adapter
+        self.block_extras = block_extras or {}
+        self.use_cache = use_cache
+        self.num_computed_tokens = 0
+        self.block_digests: list[bytes] = []
+        # block i's token ids as u32be bytes, kept with its digest: hits compare them cheaply
+        self.block_token_bytes: list[bytes] = []
+        self._digest_key: tuple[object, ...] | None = None
+        self._root = b""
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, num_tokens={len(self.token_ids)}, "
+            f"num_computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append(self, token_id: int) -> None:
+        """Add one generated token (its KV is computed by the next step)."""
+        self.token_ids.append(token_id)
+
+    def namespace(self, model: str) -> Namespace:
+        return Namespace(model=model, adapter=self.adapter, salt=self.salt)
+
+    def digests(self, hasher: BlockHasher, model: str) -> list[bytes]:
+        """Digests of every complete block, extended incrementally (never re-hashed).
+
+        A sequence used by a cache with a different hasher or model gets a fresh chain.
+        """
+        key = (hasher.algo, hasher.block_size, model)
+        if key != self._digest_key:
+            self._digest_key = key
+            self._root = hasher.root(self.namespace(model))
+            self.block_digests = []
+            self.block_token_bytes = []
+        if len(self.token_ids) >= (len(self.block_digests) + 1) * hasher.block_size:
+            extras = self.block_extras.get if self.block_extras else None
+            hasher.extend(
+                self.block_digests,
+                self._root,
+                self.token_ids,
+                _no_none(extras),
+                self.block_token_bytes,
+            )
+        return self.block_digests
+
+    def root_digest(self, hasher: BlockHasher, model: str) -> bytes:
+        """The namespace root: the parent of the first block."""
+        self.digests(hasher, model)
+        return self._root
+
+    def fork(self, child_id: str) -> Sequence:
+        """A copy with the same tokens, namespace and computed state (for n > 1)."""
+        child = Sequence(
+            child_id,
+            self.token_ids,
+            self.salt,
+            adapter=self.adapter,
+            block_extras=self.block_extras,
+            use_cache=self.use_cache,
+        )
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_digests = list(self.block_digests)
+        child.block_token_bytes = list(self.block_token_bytes)
+        child._digest_key = self._digest_key
+        child._root = self._root
+        return child
+
+
+def _no_none(
+    getter: Callable[[int], SequenceABC[BlockExtra] | None] | None,
+) -> Callable[[int], SequenceABC[BlockExtra]] | None:
+    if getter is None:
+        return None
+    return lambda i: getter(i) or ()

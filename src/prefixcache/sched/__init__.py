@@ -1,0 +1,26 @@
+"""Continuous batching, torch-free: the scheduler that the engine drives with a model and the
+simulator drives on a cost model's clock.
+
+    from prefixcache.sched import Scheduler, SchedRequest
+"""
+
+from __future__ import annotations
+
+from prefixcache.sched.fairness import DomainLimits, DomainUsage, blocks_needed, fair_order
+from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
+from prefixcache.sched.request import FINISH_REASONS, RequestStatus, SchedRequest
+from prefixcache.sched.scheduler import SCHEDULE_POLICIES, Scheduler
+
+__all__ = [
+    "FINISH_REASONS",
+    "SCHEDULE_POLICIES",
+    "DomainLimits",
+    "DomainUsage",
+    "RequestStatus",
+    "SchedRequest",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+    "blocks_needed",
+    "fair_order",
+]

@@ -1,0 +1,515 @@
+"""Continuous batching over a prefix cache: who runs this step, with how many tokens.
+
+The scheduler is the only part that talks to both the cache (through `Sequence` and block ids)
+and the runner (through `SchedulerOutput`); it never sees tensors or hashes' meaning.
+
+One step spends at most ``max_num_batched_tokens`` tokens over at most ``max_num_seqs`` sequences:
+
+1. Running requests first, in admission order: a decode token, or their next prefill chunk. When
+   the cache has no block for one, the most recently admitted running request is preempted (freed,
+   its committed blocks stay cached, requeued at the front) until it fits — possibly itself.
+2. Waiting requests next (none if this step preempted): ``match`` + ``allocate``, admitted only if
+   the blocks fit; a prompt longer than the remaining budget is prefilled in chunks.
+3. In-batch dedup: a waiting request whose first uncached block is being computed in this step by
+   another request waits a step, so it hits instead of computing the same block twice.
+
+Fairness across isolation domains (`prefixcache.engine.fairness`): waiting requests are taken
+round-robin across domains (the domain holding the fewest sequences first), each domain in policy
+order; while several domains have work, a domain over its equal share is admitted nothing while
+another waits, is the first to lose sequences when blocks run out, and is preempted to let an
+under-share domain's request start. With one domain all of this is inert.
+
+Policies: ``fcfs`` (arrival order) and ``lpm`` (longest cached prefix first, aged). Under ``lpm`` a
+request's score is ``hit_blocks + steps_waited``; once it has waited ``lpm_max_wait_steps`` steps
+it is promoted, and promoted requests go before all others in arrival order. Starvation bound: a
+request is overtaken by later arrivals during at most ``lpm_max_wait_steps`` steps; after that it
+waits only for earlier arrivals (as under FCFS) — and for blocks to free up.
+
+After the runner: `update_from_step` commits the computed tokens (full blocks become hittable;
+the cache advances each sequence's ``num_computed_tokens``), and forks ``n - 1`` children off a
+request whose prompt just finished. Lookups are pure (`PrefixCache.match`): ordering a queue
+costs no statistics, and an admitted request's lookup is counted once, by the cache.
+
+This package imports no torch: the engine drives it with a model, the simulator
+(`prefixcache.sim.timed`) on a cost model's clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from prefixcache.cache import CacheHit, PrefixCache
+from prefixcache.sched.fairness import DomainLimits, DomainUsage, fair_order
+from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
+from prefixcache.sched.request import RequestStatus, SchedRequest
+
+__all__ = ["SCHEDULE_POLICIES", "Scheduler"]
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+Request = SchedRequest
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting queue and the running list."""
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        policy: str = "fcfs",
+        lpm_max_wait_steps: int = 16,
+        dedup: bool = True,
+        domain_limits: Mapping[str, DomainLimits] | None = None,
+        default_domain_limits: DomainLimits | None = None,
+    ) -> None:
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"unknown scheduling policy {policy!r}; choose one of {SCHEDULE_POLICIES}"
+            )
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or lpm_max_wait_steps < 0:
+            raise ValueError(
+                "max_num_seqs and max_num_batched_tokens must be >= 1 and lpm_max_wait_steps "
+                f">= 0, got {max_num_seqs}, {max_num_batched_tokens}, {lpm_max_wait_steps}"
+            )
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.lpm_max_wait_steps = lpm_max_wait_steps
+        self.dedup = dedup
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.step_index = 0
+        self.num_preemptions = 0
+        self.num_fairness_preemptions = 0  # of those, to let an under-share domain start
+        self.num_deferred = 0
+        self.num_block_copies = 0
+        self.domain_limits = dict(domain_limits or {})
+        self.default_domain_limits = default_domain_limits or DomainLimits()
+        self._domains: Counter[str] = Counter()  # unfinished requests per domain
+
+    def limits_for(self, domain: str) -> DomainLimits:
+        """The hard caps of ``domain``: its own entry, else the default."""
+        return self.domain_limits.get(domain, self.default_domain_limits)
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        request.arrival_step = self.step_index
+        self.waiting.append(request)
+        self._domains[request.domain] += 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End ``request`` (stopped, length or aborted): its blocks go back to the cache."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            self.cache.free(request.seq)
+            request.status = status
+            return
+        self._domains[request.domain] -= 1
+        if not self._domains[request.domain]:
+            del self._domains[request.domain]
+        self.cache.free(request.seq)
+        request.status = status
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step=self.step_index)
+        shares = _Shares.of(self) if self._num_domains() > 1 else None
+        if shares is not None:
+            self._preempt_for_fairness(out, shares)
+        num_fair = len(out.preempted)
+        budget = self._schedule_running(out, self.max_num_batched_tokens, shares)
+        if len(out.preempted) == num_fair:  # no sequence ran out of blocks this step
+            self._schedule_waiting(out, budget, shares)
+        out.admission_blocked = bool(self.waiting) and not out.num_admitted
+        out.block_copies = self.cache.take_block_copies()
+        out.blocks_to_zero = self.cache.take_blocks_to_zero()
+        self.num_block_copies += len(out.block_copies)
+        self.step_index += 1
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, shares: _Shares | None) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if shares is not None:
+                num_new = shares.cap_tokens(request.domain, num_new)
+                if num_new == 0:  # its domain spent its share of this step's prefill tokens
+                    i += 1
+                    continue
+            table = self._allocate_or_preempt(request, num_new, out, i, shares)
+            if table is None:
+                break  # it preempted itself: nothing after it is left
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
+            budget -= num_new
+            if shares is not None:
+                shares.spend_tokens(request.domain, num_new)
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        num_new: int,
+        out: SchedulerOutput,
+        index: int,
+        shares: _Shares | None,
+    ) -> list[int] | None:
+        """Allocate, preempting not-yet-scheduled running requests (from ``index`` on) until it
+        fits: the newest of the domain most over its share, else the newest of all."""
+        while True:
+            table = self.cache.allocate(request.seq, num_new)
+            if table is not None:
+                return table
+            victim = self._victim(index, shares)
+            self.running.remove(victim)
+            self._preempt(victim)
+            if shares is not None:
+                shares.release(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _victim(self, index: int, shares: _Shares | None) -> Request:
+        candidates = self.running[index:]
+        if shares is not None:
+            over = shares.most_over_share({r.domain for r in candidates})
+            if over is not None:
+                return next(r for r in reversed(candidates) if r.domain == over)
+        return candidates[-1]
+
+    def _num_domains(self) -> int:
+        """Domains with a waiting or running request (kept by `add`, `finish`, forks)."""
+        return len(self._domains)
+
+    def _preempt_for_fairness(self, out: SchedulerOutput, shares: _Shares) -> None:
+        """Let each under-share domain's first waiting request start: preempt the newest
+        sequences of over-share domains until it has a sequence slot and blocks for its first
+        chunk, or no domain is over its share."""
+        firsts: dict[str, Request] = {}
+        for request in self.waiting:
+            firsts.setdefault(request.domain, request)
+        for domain, request in firsts.items():
+            if shares.is_over(domain):
+                continue
+            while not self._could_start(request, shares):
+                over = shares.most_over_share({r.domain for r in self.running} - {domain})
+                if over is None:
+                    break
+                victim = next(r for r in reversed(self.running) if r.domain == over)
+                self.running.remove(victim)
+                self._preempt(victim)
+                shares.release(victim)
+                out.preempted.append(victim)
+                self.num_fairness_preemptions += 1
+
+    def _could_start(self, request: Request, shares: _Shares) -> bool:
+        if shares.total_seqs() + request.reserved_seqs > self.max_num_seqs:
+            return False
+        hit = self._peek(request)
+        first_chunk = min(request.num_tokens - hit.num_tokens, self.max_num_batched_tokens)
+        return self.cache.num_free_blocks >= -(-first_chunk // self.cache.block_size)
+
+    def _preempt(self, request: Request) -> None:
+        self.cache.free(request.seq)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: _Shares | None) -> None:
+        in_flight = self._digests_in_flight(out.chunks)
+        num_seqs = sum(r.reserved_seqs for r in self.running)
+        blocked: set[str] = set()  # domains whose next request cannot start this step
+        waiting_domains = {r.domain for r in self.waiting}
+        for request, hit in self._waiting_in_fair_order():
+            if budget <= 0:
+                break
+            domain = request.domain
+            if domain in blocked:
+                continue  # no overtaking inside a domain
+            if num_seqs + request.reserved_seqs > self.max_num_seqs or not self._within_limits(
+                request, shares, waiting_domains
+            ):
+                blocked.add(domain)
+                if len(blocked) == len(waiting_domains):
+                    break  # every domain waits: look nothing else up
+                continue
+            first_miss = self._first_miss_digest(request, hit)
+            if first_miss is not None and first_miss in in_flight and out.chunks:
+                out.num_deferred += 1
+                continue
+            cap = budget if shares is None else shares.cap_tokens(domain, budget)
+            num_new = self._admit(request, hit, cap, out) if cap > 0 else 0
+            if num_new == 0:
+                blocked.add(domain)  # blocks (or its token share) do not fit: its later wait too
+                if len(blocked) == len(waiting_domains):
+                    break
+                continue
+            if shares is not None:
+                shares.spend_tokens(domain, num_new)
+            budget -= num_new
+            num_seqs += request.reserved_seqs
+            if shares is not None:
+                shares.admit(request, len(out.chunks[-1].block_table))
+            in_flight.update(self._chunk_digests(out.chunks[-1]))
+        self.num_deferred += out.num_deferred
+
+    def _within_limits(
+        self, request: Request, shares: _Shares | None, waiting_domains: set[str]
+    ) -> bool:
+        """The domain's hard caps allow one more request, and (several domains having work)
+        it is not at or over its share while another domain waits."""
+        domain, limits = request.domain, self.limits_for(request.domain)
+        if shares is None and limits.max_seqs is None and limits.max_blocks is None:
+            return True
+        held = shares.usage.get(domain, DomainUsage()) if shares else self._held(domain)
+        if limits.max_seqs is not None and (
+            held.num_seqs + request.reserved_seqs > limits.max_seqs
+        ):
+            return False
+        if limits.max_blocks is not None and held.num_blocks >= limits.max_blocks:
+            return False
+        if shares is None:
+            return True
+        others_wait = bool(waiting_domains - {domain})
+        return not (others_wait and shares.is_over(domain, at_share=True))
+
+    def _held(self, domain: str) -> DomainUsage:
+        held = DomainUsage()
+        for r in self.running:
+            if r.domain == domain:
+                held.num_seqs += r.reserved_seqs
+                held.num_blocks += len(self.cache.block_table(r.seq))
+        return held
+
+    def _waiting_in_fair_order(self) -> Iterable[tuple[Request, CacheHit]]:
+        """Policy order, interleaved across domains. Under FCFS the cache is peeked lazily, only
+        for the requests the step reaches (one domain: exactly `_waiting_in_order`)."""
+        if len({r.domain for r in self.waiting}) < 2:
+            return self._waiting_in_order()
+        if self.policy == "fcfs":
+            fair = fair_order(list(self.waiting), self._usage_seqs())
+            return ((r, self._peek(r)) for r in fair)
+        ordered = list(self._waiting_in_order())
+        hits = {id(r): hit for r, hit in ordered}
+        fair = fair_order([r for r, _ in ordered], self._usage_seqs())
+        return [(r, hits[id(r)]) for r in fair]
+
+    def _usage_seqs(self) -> dict[str, DomainUsage]:
+        usage: dict[str, DomainUsage] = {}
+        for r in self.running:
+            usage.setdefault(r.domain, DomainUsage()).num_seqs += r.reserved_seqs
+        return usage
+
+    def _admit(self, request: Request, hit: CacheHit, budget: int, out: SchedulerOutput) -> int:
+        """Allocate with ``hit`` (looked up again only if blocks were evicted since); returns the
+        tokens scheduled (0: nothing fits, nothing changed)."""
+        if not self.cache.is_current(hit):
+            hit = self.cache.match(request.seq)
+        num_new = min(request.num_tokens - hit.num_tokens, budget)
+        table = self.cache.allocate(request.seq, num_new, hit)
+        if table is None:
+            return 0
+        self.waiting.remove(request)
+        out.num_admitted += 1
+        request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = hit.num_tokens
+        self.running.append(request)
+        out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
+        return num_new
+
+    def _waiting_in_order(self) -> Iterable[tuple[Request, CacheHit]]:
+        """Waiting requests in policy order, each with its (uncounted) cache hit."""
+        if self.policy == "fcfs":
+            return ((r, self._peek(r)) for r in list(self.waiting))
+        scored = [(r, self._peek(r)) for r in self.waiting]
+        scored.sort(key=lambda item: self._lpm_key(*item))
+        return scored
+
+    def _lpm_key(self, request: Request, hit: CacheHit) -> tuple[int, int, int]:
+        waited = self.step_index - request.arrival_step
+        if request.num_preemptions or waited >= self.lpm_max_wait_steps:
+            return (0, 0, request.arrival_index)
+        return (1, -(hit.num_blocks + waited), request.arrival_index)
+
+    def _peek(self, request: Request) -> CacheHit:
+        return self.cache.match(request.seq)
+
+    # ---- in-batch dedup ----------------------------------------------------------------------
+
+    def _first_miss_digest(self, request: Request, hit: CacheHit) -> bytes | None:
+        if not (self.dedup and self.cache.enable_caching and request.seq.use_cache):
+            return None
+        digests = request.seq.digests(self.cache.hasher, self.cache.model_id)
+        return digests[hit.num_blocks] if hit.num_blocks < len(digests) else None
+
+    def _digests_in_flight(self, chunks: list[ScheduledChunk]) -> set[bytes]:
+        if not (self.dedup and self.cache.enable_caching):
+            return set()
+        digests: set[bytes] = set()
+        for chunk in chunks:
+            digests.update(self._chunk_digests(chunk))
+        return digests
+
+    def _chunk_digests(self, chunk: ScheduledChunk) -> list[bytes]:
+        """Digests of the complete blocks this chunk writes into (empty for decodes)."""
+        seq = chunk.request.seq
+        if not (self.dedup and seq.use_cache) or chunk.num_new_tokens == 1:
+            return []
+        bs = self.cache.block_size
+        digests = seq.digests(self.cache.hasher, self.cache.model_id)
+        first = chunk.num_computed_tokens // bs
+        last = (chunk.num_computed_tokens + chunk.num_new_tokens - 1) // bs
+        return digests[first : last + 1]
+
+    # ---- after the runner ---------------------------------------------------------------------
+
+    def update_from_step(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Mark the chunks computed and commit them. Returns ``(request, row)`` for every
+        sequence to sample, ``row`` indexing the step's logits (forked children share a row)."""
+        targets: list[tuple[Request, int]] = []
+        for row, chunk in enumerate(out.chunks):
+            request = chunk.request
+            self.cache.commit(request.seq, chunk.num_computed_tokens + chunk.num_new_tokens)
+            if not chunk.samples:
+                continue
+            targets.append((request, row))
+            if request.n > 1 and not request.forked:
+                targets.extend((child, row) for child in self._fork(request))
+        return targets
+
+    def repeatable_steps(self, out: SchedulerOutput) -> int:
+        """How many more steps would schedule exactly ``out``'s decode-only batch again (after
+        each running request got its sampled token): nothing can be admitted, nobody changes
+        blocks. 0 when the next step may differ. FCFS with one domain only: LPM's aging and
+        fairness reorder the queue from step to step."""
+        if (
+            self.policy != "fcfs"
+            or out.preempted
+            or out.num_admitted
+            or out.num_deferred
+            or (self.waiting and not out.admission_blocked)
+            or len(out.chunks) != len(self.running)
+            or self._num_domains() > 1
+        ):
+            return 0
+        bs = self.cache.block_size
+        room = None
+        for chunk, request in zip(out.chunks, self.running, strict=True):
+            if chunk.request is not request or chunk.num_new_tokens != 1 or chunk.is_prefill:
+                return 0
+            if request.num_uncomputed_tokens != 1:
+                return 0
+            left = len(self.cache.block_table(request.seq)) * bs - request.num_computed_tokens
+            room = left if room is None else min(room, left)
+        return room or 0
+
+    def repeat_steps(self, num_steps: int, extend: Callable[[Request, int], None]) -> None:
+        """Run ``num_steps`` (<= `repeatable_steps`) steps of the last batch at once: each
+        running request computes its pending token and the ``num_steps - 1`` tokens that
+        ``extend(request, num_steps - 1)`` appends. Afterwards the caller samples one token per
+        request, as after `update_from_step`."""
+        for request in self.running:
+            extend(request, num_steps - 1)
+            if self.cache.allocate(request.seq, num_steps) is None:
+                raise RuntimeError("repeat_steps beyond repeatable_steps: a block was needed")
+            self.cache.commit(request.seq, request.num_computed_tokens + num_steps)
+        self.step_index += num_steps
+
+    def _fork(self, parent: Request) -> list[Request]:
+        parent.forked = True
+        children = [
+            parent.spawn(index, self.cache.fork(parent.seq, f"{parent.seq_id}#{index}"))
+            for index in range(1, parent.n)
+        ]
+        parent.children = children
+        self._domains[parent.domain] += len(children)
+        position = self.running.index(parent) + 1
+        self.running[position:position] = children
+        return children
+
+
+@dataclass(slots=True)
+class _Shares:
+    """One step's view of the domains with work: what each holds and its equal share."""
+
+    usage: dict[str, DomainUsage]
+    fair_seqs: float
+    fair_blocks: float
+    blocks_of: dict[int, int]  # id(request) -> blocks it held when the step began
+    # each domain's share of this step's token budget for prefill chunks (a decode token, one
+    # per sequence, always goes): a flood's long prefills cannot make every step slow
+    tokens_left: dict[str, int]
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> _Shares:
+        domains = {r.domain for r in scheduler.running} | {r.domain for r in scheduler.waiting}
+        usage: dict[str, DomainUsage] = {d: DomainUsage() for d in domains}
+        blocks_of: dict[int, int] = {}
+        for r in scheduler.running:
+            blocks_of[id(r)] = len(scheduler.cache.block_table(r.seq))
+            usage[r.domain].num_seqs += r.reserved_seqs
+            usage[r.domain].num_blocks += blocks_of[id(r)]
+        k = len(domains)
+        tokens = {d: max(1, scheduler.max_num_batched_tokens // k) for d in domains}
+        return cls(
+            usage, scheduler.max_num_seqs / k, scheduler.cache.num_blocks / k, blocks_of, tokens
+        )
+
+    def cap_tokens(self, domain: str, num_new: int) -> int:
+        """``num_new`` limited to the domain's prefill share left; a single (decode) token
+        always passes."""
+        if num_new <= 1:
+            return num_new
+        return max(0, min(num_new, self.tokens_left.get(domain, 0)))
+
+    def spend_tokens(self, domain: str, num_new: int) -> None:
+        if num_new > 1:
+            self.tokens_left[domain] = self.tokens_left.get(domain, 0) - num_new
+
+    def total_seqs(self) -> int:
+        return sum(u.num_seqs for u in self.usage.values())
+
+    def is_over(self, domain: str, at_share: bool = False) -> bool:
+        """Holding more than its share (``at_share``: or exactly its share) of either."""
+        u = self.usage.get(domain, DomainUsage())
+        if at_share:
+            return u.num_seqs >= self.fair_seqs or u.num_blocks >= self.fair_blocks
+        return u.num_seqs > self.fair_seqs or u.num_blocks > self.fair_blocks
+
+    def most_over_share(self, domains: set[str]) -> str | None:
+        """Of ``domains``, the one furthest over its share (by its larger ratio), if any."""
+        over = [d for d in domains if self.is_over(d)]
+        return max(over, key=self._ratio, default=None)
+
+    def _ratio(self, domain: str) -> float:
+        u = self.usage[domain]
+        return max(u.num_seqs / self.fair_seqs, u.num_blocks / self.fair_blocks)
+
+    def release(self, request: Request) -> None:
+        u = self.usage[request.domain]
+        u.num_seqs -= request.reserved_seqs
+        u.num_blocks -= self.blocks_of.pop(id(request), 0)
+
+    def admit(self, request: Request, num_blocks: int) -> None:
+        u = self.usage.setdefault(request.domain, DomainUsage())
+        u.num_seqs += request.reserved_seqs
+        u.num_blocks += num_blocks
+        self.blocks_of[id(request)] = num_blocks
