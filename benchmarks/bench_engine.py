@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache.engine import LLMEngine, SamplingParams
+from prefixcache.model.host_memory import retain_freed_memory
 from prefixcache.model.loader import LoadedModel, load_model
 
 
@@ -137,6 +138,7 @@ def warm_up(engines: list[LLMEngine], hf: HFReference | None, vocab: int) -> Non
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
+    retain_freed_memory()  # as `prefixcache serve` does
     loaded = load_model(args.model)
     prompts = make_prompts(loaded.config.vocab_size, args.requests, args.prefix, args.suffix)
     prompt_len = args.prefix + args.suffix

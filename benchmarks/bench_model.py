@@ -124,7 +124,7 @@ def ideal_speedup(loaded: LoadedModel, total: int, cached: int) -> tuple[float, 
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    retain_freed_memory()  # as LLMEngine does: no page-fault churn in the full prefill
+    retain_freed_memory()  # as `prefixcache serve` does: no page-fault churn in the prefill
     loaded = load_model(args.model)
     total, cached = args.tokens, args.cached
     new = total - cached

@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    retain_freed_memory()  # as LLMEngine does
+    retain_freed_memory()  # as `prefixcache serve` does
     loaded = load_model(args.model)
     projections = loaded.model.projections()
     if any(p.packed is None for p in projections):

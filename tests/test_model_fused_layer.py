@@ -10,7 +10,7 @@ import torch
 
 from native_support import require_native_layers
 from prefixcache.attention import AttentionMetadata, PagedKVCache
-from prefixcache.model import decoder, native_layers, packed_gemm
+from prefixcache.model import decoder, native_layers, packed_gemm, tuning
 from prefixcache.model.config import ModelConfig, RopeConfig
 from prefixcache.model.fused_layers import FusedLayers
 
@@ -52,7 +52,7 @@ def _model(qkv_bias: bool, qk_norm: bool = False) -> decoder.CausalLM:
 def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list:
     """A 40-token prefill (MLP in 16-row chunks), 30 more over it as a cache hit, two sequences
     decoding together: the logits of each step."""
-    monkeypatch.setattr(decoder, "MLP_CHUNK_ROWS", 16)
+    monkeypatch.setattr(tuning, "MLP_CHUNK_ROWS", 16)
     calls: list[bool] = []
     prepare = FusedLayers.prepare
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache
-from prefixcache.model import decoder, load_model
+from prefixcache.model import load_model, tuning
 from prefixcache.model.byte_tokenizer import write_byte_tokenizer
 
 BLOCK_SIZE = 16
@@ -137,7 +137,7 @@ def test_full_prompt_matches(case) -> None:  # noqa: ANN001
 
 def test_full_prompt_matches_with_the_mlp_in_row_chunks(case, monkeypatch) -> None:  # noqa: ANN001
     # long prefills run the MLP in chunks of MLP_CHUNK_ROWS tokens; 200 tokens in chunks of 48
-    monkeypatch.setattr(decoder, "MLP_CHUNK_ROWS", 48)
+    monkeypatch.setattr(tuning, "MLP_CHUNK_ROWS", 48)
     loaded, prompt, hf_logits = case
     table = _shuffled_table(4, PROMPT_LEN)
     (logits,) = _run_chunks(loaded, prompt, [PROMPT_LEN], table, _new_cache(loaded))

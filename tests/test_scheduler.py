@@ -138,7 +138,7 @@ def test_n_gt_1_forks_after_prefill_and_copies_the_shared_block():
 
 def test_lpm_prefers_the_longest_cached_prefix():
     hot = list(range(100, 140))
-    sched = _scheduler(policy="lpm", max_num_seqs=1)
+    sched = _scheduler(schedule_policy="lpm", max_num_seqs=1)
     sched.add(_request("r0", hot + [1], max_tokens=1))
     _drain(sched)
     sched.add(_request("r1", list(range(200, 241)), max_tokens=1))
@@ -152,7 +152,7 @@ def _cold_wait(lpm_max_wait_steps: int) -> int:
     """Steps a cold request waits while a request sharing a 20-block prefix arrives each step."""
     hot = list(range(100, 180))
     sched = _scheduler(
-        num_blocks=256, policy="lpm", max_num_seqs=1, lpm_max_wait_steps=lpm_max_wait_steps
+        num_blocks=256, schedule_policy="lpm", max_num_seqs=1, lpm_max_wait_steps=lpm_max_wait_steps
     )
     sched.add(_request("r0", hot + [0], max_tokens=1))
     _drain(sched)
@@ -185,6 +185,8 @@ def test_finish_of_a_waiting_request_frees_nothing_and_dequeues():
 def test_rejects_bad_configuration():
     cache = make_prefix_cache("hash", num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match="policy"):
-        Scheduler(cache, policy="sjf")
+        Scheduler(cache, schedule_policy="sjf")
+    with pytest.warns(DeprecationWarning, match="schedule_policy"):
+        assert Scheduler(cache, policy="lpm").policy == "lpm"  # the old spelling still works
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(cache, max_num_seqs=0)

@@ -33,7 +33,7 @@ def test_sweep_writes_table_json_csv_and_plots(
         str(SYNTHETIC),
         "--capacity",
         "300,inf",
-        "--policy",
+        "--eviction-policy",
         "lru,lfu",
         "--replicas",
         "1,2",

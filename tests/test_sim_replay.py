@@ -16,7 +16,7 @@ from prefixcache.sim.mooncake import read_mooncake
 from prefixcache.sim.report import ideal_hit_ratio
 from prefixcache.sim.sequential import replay_sequential
 from prefixcache.sim.synthetic import generate
-from prefixcache.sim.timed import SchedulerConfig, TimedReplica, replay_timed
+from prefixcache.sim.timed import ReplicaConfig, TimedReplica, replay_timed
 from prefixcache.sim.tokens import TokenSource
 from prefixcache.sim.trace import Trace, TraceRequest
 
@@ -83,7 +83,7 @@ def test_timed_at_concurrency_one_equals_sequential(conversation: Trace) -> None
     trace = conversation.head(120)
     spec = RunSpec("hash", "lru", 400)
     (sequential,) = replay_sequential(trace, [spec])
-    config = SchedulerConfig(max_num_seqs=1, store_decode=False)
+    config = ReplicaConfig(max_num_seqs=1, store_decode=False)
     timed = replay_timed(trace, spec, config=config)
     assert timed.hit_ratio == pytest.approx(sequential.hit_ratio, abs=1e-12)
     assert timed.ttft_p50_s >= sequential.ttft_p50_s  # queueing only adds
@@ -108,7 +108,7 @@ def test_blocks_held_by_running_requests_are_unavailable() -> None:
     )
     spec = RunSpec("hash", "lru", 12)
     cache = build_cache(spec, 12, 16, with_events=False)
-    replica = TimedReplica(cache, cost, SchedulerConfig(), TokenSource(trace))
+    replica = TimedReplica(cache, cost, ReplicaConfig(), TokenSource(trace))
     for r in trace.requests:
         replica.add(r, Sequence(r.request_id, TokenSource(trace).prompt(r)))
     replica.run_until(math.inf)
@@ -122,7 +122,7 @@ def test_blocks_held_by_running_requests_are_unavailable() -> None:
 def test_timed_replay_with_decode_preempts_and_stays_consistent() -> None:
     trace = generate("multi-turn", "num_conversations=6,turns=3,rate=50,think_time_s=0.2")
     spec = RunSpec("radix", "lru", 120)
-    result = replay_timed(trace, spec, config=SchedulerConfig(max_num_batched_tokens=512))
+    result = replay_timed(trace, spec, config=ReplicaConfig(max_num_batched_tokens=512))
     assert result.num_requests == len(trace)
     assert result.num_preemptions > 0 and result.peak_usage == pytest.approx(1.0)
     assert 0.0 < result.hit_ratio <= ideal_hit_ratio(trace)
@@ -161,3 +161,67 @@ def test_affinity_and_cache_aware_beat_round_robin_on_shared_prefixes(mode: str)
     assert aware.hit_ratio > rr.hit_ratio + 0.1
     assert sum(aware.replica_requests) == len(trace)
     assert min(aware.replica_requests) > 0  # the guard and tie-breaks keep every replica busy
+
+
+def _burst(n: int, prefix_blocks: int = 4, bs: int = 16) -> Trace:
+    """``n`` requests arriving together, sharing ``prefix_blocks`` blocks, each with its own."""
+    shared = list(range(prefix_blocks))
+    return Trace(
+        "burst",
+        bs,
+        [
+            _request(f"r{i}", 0.0, (prefix_blocks + 1) * bs + 3, 4, [*shared, 100 + i])
+            for i in range(n)
+        ],
+    )
+
+
+def _replica(trace: Trace, config: ReplicaConfig, num_blocks: int = 200) -> TimedReplica:
+    spec = RunSpec("radix", "lru", num_blocks)
+    cache = build_cache(spec, num_blocks, trace.block_size, with_events=False)
+    source = TokenSource(trace)
+    replica = TimedReplica(cache, CostModel(), config, source)
+    for r in trace.requests:
+        replica.add(r, Sequence(r.request_id, source.prompt(r)))
+    replica.run_until(math.inf)
+    cache.check_integrity()
+    assert cache.usage == 0.0 and replica.tally.num_requests == len(trace)
+    return replica
+
+
+def test_timed_in_batch_dedup_turns_a_burst_into_hits() -> None:
+    trace = _burst(8)
+    with_dedup = _replica(trace, ReplicaConfig())
+    without = _replica(trace, ReplicaConfig(dedup=False))
+    assert without.tally.num_hit_tokens == 0  # all eight computed the shared prefix at once
+    assert with_dedup.tally.num_hit_tokens == 7 * 4 * 16  # the first computed it, seven hit
+    assert with_dedup.scheduler.num_deferred > 0
+
+
+def test_timed_n_choices_fork_and_hold_their_own_blocks() -> None:
+    trace = _burst(3)
+    one = _replica(trace, ReplicaConfig())
+    three = _replica(trace, ReplicaConfig(n=3))
+    assert three.tally.num_requests == one.tally.num_requests == 3  # a request counts once
+    assert three.tally.peak_usage > one.tally.peak_usage  # each choice decodes in its own blocks
+    assert three.scheduler.num_block_copies > 0  # the last prompt block was copied on write
+
+
+def test_timed_lpm_admits_the_longest_cached_prefix_first() -> None:
+    # a warm prefix, then at one instant a cold request before a warm one; one slot at a time
+    bs = 16
+    warm, cold = list(range(6)), list(range(50, 56))
+    trace = Trace(
+        "lpm",
+        bs,
+        [
+            _request("w0", 0.0, 6 * bs + 1, 1, warm),
+            _request("c1", 1.0, 6 * bs + 1, 1, cold),
+            _request("w2", 1.0, 6 * bs + 1, 1, warm),
+        ],
+    )
+    fcfs = _replica(trace, ReplicaConfig(max_num_seqs=1))
+    lpm = _replica(trace, ReplicaConfig(max_num_seqs=1, schedule_policy="lpm"))
+    assert fcfs.tally.num_hit_tokens == lpm.tally.num_hit_tokens == 6 * bs
+    # under lpm the warm request goes first: its time to first token is the shorter one
+    assert lpm.tally.ttft_s[1] < fcfs.tally.ttft_s[2]

@@ -1,5 +1,5 @@
 """Zero-on-reuse: a KV block handed to another namespace holds zeros wherever the new owner has
-not written yet, with ``zero_freed_blocks=True``; without it the old tenant's KV is still there."""
+not written yet, with ``zero_on_reuse=True``; without it the old tenant's KV is still there."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def unwritten_slots_after_reuse(zero: bool) -> list[torch.Tensor]:
     """Tenant a fills the whole pool, tenant b then reuses it: K/V of b's blocks beyond what b
     wrote (the slots a read-before-write would see), every layer."""
     engine = LLMEngine(
-        "tiny", block_size=BLOCK, num_kv_blocks=4, zero_freed_blocks=zero, check_integrity=True
+        "tiny", block_size=BLOCK, num_kv_blocks=4, zero_on_reuse=zero, check_integrity=True
     )
     params = SamplingParams(max_tokens=1, temperature=0.0)
     engine.add_request(

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from prefixcache.cache.block_hash import BlockExtra, BlockHasher, Namespace
+from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from prefixcache.cache.index import CacheHit
 from prefixcache.cache.manager import PrefixCache
@@ -18,6 +19,8 @@ from prefixcache.cache.stats import CacheStats
 
 __all__ = [
     "PREFIX_CACHES",
+    "CacheConfig",
+    "build_prefix_cache",
     "AllBlocksCleared",
     "BlockExtra",
     "BlockHasher",
@@ -33,10 +36,11 @@ __all__ = [
 ]
 
 # name -> "module:class"; imported on demand so each implementation stays independent.
-PREFIX_CACHES: dict[str, str] = {
+_CLASSES: dict[str, str] = {
     "hash": "prefixcache.cache.hash_cache:HashPrefixCache",
     "radix": "prefixcache.cache.radix_cache:RadixPrefixCache",
 }
+PREFIX_CACHES = _CLASSES  # the names, as a mapping (kept for its readers)
 
 
 def make_prefix_cache(
@@ -49,18 +53,17 @@ def make_prefix_cache(
 ) -> PrefixCache:
     """Build a prefix cache by name: ``hash`` (vLLM-style) or ``radix`` (SGLang-style).
 
-    Common keyword arguments: ``enable_caching`` (default True), ``model_id`` (the model identity
-    that roots every namespace), ``zero_on_reuse``; radix also takes ``eviction_policy``.
+    Keyword arguments are `CacheConfig`'s: ``enable_caching`` (default True), ``model_id`` (the
+    model identity that roots every namespace), ``zero_on_reuse``, ``enable_kv_events``,
+    ``events_with_tokens``, ``max_events``, ``eviction_policy`` (``lfu``: radix only).
     """
-    if kind not in PREFIX_CACHES:
-        raise ValueError(f"unknown prefix cache {kind!r}; choose one of {sorted(PREFIX_CACHES)}")
-    if num_blocks < 1:
-        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    module_name, class_name = PREFIX_CACHES[kind].split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    cache: PrefixCache = cls(
-        num_blocks=num_blocks, block_size=block_size, hash_algo=hash_algo, **kwargs
+    return build_prefix_cache(
+        CacheConfig(kind, num_blocks, block_size, hash_algo, **kwargs)  # validated here
     )
-    return cache
+
+
+def build_prefix_cache(config: CacheConfig) -> PrefixCache:
+    """The cache a `CacheConfig` describes."""
+    module_name, class_name = _CLASSES[config.kind].split(":")
+    cls: type[PrefixCache] = getattr(importlib.import_module(module_name), class_name)
+    return cls.from_config(config)

@@ -14,5 +14,7 @@ class HashPrefixCache(PrefixCache):
     """vLLM-style prefix cache: lookups walk the digest chain and stop at the first miss; free
     cached blocks wait in the pool's LRU free queue."""
 
+    kind = "hash"
+
     def _make_index(self) -> PrefixIndex:
         return HashIndex(self.pool, self.keys)

@@ -28,6 +28,7 @@ from operator import attrgetter
 
 from prefixcache.cache.block_hash import BlockHasher
 from prefixcache.cache.block_pool import DEFAULT_MAX_EVENTS, BlockPool, KVBlock, check_invariant
+from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import KVCacheEvent
 from prefixcache.cache.index import CacheHit, PrefixIndex, SeqBlocks
 from prefixcache.cache.keys import ChainKeys
@@ -48,7 +49,9 @@ class PrefixCache:
     ``model_id`` roots every namespace; ``zero_on_reuse`` queues a block for zeroing when it
     changes namespace; ``enable_kv_events`` buffers `BlockStored`/`BlockRemoved`/
     `AllBlocksCleared` (at most ``max_events``; newer ones are dropped and counted) for
-    `take_events`, with token ids only if ``events_with_tokens``.
+    `take_events`, with token ids only if ``events_with_tokens``. ``eviction_policy`` orders
+    the eviction of free cached blocks (radix: ``lru`` or ``lfu``; hash: ``lru``). The settings
+    are validated once, as a `CacheConfig` (``self.config``).
     """
 
     def __init__(
@@ -63,7 +66,13 @@ class PrefixCache:
         enable_kv_events: bool = True,
         events_with_tokens: bool = True,
         max_events: int = DEFAULT_MAX_EVENTS,
+        eviction_policy: str = "lru",
     ) -> None:
+        self.config = CacheConfig(
+            self.kind, num_blocks, block_size, hash_algo, enable_caching, model_id,
+            zero_on_reuse, enable_kv_events, events_with_tokens, max_events, eviction_policy,
+        )  # fmt: skip
+        self.eviction_policy = eviction_policy
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -83,6 +92,17 @@ class PrefixCache:
         self.index = self._make_index()
         self.pool.attach(self.index)
         self._tables: dict[str, SeqBlocks] = {}
+
+    kind = ""  # "hash" | "radix", set by each implementation
+
+    @classmethod
+    def from_config(cls, config: CacheConfig) -> PrefixCache:
+        """The cache ``config`` describes (``num_blocks`` set)."""
+        if config.num_blocks is None:
+            raise ValueError("num_blocks must be set to build a cache")
+        if cls.kind != config.kind:
+            raise ValueError(f"{cls.__name__} is not a {config.kind!r} cache")
+        return cls(**config.as_kwargs())  # type: ignore[arg-type]
 
     def _make_index(self) -> PrefixIndex:
         raise NotImplementedError("build a cache with make_prefix_cache('hash' | 'radix', ...)")

@@ -1,20 +1,19 @@
-"""The engine: requests, sampling, the continuous-batching scheduler, the model runner,
-`LLMEngine` (add_request / step / abort) and the offline `LLM`.
+"""The engine: requests, sampling, the model runner, `LLMEngine` (add_request / step / abort),
+the offline `LLM` and `EngineConfig`. The scheduler it drives lives in `prefixcache.sched`.
 
-Importing this package imports torch; `prefixcache.cache` stays torch-free.
+Names load on first use, so ``prefixcache.engine.config`` (flags and settings) imports no torch;
+everything else here does. `prefixcache.cache` and `prefixcache.sched` stay torch-free.
 """
 
-from prefixcache.engine.llm import LLM
-from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.engine.outputs import CompletionOutput, GenerationOutput, RequestOutput
-from prefixcache.engine.request import Request, RequestStatus
-from prefixcache.engine.sampler import Sampler
-from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.sched import Scheduler, SchedulerOutput
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineConfig",
     "GenerationOutput",
     "LLMEngine",
     "Request",
@@ -25,3 +24,26 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
 ]
+
+_WHERE = {
+    "LLM": "prefixcache.engine.llm",
+    "LLMEngine": "prefixcache.engine.llm_engine",
+    "EngineConfig": "prefixcache.engine.config",
+    "CompletionOutput": "prefixcache.engine.outputs",
+    "GenerationOutput": "prefixcache.engine.outputs",
+    "RequestOutput": "prefixcache.engine.outputs",
+    "Request": "prefixcache.engine.request",
+    "RequestStatus": "prefixcache.sched.request",
+    "Sampler": "prefixcache.engine.sampler",
+    "SamplingParams": "prefixcache.engine.sampling_params",
+    "Scheduler": "prefixcache.sched.scheduler",
+    "SchedulerOutput": "prefixcache.sched.output",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'prefixcache.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefixcache.catalog import DTYPE_NAMES, model_help
-from prefixcache.cli import CliError
+from prefixcache.engine.config import EngineConfig, add_engine_arguments
+from prefixcache.errors import CliError
 
 __all__ = ["add_arguments", "run"]
 
@@ -21,17 +21,11 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts (text); or use --file")
     parser.add_argument("--file", type=Path, help="JSONL file of prompts")
-    parser.add_argument("--model", default="tiny", help=model_help("tiny"))
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    add_engine_arguments(parser)
     parser.add_argument("--chat", action="store_true",
                         help="each prompt is a user message, rendered with the chat template")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--prefix-cache", choices=("hash", "radix"), default="hash")
-    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     parser.add_argument("--cache-salt", default=None)
     parser.add_argument("--json", action="store_true", help="one JSON object per completion")
 
@@ -42,15 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.engine.sampling_params import SamplingParams
 
     try:
-        llm = LLM(
-            model=args.model,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            enable_prefix_caching=not args.no_prefix_cache,
-            prefix_cache=args.prefix_cache,
-            seed=args.seed,
-            dtype=args.dtype,
-        )
+        llm = LLM(config=EngineConfig.from_args(args))
         for item in items:
             params = SamplingParams(
                 max_tokens=int(item.get("max_tokens", args.max_tokens)),

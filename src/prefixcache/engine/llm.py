@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.outputs import CompletionOutput, GenerationOutput
 from prefixcache.engine.request import Request
@@ -27,30 +28,33 @@ Message = Mapping[str, Any]
 
 
 class LLM:
-    """Offline generation. Extra keyword arguments go to `LLMEngine` (``max_num_seqs``,
-    ``max_num_batched_tokens``, ``policy``, ``check_integrity``, ...)."""
+    """Offline generation over one `LLMEngine`. Keyword arguments are `EngineConfig.from_kwargs`'s
+    (``max_num_seqs``, ``max_num_batched_tokens``, ``schedule_policy``, ``check_integrity``,
+    ...), or pass a whole ``config``."""
 
     def __init__(
         self,
-        model: Any = "tiny",
-        block_size: int = 16,
+        model: Any = None,
+        block_size: int | None = None,
         num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        prefix_cache: str = "hash",
-        hash_algo: str = "sha256",
-        seed: int = 0,
-        **engine_kwargs: Any,
+        enable_prefix_caching: bool | None = None,
+        prefix_cache: str | None = None,
+        hash_algo: str | None = None,
+        seed: int | None = None,
+        *,
+        config: EngineConfig | None = None,
+        **settings: Any,
     ) -> None:
-        self.engine = LLMEngine(
-            model,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            prefix_cache=prefix_cache,
-            hash_algo=hash_algo,
-            seed=seed,
-            **engine_kwargs,
-        )
+        named = {
+            "block_size": block_size,
+            "num_kv_blocks": num_kv_blocks,
+            "enable_prefix_caching": enable_prefix_caching,
+            "prefix_cache": prefix_cache,
+            "hash_algo": hash_algo,
+            "seed": seed,
+        }
+        settings.update({k: v for k, v in named.items() if v is not None})
+        self.engine = LLMEngine(model, config=config, **settings)
         self._ids = itertools.count()
 
     @property

@@ -12,13 +12,15 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from prefixcache.cache import PrefixCache, Sequence, make_prefix_cache
+from prefixcache.cache import PrefixCache, Sequence, build_prefix_cache
+from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.runner import ModelRunner, blocks_for_budget
@@ -26,90 +28,57 @@ from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stop import check_stop, emittable_text
 from prefixcache.errors import describe_exception
-from prefixcache.model.host_memory import retain_freed_memory
 from prefixcache.sched import Scheduler, SchedulerOutput
-from prefixcache.sched.fairness import DomainLimits, blocks_needed
+from prefixcache.sched.fairness import blocks_needed
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024
 _MAX_HISTORY = 10_000  # finished requests whose timing `stats()` still reports
 
 
 class LLMEngine:
     """Continuous-batching generation over a paged, prefix-cached KV pool.
 
-    ``model`` is a built-in name (``"smollm2"``, ``"tiny"``, ``"small"``), a checkpoint directory,
-    a .gguf file or a `LoadedModel`. ``kv_events``: buffer the cache's KV events (bounded) for a
-    consumer that drains them with `take_kv_events`; off, nothing is kept.
-    ``num_kv_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
-    ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
-    invariant after each step (tests). Creating an engine tunes the process's malloc to keep
-    freed tensor memory (`prefixcache.model.host_memory`).
+    Configured by one `EngineConfig` (``engine_config``): ``model`` is a built-in name
+    (``"smollm2"``, ``"tiny"``, ``"small"``), a checkpoint directory, a .gguf file or a
+    `LoadedModel`. ``kv_events``: buffer the cache's KV events (bounded) for a consumer that
+    drains them with `take_kv_events`; off, nothing is kept. ``num_kv_blocks=None`` sizes the
+    pool from ``kv_memory_bytes``. ``check_integrity`` verifies every cache invariant after each
+    step (tests). The engine leaves the process's malloc alone: ``prefixcache serve`` opts in
+    to keeping freed tensor memory (`prefixcache.model.host_memory`).
     """
 
     def __init__(
-        self,
-        model: Any = "tiny",
-        *,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_memory_bytes: int = DEFAULT_KV_MEMORY_BYTES,
-        enable_prefix_caching: bool = True,
-        prefix_cache: str = "hash",
-        hash_algo: str = "sha256",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        policy: str = "fcfs",
-        lpm_max_wait_steps: int = 16,
-        dedup: bool = True,
-        zero_freed_blocks: bool = False,
-        seed: int = 0,
-        dtype: str = "float32",
-        check_integrity: bool = False,
-        kv_events: bool = False,
-        kv_events_with_tokens: bool = False,
-        domain_limits: Mapping[str, DomainLimits] | None = None,
-        default_domain_limits: DomainLimits | None = None,
+        self, model: Any = None, *, config: EngineConfig | None = None, **settings: Any
     ) -> None:
-        retain_freed_memory()
-        self.loaded = _load(model, dtype)
+        """``config``, or ``model`` and the flat keywords of `EngineConfig.from_kwargs`."""
+        if config is None:
+            config = EngineConfig.from_kwargs("tiny" if model is None else model, **settings)
+        elif settings:
+            raise TypeError("give an EngineConfig or keyword settings, not both")
+        elif model is not None:
+            config = replace(config, model=model)
+        self.engine_config = config
+        self.loaded = _load(config.model, config.dtype)
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len: int = self.config.max_model_len
-        self.block_size = block_size
-        num_blocks = num_kv_blocks or self._default_num_blocks(kv_memory_bytes, max_num_seqs)
-        self.cache: PrefixCache = make_prefix_cache(
-            prefix_cache,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            hash_algo=hash_algo,
-            enable_caching=enable_prefix_caching,
-            model_id=self.loaded.identity,
-            zero_on_reuse=zero_freed_blocks,
-            # events only for a consumer that drains them (`take_kv_events`), token ids only
-            # when asked: buffered events would otherwise keep every tenant's prompt ids alive
-            enable_kv_events=kv_events,
-            events_with_tokens=kv_events_with_tokens,
+        self.block_size = config.block_size
+        num_blocks = config.cache.num_blocks or self._default_num_blocks(
+            config.kv_memory_bytes, config.scheduler.max_num_seqs
+        )
+        self.cache: PrefixCache = build_prefix_cache(
+            replace(config.cache, num_blocks=num_blocks, model_id=self.loaded.identity)
         )
         self.runner = ModelRunner(
-            self.loaded.model, self.config, num_blocks=num_blocks, block_size=block_size
+            self.loaded.model, self.config, num_blocks=num_blocks, block_size=self.block_size
         )
-        self.scheduler = Scheduler(
-            self.cache,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            policy=policy,
-            lpm_max_wait_steps=lpm_max_wait_steps,
-            dedup=dedup,
-            domain_limits=domain_limits,
-            default_domain_limits=default_domain_limits,
-        )
+        self.scheduler = Scheduler(self.cache, config.scheduler)
         self.sampler = Sampler()
-        self.check_integrity = check_integrity
-        self._seed_rng = random.Random(seed)
+        self.check_integrity = config.check_integrity
+        self._seed_rng = random.Random(config.seed)
         self._groups: dict[str, Request] = {}  # request id -> its first choice (the parent)
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._num_added = 0

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from prefixcache.catalog import PACKAGED_MODELS, PackagedModel
 from prefixcache.model.byte_tokenizer import ByteVocab, write_byte_tokenizer
+from prefixcache.paths import cache_dir
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -90,16 +91,6 @@ def locate_packaged(name: str) -> Path:
     raise PackagedModelMissing(
         f"model {name!r} ({model.description}) needs its package: {model.install_command}"
     )
-
-
-def cache_dir() -> Path:
-    """$PREFIXCACHE_CACHE_DIR, else $XDG_CACHE_HOME/prefixcache, else ~/.cache/prefixcache."""
-    explicit = os.environ.get("PREFIXCACHE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "prefixcache"
 
 
 def ensure_builtin(name: str) -> Path:

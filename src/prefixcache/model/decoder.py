@@ -1,9 +1,9 @@
 """The decoder: Llama / Mistral / Qwen2 / Qwen3 as one PyTorch module over paged KV.
 
 ``CausalLM(input_ids [T], positions [T], kv_cache, attn_metadata) -> logits [B, vocab]``:
-linear layers run over all T tokens of the step at once (the MLP over at most MLP_CHUNK_ROWS at a
-time); attention writes the new K/V through the slot mapping and reads context through block
-tables (`prefixcache.attention`). Parameter names follow transformers except the fused
+linear layers run over all T tokens of the step at once (the MLP over at most
+`tuning.MLP_CHUNK_ROWS` at a time); attention writes the new K/V through the slot mapping and
+reads context through block tables (`prefixcache.attention`). Parameter names follow transformers except the fused
 ``qkv_proj`` and ``gate_up_proj`` (see weights.py). On CPU in float32 the projections also hold
 an MKL-packed copy of their weight (`Projection`, `packed_gemm`), and the element-wise steps
 (residual add + RMSNorm, rotary, SwiGLU) run as compiled one-pass kernels (`native_layers`)
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
-from prefixcache.model import native_layers, packed_gemm
+from prefixcache.model import native_layers, packed_gemm, tuning
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.fused_layers import FusedLayers
 from prefixcache.model.packed_gemm import PackedWeight
@@ -26,8 +26,6 @@ from prefixcache.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["CausalLM", "RMSNorm"]
 
-# The MLP processes at most this many tokens at a time (see `MLP.forward`).
-MLP_CHUNK_ROWS = 512
 
 
 class RMSNorm(nn.Module):
@@ -161,14 +159,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if num_tokens <= MLP_CHUNK_ROWS:
+        chunk = tuning.MLP_CHUNK_ROWS
+        if num_tokens <= chunk:
             return self._swiglu(x)
-        # Long prefills go through in row chunks: the [rows, 2 * intermediate] activation then
-        # stays cache-sized (10% less MLP time at 2,048 tokens on `small`, 2 threads, with
-        # torch's activation; with the native one, chunks of 256, 512 or all rows tie).
+        # long prefills go through in row chunks: the activation stays cache-sized
         out = x.new_empty(num_tokens, x.shape[1])
-        for start in range(0, num_tokens, MLP_CHUNK_ROWS):
-            rows = slice(start, start + MLP_CHUNK_ROWS)
+        for start in range(0, num_tokens, chunk):
+            rows = slice(start, start + chunk)
             out[rows] = self._swiglu(x[rows])
         return out
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention, paged_attention
-from prefixcache.model import native_layers, packed_gemm
+from prefixcache.model import native_layers, packed_gemm, tuning
 from prefixcache.model.packed_gemm import PackedWeight
 
 if TYPE_CHECKING:
@@ -109,12 +109,10 @@ class FusedLayers:
         if any(p is None for p in parts):
             return None
         _check_step(model, h, cos_sin, kv_cache, metadata, parts)  # type: ignore[arg-type]
-        from prefixcache.model.decoder import MLP_CHUNK_ROWS  # read now: tests change it
-
         rows, heads, kv_heads, head_dim = (
             h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         )  # fmt: skip
-        chunk = min(rows, MLP_CHUNK_ROWS)
+        chunk = min(rows, tuning.MLP_CHUNK_ROWS)
         buffers = {
             "x": torch.empty_like(h),
             "o": torch.empty_like(h),

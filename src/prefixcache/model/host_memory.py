@@ -2,13 +2,17 @@
 
 A prefill allocates and frees temporaries of a few MB in every layer (activations, the fused
 projections' outputs, SDPA's buffers). glibc serves such sizes with fresh ``mmap`` regions, or
-trims its heap as soon as they are freed, so the next layer faults the same pages in again: on
-`small`, a 2,048-token prefill between cached steps took ~110,000 minor page faults and ~250 ms
-of system time (12% of the step). Raising the mmap threshold to glibc's maximum (32 MiB) and the
-trim threshold to 256 MiB keeps those pages mapped and reused: ~0 faults, ~10% faster (the same
-effect as running under tcmalloc or jemalloc, which vLLM's CPU backend recommends). The cost is
-up to the trim threshold of freed memory kept by the process. Settings the user gave through
-glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` environment variables win.
+trims its heap as soon as they are freed, so the next layer faults the same pages in again.
+Raising the mmap threshold to glibc's maximum (32 MiB) and the trim threshold to 256 MiB keeps
+those pages mapped and reused (the effect of running under tcmalloc or jemalloc, which vLLM's
+CPU backend recommends). The trade: up to the trim threshold of freed memory stays with the
+process.
+
+It changes the allocator of the whole process, so it is the application's choice, not the
+library's: ``prefixcache serve`` opts in (``--no-retain-freed-memory`` keeps glibc's defaults),
+the benchmarks do too, and a library user may call `retain_freed_memory()` once. Settings the
+user gave through glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` environment
+variables win. What it saves is measured in docs/performance.md.
 """
 
 from __future__ import annotations

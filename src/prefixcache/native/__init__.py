@@ -25,6 +25,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from prefixcache.paths import cache_dir
+
 __all__ = ["SOURCES", "Switch", "compile_flags", "cpu_signature", "load_library"]
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,6 @@ def cpu_signature() -> str:
 
 
 def _build(compiler: str, name: str) -> Path:
-    from prefixcache.model.builtin import cache_dir  # lazy: prefixcache.model imports us
-
     source = SOURCES / f"{name}.c"
     flags = compile_flags()
     version = subprocess.run(

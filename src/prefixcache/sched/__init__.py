@@ -6,6 +6,7 @@ simulator drives on a cost model's clock.
 
 from __future__ import annotations
 
+from prefixcache.sched.config import SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits, DomainUsage, blocks_needed, fair_order
 from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
 from prefixcache.sched.request import FINISH_REASONS, RequestStatus, SchedRequest
@@ -20,6 +21,7 @@ __all__ = [
     "SchedRequest",
     "ScheduledChunk",
     "Scheduler",
+    "SchedulerConfig",
     "SchedulerOutput",
     "blocks_needed",
     "fair_order",

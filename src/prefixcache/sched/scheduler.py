@@ -37,17 +37,17 @@ This package imports no torch: the engine drives it with a model, the simulator
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prefixcache.cache import CacheHit, PrefixCache
+from prefixcache.sched.config import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits, DomainUsage, fair_order
 from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
 from prefixcache.sched.request import RequestStatus, SchedRequest
 
 __all__ = ["SCHEDULE_POLICIES", "Scheduler"]
-
-SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 Request = SchedRequest
 
@@ -56,32 +56,22 @@ class Scheduler:
     """Decides each step's batch; owns the waiting queue and the running list."""
 
     def __init__(
-        self,
-        cache: PrefixCache,
-        *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        policy: str = "fcfs",
-        lpm_max_wait_steps: int = 16,
-        dedup: bool = True,
-        domain_limits: Mapping[str, DomainLimits] | None = None,
-        default_domain_limits: DomainLimits | None = None,
+        self, cache: PrefixCache, config: SchedulerConfig | None = None, **settings: Any
     ) -> None:
-        if policy not in SCHEDULE_POLICIES:
-            raise ValueError(
-                f"unknown scheduling policy {policy!r}; choose one of {SCHEDULE_POLICIES}"
-            )
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or lpm_max_wait_steps < 0:
-            raise ValueError(
-                "max_num_seqs and max_num_batched_tokens must be >= 1 and lpm_max_wait_steps "
-                f">= 0, got {max_num_seqs}, {max_num_batched_tokens}, {lpm_max_wait_steps}"
-            )
+        """``config``, or its fields as keywords (`SchedulerConfig.from_kwargs`)."""
+        if config is None:
+            config = SchedulerConfig.from_kwargs(**settings)
+        elif settings:
+            raise TypeError("give a SchedulerConfig or keyword settings, not both")
+        self.config = config
         self.cache = cache
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
-        self.lpm_max_wait_steps = lpm_max_wait_steps
-        self.dedup = dedup
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.policy = config.schedule_policy
+        self.lpm_max_wait_steps = config.lpm_max_wait_steps
+        self.dedup = config.dedup
+        self.domain_limits = dict(config.domain_limits)
+        self.default_domain_limits = config.default_domain_limits
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step_index = 0
@@ -89,8 +79,6 @@ class Scheduler:
         self.num_fairness_preemptions = 0  # of those, to let an under-share domain start
         self.num_deferred = 0
         self.num_block_copies = 0
-        self.domain_limits = dict(domain_limits or {})
-        self.default_domain_limits = default_domain_limits or DomainLimits()
         self._domains: Counter[str] = Counter()  # unfinished requests per domain
 
     def limits_for(self, domain: str) -> DomainLimits:

@@ -1,6 +1,7 @@
 """``prefixcache serve``: load a model, build the engine and app, run uvicorn.
 
-Flags map one to one onto `LLMEngine` and `create_app`; bad values become a one-line `CliError`.
+The engine's flags build one `EngineConfig` (`add_engine_arguments`); the rest map onto
+`create_app`; bad values become a one-line `CliError`.
 Heavy imports (torch, fastapi, uvicorn) happen inside `run`.
 """
 
@@ -10,7 +11,7 @@ import argparse
 import logging
 from typing import Any
 
-from prefixcache.catalog import DTYPE_NAMES, model_help
+from prefixcache.engine.config import add_engine_arguments
 from prefixcache.errors import CliError
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_arguments", "build_app", "run", "uvicorn_options"]
@@ -21,9 +22,7 @@ logger = logging.getLogger("prefixcache.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help=model_help("tiny"))
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
-                        help="weights' and KV cache's dtype (checkpoints are cast on load)")
+    add_engine_arguments(parser)
     parser.add_argument("--served-model-name", default=None,
                         help="the model id clients send (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -34,22 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--secret-file", default=None,
                         help="server secret for salt derivation (else $PREFIXCACHE_SECRET, "
                              "else random per process)")
-    parser.add_argument("--prefix-cache", choices=("hash", "radix"), default="hash")
-    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--hash-algo", default="sha256", choices=("sha256", "blake2b", "xxh3_128"),
-                        help="block digest; xxh3_128 is fast but not collision resistant")
-    parser.add_argument("--policy", default="fcfs", help="scheduling policy: fcfs or lpm")
     parser.add_argument("--max-queue-len", type=int, default=256,
                         help="waiting requests beyond --max-num-seqs before answering 429")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="chat max_tokens when the client sends none")
-    parser.add_argument("--zero-freed-blocks", action="store_true",
-                        help="zero a block's KV when it is reused for another namespace")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS")
     parser.add_argument("--record-trace", default=None, metavar="FILE",
                         help="append each finished request's token counts and block digests "
@@ -77,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close a connection whose request headers are not complete in time")
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
                         help="close an idle keep-alive connection after this long")
+    parser.add_argument("--no-retain-freed-memory", action="store_true",
+                        help="keep glibc's malloc defaults (by default the server keeps freed "
+                             "tensor memory mapped, avoiding page-fault churn in prefills)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -139,18 +129,15 @@ def _domain_limits(args: argparse.Namespace, tenants: Any) -> tuple[Any, dict[st
 
 
 def _engine(args: argparse.Namespace, tenants: Any = None) -> Any:
+    from prefixcache.engine.config import EngineConfig
     from prefixcache.engine.llm_engine import LLMEngine
 
     default_limits, limits = _domain_limits(args, tenants)
     try:
-        return LLMEngine(
-            args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-            enable_prefix_caching=not args.no_prefix_cache, prefix_cache=args.prefix_cache,
-            hash_algo=args.hash_algo, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
-            zero_freed_blocks=args.zero_freed_blocks, seed=args.seed, dtype=args.dtype,
-            domain_limits=limits, default_domain_limits=default_limits,
+        config = EngineConfig.from_args(
+            args, domain_limits=limits, default_domain_limits=default_limits
         )
+        return LLMEngine(config=config)
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot start the engine: {exc}") from None
 
@@ -180,6 +167,10 @@ def build_app(args: argparse.Namespace) -> Any:
     from prefixcache.server.app import create_app
 
     _check_args(args)
+    if not args.no_retain_freed_memory:
+        from prefixcache.model.host_memory import retain_freed_memory
+
+        retain_freed_memory()  # this process is a server: see prefixcache.model.host_memory
     tenants = _tenants(args)
     engine = _engine(args, tenants)
     from prefixcache.tools.cachelog import configure_from_env

@@ -2,7 +2,7 @@
 
     prefixcache simulate TRACE [--format mooncake|agentic|record|synthetic:<name>]
         [--block-size N] [--capacity 1k,10k,50k,inf] [--prefix-cache hash,radix]
-        [--policy lru,lfu] [--replicas 1,4] [--router cache-aware,round-robin] [--out DIR]
+        [--eviction-policy lru,lfu] [--replicas 1,4] [--router cache-aware,round-robin] [--out DIR]
 
 Prints a progress bar and a table; with ``--out`` writes results.json, results.csv and PNG plots.
 Bad input is one line on stderr (exit 2), never a traceback.
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefixcache.sched import SCHEDULE_POLICIES
 from prefixcache.sim.config import POLICIES, RunSpec, format_blocks
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.errors import TraceFormatError
@@ -24,7 +25,7 @@ from prefixcache.sim.output import format_table, write_results
 from prefixcache.sim.report import ReplayResult
 from prefixcache.sim.router import ROUTERS
 from prefixcache.sim.sweep import SweepPlan, plan_sweep, run_sweep
-from prefixcache.sim.timed import SchedulerConfig
+from prefixcache.sim.timed import ReplicaConfig
 from prefixcache.sim.trace import Trace
 
 _SUFFIXES = {"k": 1_000, "m": 1_000_000}
@@ -41,7 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, help="tokens per hash id (mooncake: 512)")
     parser.add_argument("--capacity", default="1k,10k,50k,inf", help="total cache blocks")
     parser.add_argument("--prefix-cache", default="hash,radix", help="hash and/or radix")
-    parser.add_argument("--policy", default="lru", help="lru and/or lfu (lfu: radix only)")
+    parser.add_argument(
+        "--eviction-policy",
+        "--policy",
+        dest="eviction_policy",
+        default="lru",
+        help="lru and/or lfu (lfu: radix only; --policy is the deprecated spelling)",
+    )
     parser.add_argument("--replicas", default="1", help="replica counts, e.g. 1,2,4,8")
     parser.add_argument(
         "--router",
@@ -74,6 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-decode-kv", action="store_true", help="timed: keep generated tokens out of the cache"
     )
+    parser.add_argument(
+        "--schedule-policy",
+        choices=SCHEDULE_POLICIES,
+        default="fcfs",
+        help="timed: admission order, fcfs or lpm (longest cached prefix first, aged)",
+    )
+    parser.add_argument("--n", type=int, default=1, help="timed: choices sampled per request")
+    parser.add_argument(
+        "--no-dedup",
+        action="store_true",
+        help="timed: no in-batch dedup (a request may compute a block another computes now)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for --rate")
     parser.add_argument("--out", help="directory for results.json, results.csv and plots")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -81,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prefixcache.cli import CliError
+    from prefixcache.errors import CliError
 
     try:
         return _run(args)
@@ -93,7 +112,14 @@ def _run(args: argparse.Namespace) -> int:
     trace = _load(args)
     plan = _plan(args)
     cost = _cost_model(args)
-    config = SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, not args.no_decode_kv)
+    config = ReplicaConfig(
+        args.max_batched_tokens,
+        args.max_num_seqs,
+        not args.no_decode_kv,
+        schedule_policy=args.schedule_policy,
+        dedup=not args.no_dedup,
+        n=args.n,
+    )
     total = len(trace) * (1 if args.mode == "sequential" else len(plan.specs))
     with _progress(total, args.no_progress, trace.name) as bar:
         results = run_sweep(trace, plan.specs, args.mode, cost, config, bar.update)
@@ -125,7 +151,7 @@ def _load(args: argparse.Namespace) -> Trace:
 def _plan(args: argparse.Namespace) -> SweepPlan:
     capacities = [parse_capacity(c) for c in _items(args.capacity, "--capacity")]
     kinds = _items(args.prefix_cache, "--prefix-cache")
-    policies = _choices(args.policy, "--policy", POLICIES)
+    policies = _choices(args.eviction_policy, "--eviction-policy", POLICIES)
     replicas = [_positive_int(r, "--replicas") for r in _items(args.replicas, "--replicas")]
     routers = _choices(args.router, "--router", tuple(ROUTERS))
     cluster = (
@@ -225,6 +251,9 @@ def _meta(
             "max_num_seqs": args.max_num_seqs,
             "max_batched_tokens": args.max_batched_tokens,
             "decode_kv": not args.no_decode_kv,
+            "schedule_policy": args.schedule_policy,
+            "n": args.n,
+            "dedup": not args.no_dedup,
         },
         "notes": plan.notes,
         "argv": sys.argv[1:],

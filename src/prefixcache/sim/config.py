@@ -6,24 +6,22 @@ is ever evicted). Knows the cache registry, not the replay.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from prefixcache.cache import PREFIX_CACHES, PrefixCache, make_prefix_cache
+from prefixcache.cache import PREFIX_CACHES, CacheConfig, PrefixCache, build_prefix_cache
+from prefixcache.cache.radix_index import EVICTION_POLICIES
 from prefixcache.sim.trace import Trace
 
-POLICIES = ("lru", "lfu")
+POLICIES = EVICTION_POLICIES  # the cache's eviction policies (--eviction-policy)
 
 
 @dataclass(frozen=True, slots=True)
 class RunSpec:
-    """A point of the sweep: implementation, policy, total capacity, replicas and router."""
+    """A point of the sweep: implementation, eviction policy, total capacity, replicas, router."""
 
     prefix_cache: str = "hash"
-    policy: str = "lru"
+    eviction_policy: str = "lru"
     capacity_blocks: int | None = None
     replicas: int = 1
     router: str = "round-robin"
@@ -31,14 +29,23 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"unknown prefix cache {self.prefix_cache!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
-        if self.policy != "lru" and self.prefix_cache != "radix":
-            raise ValueError(f"policy {self.policy!r} exists only on the radix cache")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"unknown eviction policy {self.eviction_policy!r}; choose one of {POLICIES}"
+            )
+        if self.eviction_policy != "lru" and self.prefix_cache != "radix":
+            raise ValueError(
+                f"eviction policy {self.eviction_policy!r} exists only on the radix cache"
+            )
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.capacity_blocks is not None and self.capacity_blocks < self.replicas:
             raise ValueError(f"capacity {self.capacity_blocks} blocks < {self.replicas} replicas")
+
+    @property
+    def policy(self) -> str:
+        """The eviction policy, under its earlier name."""
+        return self.eviction_policy
 
     @property
     def capacity_label(self) -> str:
@@ -70,26 +77,15 @@ def unlimited_blocks(trace: Trace, with_output: bool, n: int = 1) -> int:
 def build_cache(
     spec: RunSpec, num_blocks: int, block_size: int, with_events: bool, hash_algo: str = "sha256"
 ) -> PrefixCache:
-    """A cache for one replica, passing only the keyword arguments the implementation takes."""
-    wanted: dict[str, Any] = {
-        "enable_kv_events": with_events,
-        "events_with_tokens": False,
-        "eviction_policy": spec.policy,
-    }
-    accepted = _accepted_kwargs(spec.prefix_cache)
-    kwargs = {k: v for k, v in wanted.items() if k in accepted}
-    if spec.policy != "lru" and "eviction_policy" not in kwargs:
-        raise ValueError(f"{spec.prefix_cache} cache has no eviction_policy option")
-    return make_prefix_cache(
-        spec.prefix_cache,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        hash_algo=hash_algo,
-        **kwargs,
+    """A cache for one replica (events only for a router that reads them, never token ids)."""
+    return build_prefix_cache(
+        CacheConfig(
+            spec.prefix_cache,
+            num_blocks,
+            block_size,
+            hash_algo,
+            enable_kv_events=with_events,
+            events_with_tokens=False,
+            eviction_policy=spec.eviction_policy,
+        )
     )
-
-
-def _accepted_kwargs(kind: str) -> set[str]:
-    module_name, class_name = PREFIX_CACHES[kind].split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return set(inspect.signature(cls.__init__).parameters)

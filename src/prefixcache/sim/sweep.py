@@ -14,7 +14,7 @@ from prefixcache.sim.config import RunSpec
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.report import ReplayResult
 from prefixcache.sim.sequential import Progress, replay_sequential
-from prefixcache.sim.timed import SchedulerConfig, replay_timed
+from prefixcache.sim.timed import ReplicaConfig, replay_timed
 from prefixcache.sim.trace import Trace
 
 
@@ -59,7 +59,7 @@ def run_sweep(
     specs: list[RunSpec],
     mode: str,
     cost: CostModel,
-    config: SchedulerConfig,
+    config: ReplicaConfig,
     progress: Progress | None = None,
 ) -> list[ReplayResult]:
     """Run every spec; sequential in one lockstep pass, timed one by one."""

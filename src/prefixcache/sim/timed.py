@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from prefixcache.cache import PrefixCache, Sequence
 from prefixcache.sched import (
-    SCHEDULE_POLICIES,
     RequestStatus,
     SchedRequest,
     Scheduler,
+    SchedulerConfig,
     SchedulerOutput,
 )
 from prefixcache.sim.config import RunSpec, build_cache, unlimited_blocks
@@ -35,14 +35,15 @@ from prefixcache.sim.sequential import Progress, summarize
 from prefixcache.sim.tokens import TokenSource
 from prefixcache.sim.trace import Trace, TraceRequest
 
-__all__ = ["SchedulerConfig", "TimedReplica", "replay_timed"]
+__all__ = ["ReplicaConfig", "TimedReplica", "replay_timed"]
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """The scheduler of every simulated replica. ``store_decode=False`` keeps generated tokens
-    out of the cache (prompt-only replay): a request leaves the scheduler once its prompt is
-    computed, its decode steps still count in the step time. ``n`` choices per request."""
+class ReplicaConfig:
+    """How every simulated replica schedules: `prefixcache.sched.SchedulerConfig`'s fields,
+    plus ``store_decode=False`` to keep generated tokens out of the cache (prompt-only replay:
+    a request leaves the scheduler once its prompt is computed, its decode steps still count in
+    the step time) and ``n`` choices per request."""
 
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 128
@@ -53,13 +54,18 @@ class SchedulerConfig:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.n < 1:
-            raise ValueError("max_num_batched_tokens, max_num_seqs and n must be >= 1")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(
-                f"unknown schedule policy {self.schedule_policy!r}; "
-                f"choose one of {SCHEDULE_POLICIES}"
-            )
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        self.scheduler_config()  # validates the rest
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            schedule_policy=self.schedule_policy,
+            lpm_max_wait_steps=self.lpm_max_wait_steps,
+            dedup=self.dedup,
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -90,20 +96,13 @@ class TimedReplica:
     """A replica's cache, scheduler and clock."""
 
     def __init__(
-        self, cache: PrefixCache, cost: CostModel, config: SchedulerConfig, source: TokenSource
+        self, cache: PrefixCache, cost: CostModel, config: ReplicaConfig, source: TokenSource
     ) -> None:
         self.cache = cache
         self.cost = cost
         self.config = config
         self.source = source
-        self.scheduler = Scheduler(
-            cache,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=config.schedule_policy,
-            lpm_max_wait_steps=config.lpm_max_wait_steps,
-            dedup=config.dedup,
-        )
+        self.scheduler = Scheduler(cache, config.scheduler_config())
         self.tally = Tally()
         self.clock = 0.0
         self.decoding: list[list[int]] = []  # store_decode=False: [steps left] per choice
@@ -209,13 +208,13 @@ def replay_timed(
     trace: Trace,
     spec: RunSpec,
     cost: CostModel | None = None,
-    config: SchedulerConfig | None = None,
+    config: ReplicaConfig | None = None,
     progress: Progress | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through one configuration with the scheduler on simulated time."""
     started = time.perf_counter()
     cost = cost or CostModel()
-    config = config or SchedulerConfig()
+    config = config or ReplicaConfig()
     router = make_router(spec.router, spec.replicas)
     total = spec.capacity_blocks
     per_replica = (

@@ -1,0 +1,159 @@
+"""`EngineConfig`: one frozen, validated description of an engine, built once from the CLI
+flags, the server's flags or the offline `LLM(...)` keywords and passed down: the cache gets
+`EngineConfig.cache`, the scheduler `EngineConfig.scheduler`, the loader the model part.
+
+    config = EngineConfig.from_kwargs("tiny", block_size=16, max_num_seqs=8)
+    engine = LLMEngine(config=config)
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from prefixcache.cache import CacheConfig
+from prefixcache.cache.block_hash import HASH_ALGOS
+from prefixcache.cache.config import CACHE_KINDS
+from prefixcache.cache.radix_index import EVICTION_POLICIES
+from prefixcache.catalog import DTYPE_NAMES, model_help
+from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
+from prefixcache.sched.fairness import DomainLimits
+
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "add_engine_arguments"]
+
+DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024
+
+# an engine buffers KV events only for a consumer that drains them, and token ids (tenant data)
+# only when asked
+_ENGINE_CACHE = CacheConfig(enable_kv_events=False, events_with_tokens=False)
+
+# flat keyword -> (part, field); the spellings `LLMEngine(...)` and `LLM(...)` have always taken
+_CACHE_KEYS = {
+    "prefix_cache": "kind",
+    "num_kv_blocks": "num_blocks",
+    "block_size": "block_size",
+    "hash_algo": "hash_algo",
+    "enable_prefix_caching": "enable_caching",
+    "zero_on_reuse": "zero_on_reuse",
+    "kv_events": "enable_kv_events",
+    "kv_events_with_tokens": "events_with_tokens",
+    "eviction_policy": "eviction_policy",
+}
+_SCHEDULER_KEYS = {
+    "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "policy", "lpm_max_wait_steps",
+    "dedup", "domain_limits", "default_domain_limits",
+}  # fmt: skip
+_DEPRECATED = {"zero_freed_blocks": "zero_on_reuse"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """``model``: a built-in name, a checkpoint directory, a .gguf file or a `LoadedModel`.
+    ``cache.num_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
+    ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
+    invariant after each step (tests)."""
+
+    model: Any = "tiny"
+    dtype: str = "float32"
+    seed: int = 0
+    cache: CacheConfig = _ENGINE_CACHE
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_memory_bytes: int = DEFAULT_KV_MEMORY_BYTES
+    check_integrity: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPE_NAMES)}")
+        if self.kv_memory_bytes < 1:
+            raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @classmethod
+    def from_kwargs(cls, model: Any = "tiny", **settings: Any) -> EngineConfig:
+        """From the flat keywords of `LLMEngine(...)` / `LLM(...)`: ``block_size``,
+        ``num_kv_blocks``, ``kv_memory_bytes``, ``enable_prefix_caching``, ``prefix_cache``,
+        ``hash_algo``, ``eviction_policy``, ``zero_on_reuse``, ``kv_events``,
+        ``kv_events_with_tokens``, ``max_num_seqs``, ``max_num_batched_tokens``,
+        ``schedule_policy``, ``lpm_max_wait_steps``, ``dedup``, ``domain_limits``,
+        ``default_domain_limits``, ``seed``, ``dtype``, ``check_integrity``. Deprecated
+        spellings (``policy``, ``zero_freed_blocks``) still work, with a warning."""
+        for old, new in _DEPRECATED.items():
+            if old in settings:
+                warnings.warn(
+                    f"{old!r} is deprecated: use {new!r}", DeprecationWarning, stacklevel=3
+                )
+                settings.setdefault(new, settings.pop(old))
+        cache = {_CACHE_KEYS[k]: settings.pop(k) for k in list(settings) if k in _CACHE_KEYS}
+        scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
+        known = {"dtype", "seed", "kv_memory_bytes", "check_integrity"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
+        return cls(
+            model=model,
+            cache=replace(_ENGINE_CACHE, **cache),
+            scheduler=SchedulerConfig.from_kwargs(**scheduler),
+            **settings,
+        )
+
+    @classmethod
+    def from_args(
+        cls,
+        args: argparse.Namespace,
+        *,
+        domain_limits: Mapping[str, DomainLimits] | None = None,
+        default_domain_limits: DomainLimits | None = None,
+    ) -> EngineConfig:
+        """From the flags `add_engine_arguments` defines (``serve``, ``generate``)."""
+        if args.policy is not None:
+            warnings.warn("--policy is deprecated: use --schedule-policy", DeprecationWarning,
+                          stacklevel=2)
+        return cls.from_kwargs(
+            args.model,
+            dtype=args.dtype,
+            seed=args.seed,
+            prefix_cache=args.prefix_cache,
+            enable_prefix_caching=not args.no_prefix_cache,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            hash_algo=args.hash_algo,
+            eviction_policy=args.eviction_policy,
+            zero_on_reuse=args.zero_on_reuse,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            schedule_policy=args.policy or args.schedule_policy,
+            domain_limits=domain_limits,
+            default_domain_limits=default_domain_limits,
+        )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
+    """The engine's flags, shared by every command that builds one."""
+    parser.add_argument("--model", default=default_model, help=model_help(default_model))
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                        help="weights and KV dtype")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-cache", choices=CACHE_KINDS, default="hash")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--hash-algo", default="sha256", choices=sorted(HASH_ALGOS),
+                        help="block digest (xxh3_128: fast, not collision-resistant)")
+    parser.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
+                        help="order of evicting free cached blocks (lfu: radix only)")
+    parser.add_argument("--zero-on-reuse", "--zero-freed-blocks", dest="zero_on_reuse",
+                        action="store_true",
+                        help="zero a block's KV before another namespace reuses it "
+                             "(--zero-freed-blocks: deprecated spelling)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES,
+                        help="admission order: fcfs, or lpm (longest cached prefix first, aged)")
+    parser.add_argument("--policy", default=None, choices=SCHEDULE_POLICIES,
+                        help="deprecated spelling of --schedule-policy")
