@@ -4,10 +4,11 @@
 linear layers run over all T tokens of the step at once (the MLP over at most
 `tuning.MLP_CHUNK_ROWS` at a time); attention writes the new K/V through the slot mapping and
 reads context through block tables (`prefixcache.attention`). Parameter names follow
-transformers except the fused ``qkv_proj`` and ``gate_up_proj`` (see weights.py). On CPU in float32 the projections also hold
-an MKL-packed copy of their weight (`Projection`, `packed_gemm`), and the element-wise steps
-(residual add + RMSNorm, rotary, SwiGLU) run as compiled one-pass kernels (`native_layers`)
-where they build; the residual stream is updated in place, each add fused with the norm after it.
+transformers except the fused ``qkv_proj`` and ``gate_up_proj`` (see weights.py). On CPU in
+float32 the projections also hold an MKL-packed copy of their weight (`Projection`,
+`packed_gemm`), and the element-wise steps (residual add + RMSNorm, rotary, SwiGLU) run as
+compiled one-pass kernels (`native_layers`) where they build; the residual stream is updated in
+place, each add fused with the norm after it.
 With both, each layer runs as one or two compiled calls (`fused_layers`).
 """
 
