@@ -16,6 +16,7 @@ from prefixcache.tools.cachelog import (
     LOG_ENV,
     CacheDecisionLog,
     JsonFormatter,
+    attach,
     configure,
 )
 from server_harness import start_server, wait_idle
@@ -61,7 +62,8 @@ def test_server_logs_hold_no_prompt_text(
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)  # everything any logger emits, at every level
     try:
-        assert isinstance(running.engine.cache, CacheDecisionLog)
+        (log,) = running.engine.cache.observers  # attached by PREFIXCACHE_LOG=json
+        assert isinstance(log, CacheDecisionLog) and attach(running.engine) is log
         url = running.base_url
         first = _completion(url, KEYS["alice"], PROMPT)
         second = _completion(url, KEYS["alice"], PROMPT)

@@ -6,11 +6,20 @@ from __future__ import annotations
 import traceback
 from types import TracebackType
 
-__all__ = ["CliError", "code_location", "describe_exception"]
+__all__ = ["CliError", "InvalidParam", "code_location", "describe_exception"]
 
 
 class CliError(Exception):
     """A user error on the command line: printed as one line, exit status 2."""
+
+
+class InvalidParam(ValueError):
+    """A request's ``param`` (a sampling field, ``prompt``, ``n``) is invalid; an API names it in
+    its error body."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def code_location(tb: TracebackType | None) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from operator import attrgetter
+from typing import Protocol
 
 from prefixcache.cache.block_hash import BlockHasher
 from prefixcache.cache.block_pool import DEFAULT_MAX_EVENTS, BlockPool, KVBlock, check_invariant
@@ -35,9 +36,23 @@ from prefixcache.cache.keys import ChainKeys
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 
-__all__ = ["PrefixCache"]
+__all__ = ["CacheObserver", "PrefixCache"]
 
 _block_id = attrgetter("block_id")
+
+
+class CacheObserver(Protocol):
+    """Told about a cache's decisions as they happen (logging, tracing); adds nothing to the
+    cache's own work when none is attached. Must not call back into the cache's mutators."""
+
+    def on_admit(self, seq: Sequence, hit: CacheHit | None, block_ids: list[int]) -> None:
+        """``seq`` was admitted with ``hit``; ``block_ids`` is its new block table."""
+
+    def on_commit(self, seq: Sequence, start: int, end: int, block_ids: list[int]) -> None:
+        """Blocks ``start..end-1`` of ``seq`` (table ``block_ids``) are full and computed."""
+
+    def on_free(self, seq: Sequence, num_blocks: int) -> None:
+        """``seq`` let go of its ``num_blocks`` blocks."""
 
 
 class PrefixCache:
@@ -92,6 +107,7 @@ class PrefixCache:
         self.index = self._make_index()
         self.pool.attach(self.index)
         self._tables: dict[str, SeqBlocks] = {}
+        self._observers: list[CacheObserver] = []
 
     kind = ""  # "hash" | "radix", set by each implementation
 
@@ -112,6 +128,19 @@ class PrefixCache:
             f"{type(self).__name__}(num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"free={self.pool.num_free}, cached={self.pool.num_cached})"
         )
+
+    def add_observer(self, observer: CacheObserver) -> None:
+        """Tell ``observer`` about every admission, commit and free from now on (once)."""
+        if observer not in self._observers:
+            self._observers.append(observer)
+
+    @property
+    def observers(self) -> tuple[CacheObserver, ...]:
+        return tuple(self._observers)
+
+    def remove_observer(self, observer: CacheObserver) -> None:
+        if observer in self._observers:
+            self._observers.remove(observer)
 
     @property
     def zero_on_reuse(self) -> bool:
@@ -191,6 +220,8 @@ class PrefixCache:
         seq.num_computed_tokens = computed
         self._tables[seq.seq_id] = table
         self._count_lookup(seq, hit)
+        for observer in self._observers:
+            observer.on_admit(seq, hit, list(table.block_ids))
         return list(table.block_ids)
 
     def _checked_hit(self, seq: Sequence, hit: CacheHit | None) -> list[KVBlock]:
@@ -259,6 +290,9 @@ class PrefixCache:
         table.num_committed_blocks = end
         if self.enable_caching and seq.use_cache:
             self.index.insert(table, start, end)
+            if end > start:
+                for observer in self._observers:
+                    observer.on_commit(seq, start, end, list(table.block_ids))
 
     def _live_table(self, seq: Sequence) -> SeqBlocks:
         table = self._tables.get(seq.seq_id)
@@ -277,6 +311,8 @@ class PrefixCache:
         self.pool.release(reversed(table.blocks))
         self.index.release(table)
         seq.num_computed_tokens = 0
+        for observer in self._observers:
+            observer.on_free(seq, len(table.blocks))
 
     def fork(self, seq: Sequence, child_id: str) -> Sequence:
         """A child sharing every block of ``seq`` (ref counts up), for n > 1 sampling."""

@@ -21,13 +21,13 @@ import torch
 
 from prefixcache.cache import PrefixCache, Sequence, build_prefix_cache
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
-from prefixcache.engine.outputs import RequestOutput
+from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, RequestOutput
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.runner import ModelRunner, blocks_for_budget
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stop import check_stop, emittable_text
-from prefixcache.errors import describe_exception
+from prefixcache.errors import InvalidParam, describe_exception
 from prefixcache.sched import Scheduler, SchedulerOutput
 from prefixcache.sched.fairness import blocks_needed
 
@@ -133,36 +133,38 @@ class LLMEngine:
         self, prompt: str | SequenceABC[int] | None, prompt_token_ids: SequenceABC[int] | None
     ) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
+            raise InvalidParam("prompt", "give exactly one of prompt and prompt_token_ids")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty")
+                raise InvalidParam("prompt", "the prompt is empty")
             return list(self.tokenizer.encode(prompt))
         ids = prompt if prompt_token_ids is None else prompt_token_ids
         token_ids = list(ids)  # type: ignore[arg-type]
         vocab = self.config.vocab_size
         for token_id in token_ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool):
-                raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
+                raise InvalidParam("prompt", f"prompt token ids must be integers, got {token_id!r}")
             if not 0 <= token_id < vocab:
-                raise ValueError(
-                    f"prompt token id {token_id} is outside the vocabulary [0, {vocab})"
+                raise InvalidParam(
+                    "prompt", f"prompt token id {token_id} is outside the vocabulary [0, {vocab})"
                 )
         if not token_ids:
-            raise ValueError("the prompt is empty (no token ids)")
+            raise InvalidParam("prompt", "the prompt is empty (no token ids)")
         return token_ids
 
     def _validate_length(self, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise InvalidParam(
+                "prompt",
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the model's context length of {self.max_model_len} tokens"
             )
         # one choice must fit in the whole pool, else it could never finish
         needed = -(-total // self.block_size)
         if needed > self.cache.num_blocks:
-            raise ValueError(
+            raise InvalidParam(
+                "prompt",
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
                 f"KV blocks of {self.block_size} tokens, but the pool has only "
                 f"{self.cache.num_blocks}"
@@ -172,12 +174,14 @@ class LLMEngine:
         """A request that could never fit its domain's caps is refused now, not queued forever."""
         limits = self.scheduler.limits_for(domain)
         if limits.max_seqs is not None and params.n > limits.max_seqs:
-            raise ValueError(
+            raise InvalidParam(
+                "n",
                 f"n ({params.n}) exceeds this caller's limit of {limits.max_seqs} running sequences"
             )
         needed = blocks_needed(num_prompt, params.max_tokens, params.n, self.block_size)
         if limits.max_blocks is not None and needed > limits.max_blocks:
-            raise ValueError(
+            raise InvalidParam(
+                "n",
                 f"n ({params.n}) x (prompt {num_prompt} + max_tokens {params.max_tokens} tokens) "
                 f"needs up to {needed} KV blocks, over this caller's limit of {limits.max_blocks}"
             )
@@ -379,6 +383,39 @@ class LLMEngine:
             self._history.popitem(last=False)
 
     # ---- cache control and stats ----------------------------------------------------------------
+
+    @property
+    def limits(self) -> EngineLimits:
+        """What this engine accepts (for a server's request validation)."""
+        return EngineLimits(
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            vocab_size=self.config.vocab_size,
+            block_size=self.block_size,
+            num_kv_blocks=self.cache.num_blocks,
+        )
+
+    def snapshot(self) -> EngineSnapshot:
+        """Counters and levels now (call between steps, on the engine's thread)."""
+        stats = self.cache.stats
+        free = self.cache.num_free_blocks
+        return EngineSnapshot(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.cache.usage,
+            num_free_blocks=free,
+            min_free_blocks=stats.min_free_blocks if stats.min_free_blocks >= 0 else free,
+            queried_tokens=stats.num_queried_tokens,
+            hit_tokens=stats.num_hit_tokens,
+            evictions=stats.num_evictions,
+            preemptions=self.scheduler.num_preemptions,
+            duplicate_blocks=stats.num_duplicate_blocks,
+        )
+
+    def prompt_block_digests(self, request: Request) -> list[bytes]:
+        """The digests of ``request``'s complete prompt blocks (what a trace records)."""
+        num_blocks = request.num_prompt_tokens // self.block_size
+        return request.seq.digests(self.cache.hasher, self.cache.model_id)[:num_blocks]
 
     def take_kv_events(self) -> list[Any]:
         """Drain the KV events buffered since the last call (empty unless ``kv_events``)."""

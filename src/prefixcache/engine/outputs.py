@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CompletionOutput", "GenerationOutput", "RequestOutput"]
+__all__ = [
+    "CompletionOutput",
+    "EngineLimits",
+    "EngineSnapshot",
+    "GenerationOutput",
+    "RequestOutput",
+]
 
 
 @dataclass(slots=True)
@@ -66,3 +72,34 @@ class GenerationOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What an engine accepts: a server validates requests against these."""
+
+    max_num_seqs: int
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """Engine figures after one step: cumulative counters and current levels."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    min_free_blocks: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    preemptions: int = 0
+    duplicate_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from prefixcache.errors import InvalidParam
+
 __all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]
 
 # Below this temperature sampling is greedy (vLLM's rule): dividing logits by a tiny temperature
@@ -18,7 +20,7 @@ GREEDY_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Sampling and stopping rules; bad values raise ValueError naming the field.
+    """Sampling and stopping rules; bad values raise `InvalidParam` (a ValueError) naming the field.
 
     ``temperature < GREEDY_TEMPERATURE`` (0 included) is greedy (exact argmax); it must be
     finite. ``top_k <= 0`` and ``top_p == 1`` disable those
@@ -49,17 +51,21 @@ class SamplingParams:
         _check_number("temperature", self.temperature)
         _check_number("top_p", self.top_p)
         if self.temperature < 0 or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidParam(
+                "temperature", f"temperature must be a finite number >= 0, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         if any(s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidParam("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+            raise InvalidParam(
+                "stop_token_ids", f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -78,7 +84,7 @@ def _as_str_tuple(value: object) -> tuple[str, ...]:
         return (value,)
     items = tuple(value)  # type: ignore[call-overload]
     if not all(isinstance(s, str) for s in items):
-        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+        raise InvalidParam("stop", f"stop must be a string or a list of strings, got {value!r}")
     return items
 
 
@@ -87,17 +93,19 @@ def _as_int_tuple(value: object) -> tuple[int, ...]:
         return ()
     items = tuple(value)  # type: ignore[call-overload]
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        raise ValueError(f"stop_token_ids must be a list of integers, got {value!r}")
+        raise InvalidParam(
+            "stop_token_ids", f"stop_token_ids must be a list of integers, got {value!r}"
+        )
     return items
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidParam(name, f"{name} must be an integer, got {value!r}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidParam(name, f"{name} must be >= {minimum}, got {value}")
 
 
 def _check_number(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidParam(name, f"{name} must be a number, got {value!r}")

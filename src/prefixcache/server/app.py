@@ -59,7 +59,7 @@ def create_app(
     With a tenants file, ``/metrics`` answers only an admin tenant's key or ``metrics_key``.
     """
     metrics = ServerMetrics(model_name, block_bytes(engine), metrics_domain_labels)
-    max_pending = engine.scheduler.max_num_seqs + max_queue_len
+    max_pending = engine.limits.max_num_seqs + max_queue_len
     # with tenants, one domain may hold at most half of the queue
     per_domain = None if tenants.trusted else max(1, max_pending // 2)
     async_engine = AsyncEngine(engine, max_pending=max_pending, metrics=metrics,

@@ -67,7 +67,7 @@ class AsyncEngine:
         self._pending_by_domain: dict[str, int] = {}  # event-loop side only
         self.metrics = metrics
         self.log_interval_s = log_interval_s
-        self.snapshot = EngineSnapshot.take(engine)  # gauges read true levels before any step
+        self.snapshot = engine.snapshot()  # gauges read true levels before any step
         if metrics is not None:
             metrics.update(self.snapshot)
         self.num_pending = 0  # event-loop side only
@@ -199,7 +199,7 @@ class AsyncEngine:
             self._fail_all(f"the engine failed while running this request ({type(exc).__name__})")
             return
         self._deliver(outputs)
-        self.snapshot = EngineSnapshot.take(self.engine)
+        self.snapshot = self.engine.snapshot()
         if self.metrics is not None:
             self.metrics.update(self.snapshot)
         self._log.count(outputs)

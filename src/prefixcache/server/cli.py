@@ -147,14 +147,11 @@ def _record_trace(engine: Any, path: str) -> None:
     from prefixcache.sim.record import TraceRecorder
 
     try:
-        recorder = TraceRecorder(path, engine.block_size, engine.cache.hasher.algo)
+        recorder = TraceRecorder(path, engine.block_size, engine.engine_config.cache.hash_algo)
     except OSError as exc:
         raise CliError(f"cannot write --record-trace {path}: {exc.strerror}") from None
-    cache = engine.cache
-
     def record(request: Any) -> None:
-        num_blocks = request.num_prompt_tokens // engine.block_size
-        digests = request.seq.digests(cache.hasher, cache.model_id)[:num_blocks]
+        digests = engine.prompt_block_digests(request)
         recorder.record(request.num_prompt_tokens, len(request.output_token_ids), digests,
                         max(request.num_cached_tokens, 0))
 
@@ -183,7 +180,7 @@ def build_app(args: argparse.Namespace) -> Any:
 
     logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s, "
                 "attention %s, element-wise layers %s",
-                args.model, engine.max_model_len, engine.cache.num_blocks, args.block_size,
+                args.model, engine.max_model_len, engine.limits.num_kv_blocks, args.block_size,
                 "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}",
                 "compiled CPU kernel" if native_attention.available() else "torch",
                 "compiled" if native_layers.available() else "torch")

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from prefixcache.engine.outputs import EngineSnapshot
 
 __all__ = ["CONTENT_TYPE", "DOMAIN_LABELS", "EngineSnapshot", "ServerMetrics"]
 
@@ -26,44 +27,6 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                 40.0, 50.0, 60.0, 120.0, 240.0)
-
-
-@dataclass(slots=True)
-class EngineSnapshot:
-    """Engine figures after one step: cumulative counters and current levels."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    min_free_blocks: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    evictions: int = 0
-    preemptions: int = 0
-    duplicate_blocks: int = 0
-
-    @classmethod
-    def take(cls, engine: Any) -> EngineSnapshot:
-        """Read an `LLMEngine`'s counters; call from the engine thread only."""
-        stats = engine.cache.stats
-        free = engine.cache.num_free_blocks
-        return cls(
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
-            kv_cache_usage=engine.cache.usage,
-            num_free_blocks=free,
-            min_free_blocks=stats.min_free_blocks if stats.min_free_blocks >= 0 else free,
-            queried_tokens=stats.num_queried_tokens,
-            hit_tokens=stats.num_hit_tokens,
-            evictions=stats.num_evictions,
-            preemptions=engine.scheduler.num_preemptions,
-            duplicate_blocks=stats.num_duplicate_blocks,
-        )
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 class ServerMetrics:

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
 from prefixcache.server.async_engine import AsyncEngine, EngineFailure, EngineOverloaded
 from prefixcache.server.errors import ApiError
@@ -99,10 +100,11 @@ class OpenAIServing:
         trust_content_markers: bool = False,
     ) -> None:
         self.engine = engine
+        limits = engine.engine.limits
         self.tokenizer = engine.engine.tokenizer
-        self.max_model_len: int = engine.engine.max_model_len
-        self.vocab_size: int = engine.engine.config.vocab_size
-        self.max_n: int = engine.engine.scheduler.max_num_seqs
+        self.max_model_len = limits.max_model_len
+        self.vocab_size = limits.vocab_size
+        self.max_n = limits.max_num_seqs
         self.model_name = model_name
         self.tenants = tenants
         self.metrics = metrics
@@ -194,7 +196,7 @@ class OpenAIServing:
                 n=body.n,
             )
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
+            raise ApiError(400, str(exc), param=_param_of(exc)) from None
 
     async def _serve(
         self, kind: str, body: Any, token_ids: list[int], max_tokens: int, tenant: Tenant,
@@ -211,7 +213,7 @@ class OpenAIServing:
         except EngineOverloaded as exc:
             raise ApiError(429, str(exc), code="queue_full") from None
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
+            raise ApiError(400, str(exc), param=_param_of(exc)) from None
         job = _Job(request_id, kind, body.model, protocol.now(), tenant, queue,
                    _Tally(body.n, start))
         if body.stream:
@@ -328,11 +330,6 @@ def _text_bytes(prompt: Any) -> int:
     return 0
 
 
-def _param_of(message: str) -> str | None:
-    """The request field an engine/params error message names, for the error body."""
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n"):
-        if message.startswith(name):
-            return name
-    if "prompt" in message:
-        return "prompt"
-    return None
+def _param_of(exc: ValueError) -> str | None:
+    """The request field an engine/params error names (`InvalidParam`), for the error body."""
+    return exc.param if isinstance(exc, InvalidParam) else None

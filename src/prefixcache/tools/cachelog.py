@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from typing import Any
 
 from prefixcache.errors import code_location
@@ -101,33 +100,53 @@ def configure_from_env(engine: Any = None) -> bool:
 
 
 class CacheDecisionLog:
-    """A transparent wrapper over a `PrefixCache` that logs its decisions (no secrets)."""
+    """A `CacheObserver` that logs a cache's decisions: per admitted request, each hit block
+    and the first miss; each committed block; each free. Digests, counts and block ids only."""
 
     def __init__(self, cache: Any) -> None:
         self._cache = cache
-        self._committed: dict[str, int] = {}  # seq id -> blocks already logged as committed
+        cache.add_observer(self)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cache, name)
+    def on_admit(self, seq: Any, hit: Any, block_ids: list[int]) -> None:
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        if not seq.use_cache or not self._cache.enable_caching:
+            logger.debug("lookup skipped", extra={"event": "lookup", "cache": False})
+            return
+        root, digests = self._chain(seq)
+        hit_ids = hit.block_ids if hit is not None else []
+        for index, block_id in enumerate(hit_ids):
+            fields = self._block_fields(root, digests, index)
+            fields.update(
+                event="lookup", hit=True, block_id=block_id, ref_cnt=self._ref_count(block_id)
+            )
+            logger.debug("block hit", extra=fields)
+        fields = self._block_fields(root, digests, len(hit_ids))
+        fields.update(
+            event="lookup",
+            hit=False,
+            block_id=None,
+            ref_cnt=None,
+            hit_tokens=hit.num_tokens if hit is not None else 0,
+            lookup_us=(hit.lookup_time_ns if hit is not None else 0) // 1000,
+        )
+        logger.debug("first miss", extra=fields)
 
-    def match(self, seq: Any) -> Any:
-        start = time.perf_counter_ns()
-        hit = self._cache.match(seq)
+    def on_commit(self, seq: Any, start: int, end: int, block_ids: list[int]) -> None:
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        root, digests = self._chain(seq)
+        for index in range(start, min(end, len(digests), len(block_ids))):
+            fields = self._block_fields(root, digests, index)
+            fields.update(
+                event="commit", block_id=block_ids[index],
+                ref_cnt=self._ref_count(block_ids[index]),
+            )  # fmt: skip
+            logger.debug("block committed", extra=fields)
+
+    def on_free(self, seq: Any, num_blocks: int) -> None:
         if logger.isEnabledFor(logging.DEBUG):
-            self._log_match(seq, hit, time.perf_counter_ns() - start)
-        return hit
-
-    def commit(self, seq: Any, num_computed_tokens: int) -> None:
-        self._cache.commit(seq, num_computed_tokens)
-        if logger.isEnabledFor(logging.DEBUG):
-            self._log_commit(seq, num_computed_tokens)
-
-    def free(self, seq: Any) -> None:
-        table = self._cache.block_table(seq)
-        self._cache.free(seq)
-        self._committed.pop(seq.seq_id, None)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("free", extra={"event": "free", "num_blocks": len(table)})
+            logger.debug("free", extra={"event": "free", "num_blocks": num_blocks})
 
     def _chain(self, seq: Any) -> tuple[bytes, list[bytes]]:
         cache = self._cache
@@ -145,63 +164,14 @@ class CacheDecisionLog:
             "num_tokens": self._cache.block_size,
         }
 
-    def _log_match(self, seq: Any, hit: Any, lookup_ns: int) -> None:
-        if not seq.use_cache or not self._cache.enable_caching:
-            logger.debug("lookup skipped", extra={"event": "lookup", "cache": False})
-            return
-        root, digests = self._chain(seq)
-        for index, block_id in enumerate(hit.block_ids):
-            fields = self._block_fields(root, digests, index)
-            fields.update(
-                event="lookup",
-                hit=True,
-                block_id=block_id,
-                ref_cnt=_ref_count(self._cache, block_id),
-            )
-            logger.debug("block hit", extra=fields)
-        index = len(hit.block_ids)
-        fields = self._block_fields(root, digests, index)
-        fields.update(
-            event="lookup",
-            hit=False,
-            block_id=None,
-            ref_cnt=None,
-            hit_tokens=hit.num_tokens,
-            lookup_us=lookup_ns // 1000,
-        )
-        logger.debug("first miss", extra=fields)
-
-    def _log_commit(self, seq: Any, num_computed_tokens: int) -> None:
-        if not seq.use_cache or not self._cache.enable_caching:
-            return
-        root, digests = self._chain(seq)
-        table = self._cache.block_table(seq)
-        done = min(num_computed_tokens // self._cache.block_size, len(digests), len(table))
-        for index in range(self._committed.get(seq.seq_id, 0), done):
-            fields = self._block_fields(root, digests, index)
-            fields.update(
-                event="commit", block_id=table[index], ref_cnt=_ref_count(self._cache, table[index])
-            )
-            logger.debug("block committed", extra=fields)
-        self._committed[seq.seq_id] = max(done, self._committed.get(seq.seq_id, 0))
-
-
-def _ref_count(cache: Any, block_id: int) -> int | None:
-    """The block's reference count, where the implementation exposes its block pool."""
-    pool = getattr(cache, "pool", None)
-    blocks = getattr(pool, "blocks", None)
-    if blocks is None or not 0 <= block_id < len(blocks):
-        return None
-    return int(blocks[block_id].ref_cnt)
+    def _ref_count(self, block_id: int) -> int | None:
+        blocks = self._cache.pool.blocks
+        return int(blocks[block_id].ref_cnt) if 0 <= block_id < len(blocks) else None
 
 
 def attach(engine: Any) -> CacheDecisionLog:
-    """Wrap ``engine``'s prefix cache (engine and scheduler share the wrapper); idempotent."""
-    cache = engine.cache
-    if isinstance(cache, CacheDecisionLog):
-        return cache
-    wrapped = CacheDecisionLog(cache)
-    engine.cache = wrapped
-    if getattr(engine, "scheduler", None) is not None and engine.scheduler.cache is cache:
-        engine.scheduler.cache = wrapped
-    return wrapped
+    """Log ``engine``'s cache decisions (through the cache's observer hook); idempotent."""
+    for observer in engine.cache.observers:
+        if isinstance(observer, CacheDecisionLog):
+            return observer
+    return CacheDecisionLog(engine.cache)

@@ -177,7 +177,7 @@ def corrupt_first_committed_block() -> StepHook:
     def hook(engine: Any) -> None:
         if done:
             return
-        for event in engine.cache.take_events():
+        for event in engine.take_kv_events():
             if isinstance(event, BlockStored):
                 cached.extend(event.block_ids)
             elif isinstance(event, BlockRemoved):
