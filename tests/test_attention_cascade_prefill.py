@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from native_support import require_native_attention
-from prefixcache.attention import AttentionMetadata, native_attention, write_kv
+from prefixcache.attention import AttentionMetadata, native_attention, plan, write_kv
 from prefixcache.attention.cascade_prefill import cascade_prefill
 
 # the package re-exports the function under the module's name, so reach the module itself
@@ -42,12 +42,13 @@ def _run(tables, computed, new, num_heads, num_kv_heads, seed=0):  # noqa: ANN00
     scale = HEAD_DIM**-0.5
     out = paged.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     grouped = cascade_prefill(q, k, v, k_cache, v_cache, meta, scale, torch.empty_like(q))
-    original = paged.cascade_prefill
-    paged.cascade_prefill = lambda *args: []
+    original = plan.prefill_groups
+    plan.prefill_groups = lambda *args: []  # a step planned without the cascade
     try:
-        reference = paged.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        fresh = AttentionMetadata.build(tables, computed, new, BLOCK_SIZE)
+        reference = paged.paged_attention(q, k, v, k_cache, v_cache, fresh, scale)
     finally:
-        paged.cascade_prefill = original
+        plan.prefill_groups = original
     return out, reference, sorted(grouped)
 
 
@@ -154,5 +155,5 @@ def test_kernel_takes_shared_sequences_one_by_one(monkeypatch: pytest.MonkeyPatc
         cascade = attend()
     finally:
         native_attention.set_enabled(True)
-    monkeypatch.setattr(paged, "cascade_prefill", lambda *args: pytest.fail("cascade called"))
+    monkeypatch.setattr(plan, "prefill_groups", lambda *args: pytest.fail("cascade planned"))
     torch.testing.assert_close(attend(), cascade, atol=1e-5, rtol=1e-5)

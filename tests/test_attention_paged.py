@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import random
 
@@ -15,10 +14,9 @@ from prefixcache.attention import (
     PagedKVCache,
     native_attention,
     paged_attention,
+    plan,
     write_kv,
 )
-
-paged_attention_module = importlib.import_module("prefixcache.attention.paged_attention")
 
 
 def test_metadata_slots_positions_and_offsets():
@@ -103,7 +101,7 @@ def test_paged_attention_matches_dense_reference(
     else:
         monkeypatch.setattr(native_attention, "available", lambda: False)
         limit = 16 << 20 if path == "explicit" else 0
-        monkeypatch.setattr(paged_attention_module, "EXPLICIT_SCORES_MAX_BYTES", limit)
+        monkeypatch.setattr(plan, "EXPLICIT_SCORES_MAX_BYTES", limit)
     torch.manual_seed(0)
     dim, block_size = 16, 4
     computed, new = [0, 9, 13, 3], [7, 1, 5, 1]

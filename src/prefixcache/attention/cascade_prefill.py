@@ -16,7 +16,7 @@ import torch
 from prefixcache.attention.metadata import AttentionMetadata
 from prefixcache.attention.shared_prefix import SharedPrefix, find_shared_prefixes, merge_by_lse
 
-__all__ = ["cascade_prefill"]
+__all__ = ["attend_group", "cascade_prefill", "prefill_groups"]
 
 # SDPA's fused CPU kernel, which also returns the log-sum-exp of each query row:
 # (q, k, v [B, heads, len, head_dim], dropout, is_causal, *, attn_mask, scale) -> (out, lse)
@@ -42,17 +42,19 @@ def cascade_prefill(
     """
     if q.device.type != "cpu":
         return []
-    groups = metadata.derived(("prefill_groups", q.device), lambda: _groups(metadata, q.device))
     done: list[int] = []
-    for group in groups:
-        rows = group.seq_indices.tolist()
-        _attend_group(q, k, v, k_cache, v_cache, metadata, group, rows, scale, out)
-        done.extend(rows)
+    for group in prefill_groups(metadata, q.device):
+        attend_group(q, k, v, k_cache, v_cache, metadata, group, scale, out)
+        done.extend(group.seq_indices.tolist())
     return done
 
 
+def prefill_groups(metadata: AttentionMetadata, device: torch.device) -> list[SharedPrefix]:
+    """The step's groups of prefill sequences sharing cached blocks (built once per step)."""
+    return metadata.derived(("prefill_groups", device), lambda: _groups(metadata, device))
+
+
 def _groups(metadata: AttentionMetadata, device: torch.device) -> list[SharedPrefix]:
-    """The step's groups of prefill sequences sharing cached blocks (once per step)."""
     computed = np.asarray(metadata.num_computed)
     # only blocks wholly before a sequence's first new token, and only prefill sequences
     shareable = np.where(np.asarray(metadata.num_new) > 1, computed // metadata.block_size, 0)
@@ -62,7 +64,7 @@ def _groups(metadata: AttentionMetadata, device: torch.device) -> list[SharedPre
     return groups
 
 
-def _attend_group(
+def attend_group(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -70,10 +72,11 @@ def _attend_group(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     group: SharedPrefix,
-    rows: list[int],
     scale: float,
     out: torch.Tensor,
 ) -> None:
+    """Fill ``out`` at the tokens of ``group``'s sequences."""
+    rows = group.seq_indices.tolist()
     starts = metadata.query_starts
     tokens = torch.cat([torch.arange(starts[b], starts[b + 1], device=q.device) for b in rows])
     shared_out, shared_lse = _attend_shared(q[tokens], k_cache, v_cache, group.block_ids, scale)

@@ -9,10 +9,11 @@ blocks once.
 
 A prefill over cached context whose score matrix is small (`EXPLICIT_SCORES_MAX_BYTES`, the
 typical cache hit: 128 new tokens over 2,048) is computed on CPU as two batched GEMMs and a
-softmax (`_attend_explicit`), which is 5-40% faster there than SDPA's fused kernel; larger ones
-go through SDPA with an additive mask (`_attend_stacked`). Where the compiled CPU kernel builds
+softmax (`_attend_explicit`), faster there than SDPA's fused kernel; larger ones go through SDPA
+with an additive mask (`_attend_stacked`). Where the compiled CPU kernel builds
 (`native_attention`, float32), it takes every prefill sequence instead, fresh or over cached
-context, shared or not; the torch paths above are the reference and the fallback.
+context, shared or not; the torch paths above are the reference and the fallback. Which path
+takes which sequence is decided once per step, in the step's `AttentionPlan` (``plan.py``).
 """
 
 from __future__ import annotations
@@ -22,20 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.attention import native_attention
-from prefixcache.attention.cascade_prefill import cascade_prefill
+from prefixcache.attention.cascade_prefill import attend_group
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 from prefixcache.attention.metadata import AttentionMetadata, min_max
+from prefixcache.attention.plan import EXPLICIT_SCORES_MAX_BYTES, attention_plan
 
 __all__ = ["EXPLICIT_SCORES_MAX_BYTES", "paged_attention", "write_kv"]
-
-# Largest score matrix (all heads of one sequence, float32 bytes) that `_attend_explicit` takes
-# on CPU. Up to about this size the whole matrix stays in cache between the GEMMs and the softmax,
-# and two large GEMMs beat SDPA's fused kernel, which tiles 64 query rows by 512 keys and adds
-# the mask in every tile (2 threads, `small`'s 12 x 64 heads over 4 kv heads: 0.82x the time at
-# 128 queries over 2,048 keys, 12 MiB of scores; 0.88x for 32 x 128 heads over 8 at 64 x 1,024).
-# Beyond it SDPA is faster (1.3-2x the time at 32-64 MiB), and scores need no extra memory.
-EXPLICIT_SCORES_MAX_BYTES = 16 << 20
-
 
 def write_kv(
     k: torch.Tensor,
@@ -59,54 +52,41 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention output [T, num_heads, head_dim].
+    """Attention output [T, num_heads, head_dim], by the step's `AttentionPlan`.
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's, already written);
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
     """
+    plan = attention_plan(q, k_cache, v_cache, metadata)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    gqa = q.shape[1] != num_kv_heads
+    if plan.whole_step_causal:
+        return _attend_causal(q, k, v, scale, gqa)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    gqa = q.shape[1] != num_kv_heads
-    native = native_attention.applies(q, k_cache, v_cache)
-    if metadata.num_seqs == 1 and metadata.num_computed[0] == 0 and not native:
-        return _attend_causal(q, k, v, scale, gqa)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if metadata.num_seqs == 1 and metadata.num_computed[0] == 0:
-        _attend_native(q, k_flat, v_flat, metadata, 0, metadata.slot_mapping, scale, out)
-        return out
-    decode_rows = [b for b, n in enumerate(metadata.num_new) if n == 1]
-    if decode_rows:
-        _attend_decodes(q, k_cache, v_cache, metadata, decode_rows, scale, out)
-    # sequences sharing cached blocks: one cascade over the shared part on the torch paths; the
-    # kernel takes each on its own (gathering the shared keys per sequence into L2 costs less
-    # than the cascade's log-sum-exp merge: 15 suffixes of 128 over 1,920 shared tokens on
-    # `small`, a 1,921-token step: 1.30 vs 1.40 s)
-    grouped: set[int] = set()
-    if not native:
-        grouped.update(cascade_prefill(q, k, v, k_cache, v_cache, metadata, scale, out))
-    starts = metadata.query_starts
-    for b, slots in enumerate(metadata.context_slots):
-        start, end = starts[b], starts[b + 1]
-        if end - start == 1 or b in grouped:
-            continue
-        if native:  # slots: the context's and the new tokens'; without context, the new ones'
-            seq_slots = metadata.slot_mapping[start:end] if slots is None else slots
-            q_b, out_b = q[start:end], out[start:end]
-            _attend_native(q_b, k_flat, v_flat, metadata, b, seq_slots, scale, out_b)
-            continue
-        if slots is None:
+    if plan.decode_rows:
+        _attend_decodes(q, k_cache, v_cache, metadata, list(plan.decode_rows), scale, out)
+    for group in plan.groups:
+        attend_group(q, k, v, k_cache, v_cache, metadata, group, scale, out)
+    group_size = q.shape[1] // num_kv_heads
+    for work in plan.prefill:
+        b, start, end, slots = work.seq, work.start, work.end, work.slots
+        if work.path == "native":
+            assert slots is not None
+            _attend_native(q[start:end], k_flat, v_flat, metadata, b, slots, scale, out[start:end])
+        elif work.path == "causal":
             out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale, gqa)
-            continue
-        k_ctx = k_flat.index_select(0, slots)  # [seq_len, num_kv_heads, head_dim]
-        v_ctx = v_flat.index_select(0, slots)
-        score_bytes = q.shape[1] * (end - start) * len(slots) * q.element_size()
-        if q.device.type == "cpu" and score_bytes <= EXPLICIT_SCORES_MAX_BYTES:
-            bias = metadata.new_token_bias(b, q.shape[1] // num_kv_heads, q.dtype)
-            _attend_explicit(q[start:end], k_ctx, v_ctx, bias, scale, out[start:end])
-            continue
-        mask = metadata.stacked_mask(b, q.shape[1] // num_kv_heads, q.dtype)
-        out[start:end] = _attend_stacked(q[start:end], k_ctx, v_ctx, mask, scale)
+        else:
+            assert slots is not None
+            k_ctx = k_flat.index_select(0, slots)  # [seq_len, num_kv_heads, head_dim]
+            v_ctx = v_flat.index_select(0, slots)
+            if work.path == "explicit":
+                bias = metadata.new_token_bias(b, group_size, q.dtype)
+                _attend_explicit(q[start:end], k_ctx, v_ctx, bias, scale, out[start:end])
+            else:
+                mask = metadata.stacked_mask(b, group_size, q.dtype)
+                out[start:end] = _attend_stacked(q[start:end], k_ctx, v_ctx, mask, scale)
     return out
 
 

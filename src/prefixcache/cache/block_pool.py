@@ -130,18 +130,21 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on each block, pulling free ones out of the queue (no eviction)."""
         parks = self._parks
+        num_queued = num_parked = 0
         for block in blocks:
             ref_cnt = block.ref_cnt
             if not ref_cnt:
                 if parks and block.digest is not None:
-                    self.num_parked -= 1
+                    num_parked += 1
                 else:
                     prev = block.prev
                     nxt = block.next
                     prev.next = nxt
                     nxt.prev = prev
-                    self.num_queued -= 1
+                    num_queued += 1
             block.ref_cnt = ref_cnt + 1
+        self.num_queued -= num_queued
+        self.num_parked -= num_parked
         self._note_watermark()
 
     def take(self, num: int, owner_root: bytes | None = None) -> list[KVBlock]:
@@ -158,12 +161,13 @@ class BlockPool:
             evicted = self._pop_queued(min(num, self.num_queued), out)
             if len(out) < num:
                 assert self.index is not None
-                parked = self.index.evict(num - len(out))
+                parked, digests = self.index.evict(num - len(out))
                 self.num_parked -= len(parked)
                 for block in parked:
                     block.ref_cnt = 1
+                    block.digest = block.token_bytes = None
+                self._dropped(parked, digests)
                 out += parked
-                evicted = True
             if evicted:
                 self._evict(out)
             if self.zero_on_reuse:
@@ -187,18 +191,26 @@ class BlockPool:
         return evicted
 
     def _evict(self, blocks: list[KVBlock]) -> None:
+        """Queued blocks just taken: those still cached lose their digest (lazy eviction)."""
         cached = [b for b in blocks if b.digest is not None]
-        if not self._parks and self.index is not None:
+        if self.index is not None:
             self.index.forget(cached)
         digests: list[bytes] = []
         for block in cached:
             digests.append(block.digest)  # type: ignore[arg-type]  # cached: not None
             block.digest = None
             block.token_bytes = None
-        self.num_cached -= len(cached)
+        self._dropped(cached, digests)
+
+    def _dropped(self, blocks: list[KVBlock], digests: list[bytes]) -> None:
+        """``blocks`` (with these ``digests``) stopped being cached: count and announce it."""
+        if not blocks:
+            return
+        self.num_cached -= len(blocks)
         self.epoch += 1
-        self.stats.num_evictions += len(cached)
-        self.emit(BlockRemoved(block_hashes=digests, block_ids=[b.block_id for b in cached]))
+        self.stats.num_evictions += len(blocks)
+        if self.events.enabled:
+            self.emit(BlockRemoved(block_hashes=digests, block_ids=[b.block_id for b in blocks]))
 
     def _note_owner(self, blocks: list[KVBlock], owner_root: bytes | None) -> None:
         for block in blocks:
@@ -221,6 +233,7 @@ class BlockPool:
         head = self._head
         last = self._tail.prev
         parks = self._parks
+        num_queued = num_parked = 0
         for block in blocks_in_order:
             ref_cnt = block.ref_cnt - 1
             block.ref_cnt = ref_cnt
@@ -234,16 +247,18 @@ class BlockPool:
                 head.next = block
                 if last is head:
                     last = block
-                self.num_queued += 1
+                num_queued += 1
             elif parks:
-                self.num_parked += 1
+                num_parked += 1
             else:
                 last.next = block
                 block.prev = last
                 last = block
-                self.num_queued += 1
+                num_queued += 1
         last.next = self._tail
         self._tail.prev = last
+        self.num_queued += num_queued
+        self.num_parked += num_parked
 
     def copy_on_write(self, src: KVBlock, owner_root: bytes | None, *, copy: bool) -> KVBlock:
         """A private block to write instead of the shared ``src`` (whose reference is dropped);
@@ -262,6 +277,15 @@ class BlockPool:
         block.digest = digest
         block.token_bytes = token_bytes
         self.num_cached += 1
+
+    def mark_cached_run(
+        self, blocks: list[KVBlock], digests: list[bytes], token_bytes: list[bytes]
+    ) -> None:
+        """`mark_cached` for a run of blocks."""
+        for block, digest, tokens in zip(blocks, digests, token_bytes, strict=True):
+            block.digest = digest
+            block.token_bytes = tokens
+        self.num_cached += len(blocks)
 
     def reset(self) -> bool:
         """Drop every digest. Refuses (False, nothing changed) while any block is in use."""

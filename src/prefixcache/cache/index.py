@@ -98,12 +98,13 @@ class PrefixIndex(abc.ABC):
     def release(self, table: SeqBlocks) -> None:  # noqa: B027 - optional hook
         """``table`` let go of its blocks (radix: unlock the path)."""
 
-    def evict(self, num: int) -> list[KVBlock]:
-        """Give up ``num`` parked blocks in eviction order (only when ``parks_blocks``)."""
+    def evict(self, num: int) -> tuple[list[KVBlock], list[bytes]]:
+        """Give up ``num`` parked blocks in eviction order, with their digests (only when
+        ``parks_blocks``); the pool clears them."""
         raise NotImplementedError
 
     def forget(self, blocks: list[KVBlock]) -> None:  # noqa: B027 - optional hook
-        """The pool is reusing these cached blocks: drop them from the index."""
+        """The pool is reusing these queued cached blocks: drop them from the index."""
 
     @abc.abstractmethod
     def clear(self) -> None:

@@ -167,22 +167,24 @@ class RadixIndex(PrefixIndex):
 
     # -- eviction -------------------------------------------------------------------------------
 
-    def evict(self, num: int) -> list[KVBlock]:
+    def evict(self, num: int) -> tuple[list[KVBlock], list[bytes]]:
         """``num`` parked blocks, leaf tails first in policy order (the deepest block first)."""
         heap = self._heap
         blocks = self.pool.blocks
         out: list[KVBlock] = []
+        dropped: list[bytes] = []
         while num:
             node = self._candidate()
             block_ids, digests = node.block_ids, node.digests
             cut = max(0, len(block_ids) - num)
             out += [blocks[i] for i in reversed(block_ids[cut:])]
+            dropped += reversed(digests[cut:])
             num -= len(block_ids) - cut
             del block_ids[cut:], digests[cut:], node.tokens[cut:]
             if not block_ids:
                 heapq.heappop(heap)
                 self._detach(node)
-        return out
+        return out, dropped
 
     def _candidate(self) -> _Node:
         """The first valid entry of the eviction heap (stale entries are dropped on the way)."""
@@ -316,9 +318,7 @@ class RadixIndex(PrefixIndex):
             tokens[start:end],
         )
         parent.children[node.key] = node
-        mark = self.pool.mark_cached
-        for i in range(start, end):
-            mark(blocks[i], digests[i], tokens[i])
+        self.pool.mark_cached_run(blocks[start:end], node.digests, node.tokens)
         self._num_nodes += 1
         self.pool.stats.num_committed_blocks += end - start
         if self.pool.enable_kv_events:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention, paged_attention
+from prefixcache.attention.plan import attention_plan
 from prefixcache.model import native_layers, packed_gemm, tuning
 from prefixcache.model.packed_gemm import PackedWeight
 
@@ -193,18 +194,17 @@ def _layer_parts(layer: DecoderLayer) -> _Parts | None:
 def _one_sequence_prefill(
     q: torch.Tensor, kv_cache: PagedKVCache, metadata: AttentionMetadata, out: torch.Tensor
 ) -> native_attention.PreparedAttend | None:
-    """The attention kernel set up for the step's one sequence, if the step is one prefill (or
-    chunk) the kernel takes: what `paged_attention` would do with it, minus the Python."""
+    """The attention kernel set up for the step's one sequence, where the step's
+    `AttentionPlan` gives the whole step to the kernel."""
     k_cache, v_cache = kv_cache.layer(0)
-    if metadata.num_seqs != 1 or not native_attention.applies(q, k_cache, v_cache):
+    plan = attention_plan(q, k_cache, v_cache, metadata)
+    if not plan.whole_step_native:
         return None
-    computed, new = metadata.num_computed[0], metadata.num_new[0]
-    if computed and new == 1:  # a decode step: paged_attention's decode path
-        return None
-    slots = metadata.slot_mapping if computed == 0 else metadata.context_slots[0]
+    (work,) = plan.prefill
+    assert work.slots is not None
     kv_heads, head_dim = kv_cache.num_kv_heads, kv_cache.head_dim
     k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
-    return native_attention.PreparedAttend(q, k_flat, v_flat, slots, out)
+    return native_attention.PreparedAttend(q, k_flat, v_flat, work.slots, out)
 
 
 def _check_step(

@@ -1,0 +1,103 @@
+"""One step's attention plan: which path computes each sequence, decided once per step.
+
+The first layer builds it from the step's `AttentionMetadata` and the layer's tensors' kind
+(dtype, device, heads: the same in every layer); every later layer, `paged_attention` and the
+fused layers read the same plan, so the dispatch is decided in one place. Paths:
+
+- ``whole_step_causal``: the step is one sequence without cached context, on the torch paths:
+  causal SDPA over its fresh K/V, nothing gathered;
+- ``whole_step_native``: the step is one sequence's prefill (or chunk) through the compiled
+  kernel (the fused layers then run each layer as one call);
+- otherwise ``decode_rows`` (one new token: batched by `decode_attention`), ``groups`` (torch
+  paths: prefills sharing cached leading blocks, by `cascade_prefill`), and one `SeqWork` per
+  remaining prefill sequence: ``native`` (the kernel), ``causal`` (no context), ``explicit``
+  (GEMM + softmax + GEMM, a small score matrix on the CPU) or ``stacked`` (SDPA with a mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.attention import native_attention
+from prefixcache.attention.cascade_prefill import prefill_groups
+from prefixcache.attention.metadata import AttentionMetadata
+from prefixcache.attention.shared_prefix import SharedPrefix
+
+__all__ = ["EXPLICIT_SCORES_MAX_BYTES", "SEQ_PATHS", "AttentionPlan", "SeqWork", "attention_plan"]
+
+SEQ_PATHS = ("native", "causal", "explicit", "stacked")
+
+# Largest score matrix (all heads of one sequence, bytes) that the ``explicit`` path takes on the
+# CPU. Up to about this size the whole matrix stays in cache between the GEMMs and the softmax,
+# and two large GEMMs beat SDPA's fused kernel, which tiles 64 query rows by 512 keys and adds
+# the mask in every tile; beyond it SDPA is faster and needs no score memory. Set on 2 threads
+# for 12 x 64 heads over 4 kv heads and 32 x 128 over 8 (figures: docs/performance.md).
+EXPLICIT_SCORES_MAX_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SeqWork:
+    """Prefill sequence ``seq`` (query tokens ``start..end-1``) by ``path``. ``slots``: the keys
+    it reads (``native``: context and new tokens; ``explicit``/``stacked``: context slots)."""
+
+    seq: int
+    start: int
+    end: int
+    path: str
+    slots: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    native: bool
+    whole_step_causal: bool
+    whole_step_native: bool
+    decode_rows: tuple[int, ...]
+    groups: tuple[SharedPrefix, ...]
+    prefill: tuple[SeqWork, ...]
+
+
+def attention_plan(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
+) -> AttentionPlan:
+    """The step's plan for queries like ``q`` [T, heads, head_dim] (built once per step)."""
+    native = native_attention.applies(q, k_cache, v_cache)
+    key = ("attention_plan", q.dtype, q.device, q.shape[1], native)
+    return metadata.derived(key, lambda: _build(q, k_cache, metadata, native))
+
+
+def _build(
+    q: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata, native: bool
+) -> AttentionPlan:
+    if metadata.num_seqs == 1:
+        computed, new = metadata.num_computed[0], metadata.num_new[0]
+        if computed == 0 and not native:
+            return AttentionPlan(native, True, False, (), (), ())
+        if native and not (computed and new == 1):
+            slots = metadata.slot_mapping if computed == 0 else metadata.context_slots[0]
+            work = SeqWork(0, 0, q.shape[0], "native", slots)
+            return AttentionPlan(native, False, True, (), (), (work,))
+    decode_rows = tuple(b for b, n in enumerate(metadata.num_new) if n == 1)
+    # sequences sharing cached blocks: one cascade over the shared part on the torch paths; the
+    # kernel takes each on its own (gathering the shared keys per sequence into L2 costs less
+    # than the cascade's log-sum-exp merge)
+    groups = () if native or q.device.type != "cpu" else tuple(prefill_groups(metadata, q.device))
+    grouped = {b for group in groups for b in group.seq_indices.tolist()}
+    starts = metadata.query_starts
+    prefill = []
+    for b, slots in enumerate(metadata.context_slots):
+        start, end = starts[b], starts[b + 1]
+        if end - start == 1 or b in grouped:
+            continue
+        if native:
+            seq_slots = metadata.slot_mapping[start:end] if slots is None else slots
+            prefill.append(SeqWork(b, start, end, "native", seq_slots))
+        elif slots is None:
+            prefill.append(SeqWork(b, start, end, "causal", None))
+        else:
+            score_bytes = q.shape[1] * (end - start) * len(slots) * q.element_size()
+            small = q.device.type == "cpu" and score_bytes <= EXPLICIT_SCORES_MAX_BYTES
+            prefill.append(SeqWork(b, start, end, "explicit" if small else "stacked", slots))
+    return AttentionPlan(native, False, False, decode_rows, groups, tuple(prefill))
