@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
                 temperature=float(item.get("temperature", args.temperature)),
                 seed=item.get("seed", args.seed),
             )
-            prompt = item.get("prompt", item.get("prompt_token_ids"))
+            prompt = item["prompt"] if "prompt" in item else item["prompt_token_ids"]
             if args.chat and isinstance(prompt, str):
                 prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
             salt = item.get("cache_salt", args.cache_salt)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
@@ -161,15 +161,15 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[object] = list(prompts)
     if not items:
         raise ValueError("no prompts given")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [items]  # one prompt given as token ids
+        return [cast("list[int]", items)]  # one prompt given as token ids
     for item in items:
         if not isinstance(item, (str, list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {item!r}")
-    return items
+    return cast("list[Prompt]", items)
 
 
 def _as_conversations(

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -75,7 +75,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, self.config, num_blocks=num_blocks, block_size=self.block_size
         )
-        self.scheduler = Scheduler(self.cache, config.scheduler)
+        self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
         self.sampler = Sampler()
         self.check_integrity = config.check_integrity
         self._seed_rng = random.Random(config.seed)
@@ -252,7 +252,7 @@ class LLMEngine:
     def _mark_scheduled(self, out: SchedulerOutput) -> None:
         now = time.monotonic()
         for chunk in out.chunks:
-            timing = chunk.request.timing
+            timing = cast(Request, chunk.request).timing  # the scheduler holds our requests
             if timing.first_scheduled_time is None:
                 timing.first_scheduled_time = now
 

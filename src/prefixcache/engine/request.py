@@ -72,7 +72,7 @@ class Request(SchedRequest):
             self.params,
             None if self.params.greedy else make_generator(seed),
             base_seed=self.base_seed,
-            **SchedRequest.child_fields(self, index),  # type: ignore[arg-type]
+            **SchedRequest.child_fields(self, index),
         )
         child.timing.arrival_time = self.timing.arrival_time
         child.timing.first_scheduled_time = self.timing.first_scheduled_time

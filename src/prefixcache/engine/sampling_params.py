@@ -7,7 +7,9 @@ tensors, caches or models.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from prefixcache.errors import InvalidParam
 
@@ -82,17 +84,17 @@ def _as_str_tuple(value: object) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         return (value,)
-    items = tuple(value)  # type: ignore[call-overload]
-    if not all(isinstance(s, str) for s in items):
+    items = tuple(value) if isinstance(value, Iterable) else None
+    if items is None or not all(isinstance(s, str) for s in items):
         raise InvalidParam("stop", f"stop must be a string or a list of strings, got {value!r}")
-    return items
+    return cast("tuple[str, ...]", items)
 
 
 def _as_int_tuple(value: object) -> tuple[int, ...]:
     if value is None:
         return ()
-    items = tuple(value)  # type: ignore[call-overload]
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+    items = tuple(value) if isinstance(value, Iterable) else None
+    if items is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         raise InvalidParam(
             "stop_token_ids", f"stop_token_ids must be a list of integers, got {value!r}"
         )

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prefixcache.sched.request import SchedRequest
+
+R = TypeVar("R", bound=SchedRequest)
 
 __all__ = ["DomainLimits", "DomainUsage", "blocks_needed", "fair_order"]
 
@@ -43,20 +46,18 @@ class DomainUsage:
     num_blocks: int = 0
 
 
-def fair_order(
-    candidates: list[SchedRequest], usage: Mapping[str, DomainUsage]
-) -> list[SchedRequest]:
+def fair_order(candidates: list[R], usage: Mapping[str, DomainUsage]) -> list[R]:
     """``candidates`` (already in policy order) interleaved across domains: round-robin, the
     domain holding the fewest sequences first (ties: the earliest candidate's). One domain's
     own order is kept, so a single domain's order is exactly the input."""
-    queues: dict[str, list[SchedRequest]] = {}
+    queues: dict[str, list[R]] = {}
     for request in candidates:
         queues.setdefault(request.domain, []).append(request)
     if len(queues) < 2:
         return list(candidates)
     held = {d: usage[d].num_seqs if d in usage else 0 for d in queues}
     domains = sorted(queues, key=lambda d: held[d])  # stable: first-seen order breaks ties
-    out: list[SchedRequest] = []
+    out: list[R] = []
     for depth in range(max(len(q) for q in queues.values())):
         out.extend(queues[d][depth] for d in domains if depth < len(queues[d]))
     return out

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 from prefixcache.cache import CacheHit, PrefixCache
 from prefixcache.sched.config import SCHEDULE_POLICIES, SchedulerConfig
@@ -49,11 +49,12 @@ from prefixcache.sched.request import RequestStatus, SchedRequest
 
 __all__ = ["SCHEDULE_POLICIES", "Scheduler"]
 
-Request = SchedRequest
+R = TypeVar("R", bound=SchedRequest)
 
 
-class Scheduler:
-    """Decides each step's batch; owns the waiting queue and the running list."""
+class Scheduler(Generic[R]):
+    """Decides each step's batch; owns the waiting queue and the running list. Generic over the
+    driver's request type ``R`` (a `SchedRequest`): the engine's, the simulator's."""
 
     def __init__(
         self, cache: PrefixCache, config: SchedulerConfig | None = None, **settings: Any
@@ -72,8 +73,8 @@ class Scheduler:
         self.dedup = config.dedup
         self.domain_limits = dict(config.domain_limits)
         self.default_domain_limits = config.default_domain_limits
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[R] = deque()
+        self.running: list[R] = []
         self.step_index = 0
         self.num_preemptions = 0
         self.num_fairness_preemptions = 0  # of those, to let an under-share domain start
@@ -87,7 +88,7 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
+    def add(self, request: R) -> None:
         request.status = RequestStatus.WAITING
         request.arrival_step = self.step_index
         self.waiting.append(request)
@@ -96,7 +97,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: R, status: RequestStatus) -> None:
         """End ``request`` (stopped, length or aborted): its blocks go back to the cache."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -152,7 +153,7 @@ class Scheduler:
 
     def _allocate_or_preempt(
         self,
-        request: Request,
+        request: R,
         num_new: int,
         out: SchedulerOutput,
         index: int,
@@ -173,7 +174,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _victim(self, index: int, shares: _Shares | None) -> Request:
+    def _victim(self, index: int, shares: _Shares | None) -> R:
         candidates = self.running[index:]
         if shares is not None:
             over = shares.most_over_share({r.domain for r in candidates})
@@ -189,7 +190,7 @@ class Scheduler:
         """Let each under-share domain's first waiting request start: preempt the newest
         sequences of over-share domains until it has a sequence slot and blocks for its first
         chunk, or no domain is over its share."""
-        firsts: dict[str, Request] = {}
+        firsts: dict[str, R] = {}
         for request in self.waiting:
             firsts.setdefault(request.domain, request)
         for domain, request in firsts.items():
@@ -206,14 +207,14 @@ class Scheduler:
                 out.preempted.append(victim)
                 self.num_fairness_preemptions += 1
 
-    def _could_start(self, request: Request, shares: _Shares) -> bool:
+    def _could_start(self, request: R, shares: _Shares) -> bool:
         if shares.total_seqs() + request.reserved_seqs > self.max_num_seqs:
             return False
         hit = self._peek(request)
         first_chunk = min(request.num_tokens - hit.num_tokens, self.max_num_batched_tokens)
         return self.cache.num_free_blocks >= -(-first_chunk // self.cache.block_size)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: R) -> None:
         self.cache.free(request.seq)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -259,7 +260,7 @@ class Scheduler:
         self.num_deferred += out.num_deferred
 
     def _within_limits(
-        self, request: Request, shares: _Shares | None, waiting_domains: set[str]
+        self, request: R, shares: _Shares | None, waiting_domains: set[str]
     ) -> bool:
         """The domain's hard caps allow one more request, and (several domains having work)
         it is not at or over its share while another domain waits."""
@@ -286,7 +287,7 @@ class Scheduler:
                 held.num_blocks += len(self.cache.block_table(r.seq))
         return held
 
-    def _waiting_in_fair_order(self) -> Iterable[tuple[Request, CacheHit]]:
+    def _waiting_in_fair_order(self) -> Iterable[tuple[R, CacheHit]]:
         """Policy order, interleaved across domains. Under FCFS the cache is peeked lazily, only
         for the requests the step reaches (one domain: exactly `_waiting_in_order`)."""
         if len({r.domain for r in self.waiting}) < 2:
@@ -305,7 +306,7 @@ class Scheduler:
             usage.setdefault(r.domain, DomainUsage()).num_seqs += r.reserved_seqs
         return usage
 
-    def _admit(self, request: Request, hit: CacheHit, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, request: R, hit: CacheHit, budget: int, out: SchedulerOutput) -> int:
         """Allocate with ``hit`` (looked up again only if blocks were evicted since); returns the
         tokens scheduled (0: nothing fits, nothing changed)."""
         if not self.cache.is_current(hit):
@@ -323,7 +324,7 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
         return num_new
 
-    def _waiting_in_order(self) -> Iterable[tuple[Request, CacheHit]]:
+    def _waiting_in_order(self) -> Iterable[tuple[R, CacheHit]]:
         """Waiting requests in policy order, each with its (uncounted) cache hit."""
         if self.policy == "fcfs":
             return ((r, self._peek(r)) for r in list(self.waiting))
@@ -331,18 +332,18 @@ class Scheduler:
         scored.sort(key=lambda item: self._lpm_key(*item))
         return scored
 
-    def _lpm_key(self, request: Request, hit: CacheHit) -> tuple[int, int, int]:
+    def _lpm_key(self, request: R, hit: CacheHit) -> tuple[int, int, int]:
         waited = self.step_index - request.arrival_step
         if request.num_preemptions or waited >= self.lpm_max_wait_steps:
             return (0, 0, request.arrival_index)
         return (1, -(hit.num_blocks + waited), request.arrival_index)
 
-    def _peek(self, request: Request) -> CacheHit:
+    def _peek(self, request: R) -> CacheHit:
         return self.cache.match(request.seq)
 
     # ---- in-batch dedup ----------------------------------------------------------------------
 
-    def _first_miss_digest(self, request: Request, hit: CacheHit) -> bytes | None:
+    def _first_miss_digest(self, request: R, hit: CacheHit) -> bytes | None:
         if not (self.dedup and self.cache.enable_caching and request.seq.use_cache):
             return None
         digests = request.seq.digests(self.cache.hasher, self.cache.model_id)
@@ -369,12 +370,12 @@ class Scheduler:
 
     # ---- after the runner ---------------------------------------------------------------------
 
-    def update_from_step(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+    def update_from_step(self, out: SchedulerOutput) -> list[tuple[R, int]]:
         """Mark the chunks computed and commit them. Returns ``(request, row)`` for every
         sequence to sample, ``row`` indexing the step's logits (forked children share a row)."""
-        targets: list[tuple[Request, int]] = []
+        targets: list[tuple[R, int]] = []
         for row, chunk in enumerate(out.chunks):
-            request = chunk.request
+            request = cast(R, chunk.request)
             self.cache.commit(request.seq, chunk.num_computed_tokens + chunk.num_new_tokens)
             if not chunk.samples:
                 continue
@@ -409,7 +410,7 @@ class Scheduler:
             room = left if room is None else min(room, left)
         return room or 0
 
-    def repeat_steps(self, num_steps: int, extend: Callable[[Request, int], None]) -> None:
+    def repeat_steps(self, num_steps: int, extend: Callable[[R, int], None]) -> None:
         """Run ``num_steps`` (<= `repeatable_steps`) steps of the last batch at once: each
         running request computes its pending token and the ``num_steps - 1`` tokens that
         ``extend(request, num_steps - 1)`` appends. Afterwards the caller samples one token per
@@ -421,13 +422,13 @@ class Scheduler:
             self.cache.commit(request.seq, request.num_computed_tokens + num_steps)
         self.step_index += num_steps
 
-    def _fork(self, parent: Request) -> list[Request]:
+    def _fork(self, parent: R) -> list[R]:
         parent.forked = True
         children = [
-            parent.spawn(index, self.cache.fork(parent.seq, f"{parent.seq_id}#{index}"))
+            cast(R, parent.spawn(index, self.cache.fork(parent.seq, f"{parent.seq_id}#{index}")))
             for index in range(1, parent.n)
         ]
-        parent.children = children
+        parent.children = list(children)
         self._domains[parent.domain] += len(children)
         position = self.running.index(parent) + 1
         self.running[position:position] = children
@@ -447,7 +448,7 @@ class _Shares:
     tokens_left: dict[str, int]
 
     @classmethod
-    def of(cls, scheduler: Scheduler) -> _Shares:
+    def of(cls, scheduler: Scheduler[Any]) -> _Shares:
         domains = {r.domain for r in scheduler.running} | {r.domain for r in scheduler.waiting}
         usage: dict[str, DomainUsage] = {d: DomainUsage() for d in domains}
         blocks_of: dict[int, int] = {}
@@ -491,12 +492,12 @@ class _Shares:
         u = self.usage[domain]
         return max(u.num_seqs / self.fair_seqs, u.num_blocks / self.fair_blocks)
 
-    def release(self, request: Request) -> None:
+    def release(self, request: SchedRequest) -> None:
         u = self.usage[request.domain]
         u.num_seqs -= request.reserved_seqs
         u.num_blocks -= self.blocks_of.pop(id(request), 0)
 
-    def admit(self, request: Request, num_blocks: int) -> None:
+    def admit(self, request: SchedRequest, num_blocks: int) -> None:
         u = self.usage.setdefault(request.domain, DomainUsage())
         u.num_seqs += request.reserved_seqs
         u.num_blocks += num_blocks

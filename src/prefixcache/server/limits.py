@@ -60,7 +60,8 @@ class BodyLimit:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": b"".join(parts), "more_body": False}
-            return await receive()  # later calls: disconnect detection
+            message: Message = await receive()  # later calls: disconnect detection
+            return message
 
         await self.app(scope, replay, send)
 
