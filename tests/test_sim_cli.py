@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,17 @@ def test_cost_model_from_json_fits_measurements(tmp_path: Path) -> None:
     (tmp_path / "empty.json").write_text("{}")
     with pytest.raises(TraceFormatError, match="no cost-model keys"):
         CostModel.from_json(tmp_path / "empty.json")
+
+
+def test_without_the_sim_extra_there_are_tables_but_no_plots(tmp_path: Path) -> None:
+    # matplotlib and tqdm come with `prefixcache[sim]`; a lean install still simulates
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.modules['tqdm'] = None\n"
+        "from prefixcache.cli import main\n"
+        f"sys.exit(main(['simulate', {str(SYNTHETIC)!r}, '--capacity', '300', "
+        f"'--prefix-cache', 'hash', '--out', {str(tmp_path)!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "hash" in out.stdout and "prefixcache[sim]" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.json"]

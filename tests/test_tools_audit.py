@@ -4,6 +4,8 @@ detects the cache, the cross-tenant test does not, and no cached_tokens leak acr
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import random
 from pathlib import Path
 
@@ -88,3 +90,14 @@ def test_audit_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         main(base)  # nothing listens on port 9
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "cannot talk to" in err and "Traceback" not in err
+
+
+def test_audit_without_its_extra_names_the_install_command() -> None:
+    code = (
+        "import sys; sys.modules['scipy'] = None\n"
+        "from prefixcache.cli import main\n"
+        "main(['audit', '--url', 'http://127.0.0.1:9', '--key-a', 'a', '--key-b', 'b'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "pip install 'prefixcache[audit]'" in out.stderr and "Traceback" not in out.stderr

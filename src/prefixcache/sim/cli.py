@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefixcache.errors import have_extra
 from prefixcache.sched import SCHEDULE_POLICIES
 from prefixcache.sim.config import POLICIES, RunSpec, format_blocks
 from prefixcache.sim.cost_model import CostModel
@@ -224,7 +225,7 @@ class _NoBar:
 
 
 def _progress(total: int, disabled: bool, name: str) -> Any:
-    if disabled:
+    if disabled or not have_extra("tqdm"):  # the bar comes with the `sim` extra
         return _NoBar()
     from tqdm import tqdm
 
@@ -269,7 +270,12 @@ def _write(
 ) -> None:
     try:
         paths = list(write_results(out_dir, results, meta))
-        if not no_plots:
+        if not no_plots and not have_extra("matplotlib"):
+            print(
+                "note: no plots: they need matplotlib (pip install 'prefixcache[sim]')",
+                file=sys.stderr,
+            )
+        elif not no_plots:
             from prefixcache.sim.plots import write_plots
 
             paths += write_plots(results, out_dir, f"{trace.name} ({meta['mode']})")

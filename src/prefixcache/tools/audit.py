@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixcache.errors import CliError
+from prefixcache.errors import CliError, require_extra
 
 __all__ = ["AuditConfig", "AuditReport", "TestResult", "ks_test", "run_audit"]
 
@@ -374,6 +374,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for module in ("httpx", "scipy", *(("matplotlib",) if args.plot else ())):
+        require_extra(module, "audit", "prefixcache audit")
     import httpx
 
     try:
