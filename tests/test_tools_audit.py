@@ -4,9 +4,9 @@ detects the cache, the cross-tenant test does not, and no cached_tokens leak acr
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
-import random
 from pathlib import Path
 
 import pytest
