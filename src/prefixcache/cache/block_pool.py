@@ -11,8 +11,10 @@ blocks are cached and, for an index that parks its free cached blocks, which one
   and a tail sentinel: popleft, append, appendleft and remove-from-the-middle are O(1) and
   allocate nothing. Its order is the eviction order (the head is evicted first).
 - A free cached block stays hittable until it is reused (lazy eviction): it waits in the queue
-  (hash index) or is parked with the index (radix), which gives it up through ``evict``.
-- A block with ``ref_cnt == 0`` is free: queued, or parked; ``num_free`` counts both.
+  (hash index), or the index keeps it (radix: its tree holds the block, the node's locks stand
+  for the sequences using it, ``ref_cnt`` stays 0) and gives it up through ``evict`` when no
+  sequence locks it. ``num_parked`` counts those evictable blocks, kept by the index.
+- ``num_free`` = queued + parked: what can be handed out now.
 - ``epoch`` counts the moments a digest was dropped (eviction, reset): a hit found at the current
   epoch is still valid without re-checking each block.
 """
@@ -89,7 +91,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.index: PrefixIndex | None = None
         self.num_queued = num_blocks  # free blocks in the queue
-        self.num_parked = 0  # free cached blocks the index keeps out of the queue
+        self.num_parked = 0  # evictable cached blocks the index keeps (it maintains this count)
         self.num_cached = 0  # blocks with a digest (hittable), held or free
         self.epoch = 0
         self._parks = False
@@ -129,22 +131,17 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on each block, pulling free ones out of the queue (no eviction)."""
-        parks = self._parks
-        num_queued = num_parked = 0
+        num_queued = 0
         for block in blocks:
             ref_cnt = block.ref_cnt
             if not ref_cnt:
-                if parks and block.digest is not None:
-                    num_parked += 1
-                else:
-                    prev = block.prev
-                    nxt = block.next
-                    prev.next = nxt
-                    nxt.prev = prev
-                    num_queued += 1
+                prev = block.prev
+                nxt = block.next
+                prev.next = nxt
+                nxt.prev = prev
+                num_queued += 1
             block.ref_cnt = ref_cnt + 1
         self.num_queued -= num_queued
-        self.num_parked -= num_parked
         self._note_watermark()
 
     def take(self, num: int, owner_root: bytes | None = None) -> list[KVBlock]:
@@ -228,12 +225,11 @@ class BlockPool:
         """Drop one reference on each block, in the given order (callers pass a table reversed).
 
         A block reaching ``ref_cnt == 0`` goes to the queue tail if it is cached (it stays
-        hittable; parked instead when the index parks) or to the head if not (worth nothing).
+        hittable) or to the head if not (worth nothing).
         """
         head = self._head
         last = self._tail.prev
-        parks = self._parks
-        num_queued = num_parked = 0
+        num_queued = 0
         for block in blocks_in_order:
             ref_cnt = block.ref_cnt - 1
             block.ref_cnt = ref_cnt
@@ -247,18 +243,14 @@ class BlockPool:
                 head.next = block
                 if last is head:
                     last = block
-                num_queued += 1
-            elif parks:
-                num_parked += 1
             else:
                 last.next = block
                 block.prev = last
                 last = block
-                num_queued += 1
+            num_queued += 1
         last.next = self._tail
         self._tail.prev = last
         self.num_queued += num_queued
-        self.num_parked += num_parked
 
     def copy_on_write(self, src: KVBlock, owner_root: bytes | None, *, copy: bool) -> KVBlock:
         """A private block to write instead of the shared ``src`` (whose reference is dropped);
@@ -277,15 +269,6 @@ class BlockPool:
         block.digest = digest
         block.token_bytes = token_bytes
         self.num_cached += 1
-
-    def mark_cached_run(
-        self, blocks: list[KVBlock], digests: list[bytes], token_bytes: list[bytes]
-    ) -> None:
-        """`mark_cached` for a run of blocks."""
-        for block, digest, tokens in zip(blocks, digests, token_bytes, strict=True):
-            block.digest = digest
-            block.token_bytes = tokens
-        self.num_cached += len(blocks)
 
     def reset(self) -> bool:
         """Drop every digest. Refuses (False, nothing changed) while any block is in use."""
@@ -372,7 +355,7 @@ class BlockPool:
             check_invariant(block.ref_cnt == 0, "no block is both free and in use: {!r}", block)
             check_invariant(
                 not (self._parks and block.digest is not None),
-                "a parked (cached, free) block is not in the queue: {!r}",
+                "a block the index keeps is not in the queue: {!r}",
                 block,
             )
             seen.add(block.block_id)
@@ -380,15 +363,10 @@ class BlockPool:
             prev, block = block, block.next
         check_invariant(self._tail.prev is prev, "free queue links consistent at the tail")
         free = [b for b in self.blocks if b.ref_cnt == 0]
-        parked = sum(1 for b in free if self._parks and b.digest is not None)
-        check_invariant(len(seen) == len(free) - parked, "free queue holds the free blocks")
+        kept = sum(1 for b in free if self._parks and b.digest is not None)  # the index's
+        check_invariant(len(seen) == len(free) - kept, "free queue holds the free blocks")
         check_invariant(
-            self.num_queued == len(seen) and self.num_parked == parked,
-            "free counts {} queued + {} parked == {} + {}",
-            self.num_queued,
-            self.num_parked,
-            len(seen),
-            parked,
+            self.num_queued == len(seen), "queued count {} == {}", self.num_queued, len(seen)
         )
 
 

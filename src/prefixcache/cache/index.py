@@ -9,8 +9,10 @@ Two ways to hold a free cached block, chosen by the index:
 
 - ``parks_blocks = False`` (hash): a cached block with ``ref_cnt == 0`` waits in the pool's free
   queue, which is the eviction order; the pool tells the index through `forget` when it pops one.
-- ``parks_blocks = True`` (radix): the index keeps its free cached blocks out of the queue
-  ("parked") and gives them up through `evict`, in its own order (leaves first, LRU or LFU).
+- ``parks_blocks = True`` (radix): the index keeps its cached blocks itself; a table's first
+  ``num_path`` blocks are held through the index (radix: the locks of its tree path), not
+  through per-block ref counts; unlocked ones are "parked" (``pool.num_parked``) and given up
+  through `evict`, in the index's own order (leaves first, LRU or LFU).
 """
 
 from __future__ import annotations
@@ -84,8 +86,13 @@ class PrefixIndex(abc.ABC):
         """The blocks of a non-empty ``hit``, verified to still be cached for ``seq``; raises
         ValueError for a stale or forged hit."""
 
+    def num_free_in(self, hit: CacheHit, blocks: list[KVBlock]) -> int:
+        """How many of ``hit``'s ``blocks`` are free now (admitting the hit consumes them)."""
+        return sum(1 for b in blocks if b.ref_cnt == 0)
+
     def admit(self, table: SeqBlocks, hit: CacheHit) -> None:  # noqa: B027 - optional hook
-        """``table`` starts with ``hit``'s blocks, now referenced (radix: lock the path)."""
+        """``table`` starts with ``hit``'s blocks (radix: lock the path, set ``num_path``); the
+        cache then references ``blocks[num_path:]`` of them."""
 
     @abc.abstractmethod
     def insert(self, table: SeqBlocks, start: int, end: int) -> None:

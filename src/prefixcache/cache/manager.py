@@ -204,16 +204,20 @@ class PrefixCache:
         end = computed + num_new_tokens
         num_new = -(-end // self.block_size) - num_hit
         pool = self.pool
-        if num_new + num_hit > pool.num_free:
-            num_reused = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-            if num_new + num_reused > pool.num_free:
-                return None
-        pool.touch(hit_blocks)
+        if num_hit:
+            assert hit is not None
+            if num_new + num_hit > pool.num_free:
+                num_reused = self.index.num_free_in(hit, hit_blocks)
+                if num_new + num_reused > pool.num_free:
+                    return None
+        elif num_new > pool.num_free:
+            return None
         block_ids = list(hit.block_ids) if hit is not None and num_hit else []
         table = SeqBlocks(seq, list(hit_blocks), block_ids, computed, end, num_hit)
         if num_hit:
             assert hit is not None
             self.index.admit(table, hit)
+            pool.touch(hit_blocks[table.num_path :])
         new_blocks = pool.take(num_new, self._owner_root(seq))
         table.blocks += new_blocks
         table.block_ids += map(_block_id, new_blocks)
@@ -308,7 +312,7 @@ class PrefixCache:
         if table is None or table.seq is not seq:
             return
         del self._tables[seq.seq_id]
-        self.pool.release(reversed(table.blocks))
+        self.pool.release(reversed(table.blocks[table.num_path :]))
         self.index.release(table)
         seq.num_computed_tokens = 0
         for observer in self._observers:
@@ -323,7 +327,7 @@ class PrefixCache:
         table.num_alloc_tokens = table.num_computed_tokens
         child = seq.fork(child_id)
         child.num_computed_tokens = table.num_computed_tokens
-        self.pool.touch(table.blocks)
+        self.pool.touch(table.blocks[table.num_path :])
         child_table = SeqBlocks(
             child,
             list(table.blocks),
@@ -397,7 +401,7 @@ class PrefixCache:
         """Raise AssertionError naming the first broken invariant."""
         refs: Counter[int] = Counter()
         for table in self._tables.values():
-            refs.update(table.block_ids)
+            refs.update(table.block_ids[table.num_path :])  # the path is held by the index
         self.pool.check_integrity(refs)
         for seq_id, table in self._tables.items():
             self._check_table(seq_id, table)

@@ -15,8 +15,10 @@ by a reset); in the tree, *evictable* (parked: no sequence holds it) or *protect
 locked); or held by sequences outside the tree (the uncommitted tail of a table).
 
 ``lock_ref`` of a node counts the live sequences whose locked path runs through it (a sequence
-locks the path from its deepest node to the root); it always equals the pool's ``ref_cnt`` of each
-of the node's blocks, since a sequence's table starts with exactly its locked path. Eviction takes
+locks the path from its deepest node to the root). A table starts with exactly its locked path,
+so those blocks are held through the locks, not through per-block ref counts: a tree block's
+``ref_cnt`` in the pool stays 0, and the pool's ``num_parked`` counts the blocks of unlocked
+nodes (evictable), kept by `_lock` / `_unlock` incrementally. Eviction takes
 the tail blocks of the least recently (or, with ``lfu``, least frequently) used unlocked leaf,
 from a heap with lazy invalidation; a parent becomes a candidate once its last child is gone.
 
@@ -143,10 +145,7 @@ class RadixIndex(PrefixIndex):
             or handle.root != self.keys.root(seq)
         ):
             raise ValueError("the hit was not produced by this cache's match() for this sequence")
-        node = handle.node
-        while node.attached and node.start >= hit.num_blocks:
-            node = node.parent  # type: ignore[assignment]
-        return node
+        return _resolve(hit)
 
     def _path_holds(self, node: _Node, hit: CacheHit) -> bool:
         block_ids = hit.block_ids
@@ -158,6 +157,15 @@ class RadixIndex(PrefixIndex):
                 return False
             node = node.parent  # type: ignore[assignment]
         return True
+
+    def num_free_in(self, hit: CacheHit, blocks: list[KVBlock]) -> int:
+        """Hit blocks on unlocked nodes: evictable now, protected once the path is locked."""
+        node = _resolve(hit)
+        count = 0
+        while node.block_ids and not node.lock_ref:
+            count += min(node.end, hit.num_blocks) - node.start
+            node = node.parent  # type: ignore[assignment]
+        return count
 
     def admit(self, table: SeqBlocks, hit: CacheHit) -> None:
         node = self._split(self._hit_node(table.seq, hit), hit.num_blocks)
@@ -231,23 +239,31 @@ class RadixIndex(PrefixIndex):
         """Add one lock on every node from ``node`` up to ``stop`` or the namespace, exclusive."""
         self._clock += 1
         clock = self._clock
+        parked = 0
         while node is not stop and node.block_ids:
+            if not node.lock_ref:
+                parked += len(node.block_ids)
             node.lock_ref += 1
             node.last_access = clock
             if count_hit:
                 node.hit_count += 1
             node = node.parent  # type: ignore[assignment]
+        self.pool.num_parked -= parked
 
     def _unlock(self, node: _Node) -> None:
         """Drop one lock on every node from ``node`` up to its namespace node."""
         self._clock += 1
         clock = self._clock
+        parked = 0
         while node.block_ids:
             node.lock_ref -= 1
             node.last_access = clock
-            if not node.lock_ref and not node.children:
-                self._push(node)
+            if not node.lock_ref:
+                parked += len(node.block_ids)
+                if not node.children:
+                    self._push(node)
             node = node.parent  # type: ignore[assignment]
+        self.pool.num_parked += parked
 
     def fork(self, parent: SeqBlocks, child: SeqBlocks) -> None:
         if isinstance(parent.node, _Node):
@@ -318,7 +334,12 @@ class RadixIndex(PrefixIndex):
             tokens[start:end],
         )
         parent.children[node.key] = node
-        self.pool.mark_cached_run(blocks[start:end], node.digests, node.tokens)
+        for block, digest, token_bytes in zip(blocks[start:end], node.digests, node.tokens, strict=True):
+            block.digest = digest
+            block.token_bytes = token_bytes
+            block.ref_cnt = 0  # held by the tree now, through the locks of its node
+        self.pool.num_cached += end - start
+        self.pool.num_parked += end - start  # unlocked until the caller locks it
         self._num_nodes += 1
         self.pool.stats.num_committed_blocks += end - start
         if self.pool.enable_kv_events:
@@ -331,8 +352,7 @@ class RadixIndex(PrefixIndex):
         pool = self.pool
         cached = [pool.blocks[i] for i in node.block_ids[start - node.start :]]
         dups = table.blocks[start : node.end]
-        pool.touch(cached)
-        table.blocks[start : node.end] = cached
+        table.blocks[start : node.end] = cached  # held through the lock the insert moves here
         table.block_ids[start : node.end] = node.block_ids[start - node.start :]
         pool.release(reversed(dups))
         pool.stats.num_duplicate_blocks += len(dups)
@@ -449,13 +469,17 @@ class RadixIndex(PrefixIndex):
                     block,
                 )
                 check_invariant(
-                    block.ref_cnt == node.lock_ref,
-                    "ref count of {!r} == lock_ref {} of its node",
-                    block,
-                    node.lock_ref,
+                    block.ref_cnt == 0, "a tree block is held through its node: {!r}", block
                 )
         check_invariant(
             len(seen) == self.pool.num_cached, "no block is both free and cached (tree blocks)"
+        )
+        evictable = sum(len(n.block_ids) for n in nodes if not n.lock_ref)
+        check_invariant(
+            evictable == self.pool.num_parked,
+            "evictable count {} == {} unlocked cached blocks (parked)",
+            self.pool.num_parked,
+            evictable,
         )
 
     def _check_table(self, seq_id: str, table: SeqBlocks) -> None:
@@ -498,6 +522,14 @@ class RadixIndex(PrefixIndex):
                 check_invariant(
                     node.stamp in current, "unlocked leaf at block {} is in the heap", node.start
                 )
+
+
+def _resolve(hit: CacheHit) -> _Node:
+    """The node holding ``hit``'s last block now (a split since may have moved it upward)."""
+    node: _Node = hit.handle.node  # type: ignore[attr-defined]
+    while node.attached and node.start >= hit.num_blocks:
+        node = node.parent  # type: ignore[assignment]
+    return node
 
 
 def _descend(
