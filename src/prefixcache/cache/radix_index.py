@@ -334,7 +334,9 @@ class RadixIndex(PrefixIndex):
             tokens[start:end],
         )
         parent.children[node.key] = node
-        for block, digest, token_bytes in zip(blocks[start:end], node.digests, node.tokens, strict=True):
+        for block, digest, token_bytes in zip(
+            blocks[start:end], node.digests, node.tokens, strict=True
+        ):
             block.digest = digest
             block.token_bytes = token_bytes
             block.ref_cnt = 0  # held by the tree now, through the locks of its node
