@@ -23,8 +23,8 @@ from prefixcache.attention.shared_prefix import SharedPrefix, find_shared_prefix
 __all__ = ["DecodePlan", "SharedPrefix", "decode_attention"]
 
 # Without a merge, tails are gathered a few sequences at a time: a gather above glibc's mmap
-# threshold (at most 32 MiB) gets fresh pages that fault on every call, which made one 34 MB
-# gather of 16 x 2,048 keys 2-4x slower than 16 small ones on the 2-core development box.
+# threshold (at most 32 MiB) gets fresh pages that fault on every call, so one large gather is
+# slower than several of at most this size (any shape; docs/performance.md).
 _MAX_GATHER_BYTES = 4 << 20
 
 

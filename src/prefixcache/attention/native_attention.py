@@ -8,13 +8,9 @@ into a buffer that stays in L2, runs the softmax over each row's visible keys (n
 multiplies by V and normalises the output rows; the GEMMs are the sgemm of the MKL inside
 libtorch, single-threaded inside the kernel's OpenMP team (torch's own libgomp). After a cache
 hit (more context than new tokens), where each thread gets whole kv heads, each thread gathers
-the K/V of the head it works on, so its tiles read them from L2. One layer, 2 threads, `small`'s
-12 heads of 64 over 4 kv heads, 128 new tokens over 2,048 keys: 2.6 ms (3.5-3.9 for the torch
-GEMM-softmax-GEMM path), of which the two GEMMs take 2.0 (~390 GFLOP/s, near MKL's rate for
-large GEMMs here), the softmax 0.36 and the gather 0.33; a fresh 2,048-token prompt: 22-23 ms
-(30-32 for causal SDPA). With AVX-512 and head_dim 64, that per-head split skips the gather:
-register-tiled loops read K and V straight from the cache (`prefill_path` says which split a
-call takes; the C file's comments give the figures).
+the K/V of the head it works on, so its tiles read them from L2. With AVX-512 and head_dim 64,
+that per-head split skips the gather: register-tiled loops read K and V straight from the cache
+(`prefill_path` says which split a call takes). Figures: docs/performance.md.
 
 `available()` is False, and callers keep the torch paths, when there is no compiler, no MKL in
 libtorch (ARM, macOS), the build or load fails, a one-time probe disagrees with the torch
@@ -46,13 +42,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# New tokens per work item: their G stacked query heads' scores ([G * 32, keys] floats) stay in
-# a 2 MiB L2 up to ~5,000 keys at G = 3; on `small`, 32 is as fast as 48 and 2-5% faster than
-# 16 or 64.
+# New tokens per work item. Larger tiles mean fewer, larger GEMMs; smaller ones keep the G
+# stacked query heads' scores ([G * 32, keys] floats) in a 2 MiB L2 for longer contexts (up to
+# ~5,000 keys at G = 3). Set on `small` (G = 3, head_dim 64), 2 threads.
 TILE_TOKENS = 32
 _MAX_TILE_ROWS = 4096  # MAX_TILE_ROWS in attention.c: stacked query rows of one work item
-# Decode sequences per work item: their G query heads stack into one GEMM over the shared keys
-# (16 sequences of `small`: 0.85 ms per layer at 16, 1.0 at 8, 1.2 at 4).
+# Decode sequences per work item: their G query heads stack into one GEMM over the shared keys;
+# more per item means larger GEMMs, fewer items to spread over threads. Set on `small`, 2 threads.
 _DECODE_CHUNK = 16
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -207,9 +203,8 @@ class PreparedAttend:
 
     Built from the first layer's tensors; a call takes any layer's, which must have the first's
     shapes, strides, dtypes and device (each layer's cache is a tensor of the same shape), and
-    checks only that. Through `paged_attention` a 128-token step after a cache hit on `small`
-    spent 1.6 ms of Python per step in the per-layer checks, allocation and dispatch, most of it
-    on caches that the GEMMs had just flushed. ``scratch``: a buffer to use when large enough.
+    checks only that: per-layer checks, allocation and dispatch in Python would run on caches the
+    GEMMs had just flushed. ``scratch``: a buffer to use when large enough.
     """
 
     def __init__(

@@ -1,10 +1,8 @@
 """The decoder's layers as compiled calls for one step (CPU, float32, packed weights).
 
-Between two compiled calls the decoder ran 50-100 Python operations (checks, allocations,
+Between two compiled calls the decoder would run 50-100 Python operations (checks, allocations,
 ctypes), and right after a GEMM has streamed megabytes of weights through the caches each of them
-misses: on `small`, the gaps between the calls of a 128-token step took 8 ms, where the same
-Python takes 2 ms with the caches warm (30 small torch calls: 43 us right after a 128-row GEMM,
-13 us alone, 40 us after summing 16 MB; with one thread or two). So `FusedLayers.prepare` checks
+misses, so they cost several times what they cost with warm caches. So `FusedLayers.prepare` checks
 the step once, in the first layer (shapes, dtypes, every layer's cache, the slots' range, the
 packed weights), allocates the buffers once, and builds each layer's arguments. A layer is then
 one call (`pc_layer` in prefixcache/native/layers.c: add + norm, qkv projection, rotary, K/V
@@ -13,7 +11,7 @@ prefill through the attention kernel, else two calls (`pc_layer_inputs`, `pc_lay
 around `paged_attention` (batches of sequences, decode, the torch attention paths); each takes
 the layer's `LayerArgs`, a C struct filled once per step. The operations, their order and the
 GEMMs (MKL's packed compute, called from C) are those of the separate steps, so the logits are
-the same bits. On `small`, a 128-token step after a cache hit: 8-9% faster (docs/model.md).
+the same bits. Figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 `prefixcache/native/layers.c`, built at first use like the attention kernel
 (`prefixcache.native`):
 residual add + RMSNorm in one pass (`add_rms_norm`), the rotary embedding in place (`rotary_`),
-and SwiGLU's ``silu(gate) * up`` (`silu_mul`). torch runs each as 2-6 kernels with temporaries;
-on `small` (2 threads) the three take a 2,048-token prefill from 1,163 to 1,080 ms and a
-128-token step after a cache hit from 98.1 to 93.9 ms (`benchmarks/bench_model.py` figures in
-docs/model.md). Results differ from torch's only by float rounding (summation order, fused
+and SwiGLU's ``silu(gate) * up`` (`silu_mul`). torch runs each as 2-6 kernels with temporaries
+that stream the activations through memory again (what that costs: docs/performance.md).
+Results differ from torch's only by float rounding (summation order, fused
 multiply-adds, a polynomial exp with relative error <= 3.1e-7).
 
 The library also runs a whole layer as one call (`pc_layer`) or two around the attention

@@ -5,8 +5,8 @@ layout on every call. At a 2,048-row prefill that copy is amortised; at the 128 
 prefill after a cache hit, or the few rows of a decode step, it is a quarter of the GEMM time.
 MKL's packed API (``cblas_sgemm_pack`` once, ``cblas_sgemm_compute`` per call) keeps the packed
 copy; it is the same scheme as IPEX's packed linear and oneDNN's prepacked weights in vLLM's CPU
-backend. On `small`'s 48 projections, 2 threads (`benchmarks/bench_packed_gemm.py`): 0.81-0.86x
-the time at 128 rows, 0.82x at 8, 0.96-1.00x at 2,048, parity at 1.
+backend. It pays most at tens to hundreds of rows, little at thousands or at one
+(`benchmarks/bench_packed_gemm.py`; figures in docs/performance.md).
 
 PyTorch exports the cblas symbols of the MKL it links (``libtorch_cpu``) but no Python binding
 that takes a packed weight for any row count (``torch.ops.mkl._mkl_linear`` only uses it when the
@@ -33,8 +33,8 @@ __all__ = ["PackedWeight", "available", "compute_address"]
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _INT, _PTR, _FLOAT = ctypes.c_int, ctypes.c_void_p, ctypes.c_float  # MKL_INT is 32-bit (LP64)
 # The row count packing is told to expect. The packed layout's size does not depend on it and any
-# row count computes correctly, but MKL tunes the layout for it: on `small`, packing for 128 rows
-# is as fast or faster than packing for 1 or 2,048 at every row count we measured (1 to 2,048).
+# row count computes correctly, but MKL tunes the layout for it: 128 was no slower than 1 or
+# 2,048 at any row count from 1 to 2,048 on `small`'s projections (docs/performance.md).
 PACK_ROWS_HINT = 128
 
 

@@ -134,11 +134,10 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
 /* ---- After a cache hit, straight from the paged cache (AVX-512, head_dim 64) ----------------
  *
  * The paths above gather a head's K and V into a buffer that MKL then copies again into its
- * packed panels. After a cache hit the gather is paid for few queries: at 128 new tokens over
- * 2,048 keys it was 0.33 of 3.1 ms per layer. Here register-tiled loops read the cache directly,
- * one key row at a time through `slots`, in blocks of 32 keys with an online softmax (a running
- * max and sum per row; the output sums rescaled when a row's max grows), the way FlashAttention
- * does on GPUs.
+ * packed panels. After a cache hit the gather is paid for few queries. Here register-tiled
+ * loops read the cache directly, one key row at a time through `slots`, in blocks of 32 keys
+ * with an online softmax (a running max and sum per row; the output sums rescaled when a row's
+ * max grows), the way FlashAttention does on GPUs.
  *
  * Scores are kept transposed, st [keys, ld] (row r = g * m + t: query head h * G + g, token
  * t0 + t; ld = rows rounded up to 16), so one vector holds 16 rows' scores for one key: QK^T is
@@ -152,12 +151,9 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
  * and V, and each tile fetched K and V from memory again. With one 32-key block at a time the
  * scores stay in L1 (12 KB), and the block's K and V rows, fetched once, serve every tile of
  * the head. K rows are prefetched one register tile ahead during QK, the next block's V rows
- * during PV. On `small` (2 threads, 12 layers' caches, 128 new over 2,048 keys): 41.2 -> 36.0
- * ms, where QK and PV had each run at ~60% of the FMA peak and a head's first tile 17% slower
- * than its others. Measured and dropped: 16- or 64-key blocks, 16-token tiles (48 rows), 4 keys x 6 vectors per QK tile, a
- * lazily updated max (rescaling only on growth by e^8: no faster, 7x the rounding error). With
- * head_dim 128 the earlier whole-score version was slower than MKL (18.6 vs 16.5 ms), so this
- * is limited to 64. */
+ * during PV. The block size, tile shape and exact max update were chosen by measurement on
+ * head_dim 64 (docs/performance.md); at head_dim 128 the gather + MKL path is faster, so this
+ * path is limited to 64. */
 #ifdef __AVX512F__
 #define DIRECT_HEAD_DIM 64
 #define QK_KEYS 8       /* keys per QK register tile ... */
