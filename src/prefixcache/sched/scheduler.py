@@ -13,7 +13,7 @@ One step spends at most ``max_num_batched_tokens`` tokens over at most ``max_num
 3. In-batch dedup: a waiting request whose first uncached block is being computed in this step by
    another request waits a step, so it hits instead of computing the same block twice.
 
-Fairness across isolation domains (`prefixcache.engine.fairness`): waiting requests are taken
+Fairness across isolation domains (`prefixcache.sched.fairness`): waiting requests are taken
 round-robin across domains (the domain holding the fewest sequences first), each domain in policy
 order; while several domains have work, a domain over its equal share is admitted nothing while
 another waits, is the first to lose sequences when blocks run out, and is preempted to let an
