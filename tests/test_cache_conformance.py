@@ -527,3 +527,25 @@ def test_mooncake_slice_same_hits_with_unlimited_capacity() -> None:
         cache.check_integrity()
         totals.append(cache.stats.num_hit_tokens)
     assert totals[0] == totals[1] > 0
+
+
+@pytest.mark.parametrize("domains", [("calm", "flood"), ("", "")])
+def test_a_flooding_domain_evicts_its_own_cached_blocks_first(
+    kind: str, domains: tuple[str, str]
+) -> None:
+    # 16 blocks; a calm tenant caches a 2-block prefix, then a flood of 3-block prompts (its
+    # own blocks cached too) churns through the pool: with domains the flood gives up its own
+    # cached blocks before the calm prefix; as one domain (one LRU) the prefix goes first
+    calm, flood = domains
+    cache = new_cache(kind, num_blocks=16)
+    prefix = list(range(2 * BS))
+    first = Sequence("c0", [*prefix, 1], domain=calm)
+    run_prompt(cache, first)
+    cache.free(first)
+    for i in range(12):
+        seq = Sequence(f"f{i}", [1000 + 100 * i + t for t in range(3 * BS)], domain=flood)
+        run_prompt(cache, seq)
+        cache.free(seq)
+    hit = cache.match(Sequence("c1", [*prefix, 2], domain=calm))
+    assert hit.num_tokens == (2 * BS if calm != flood else 0)
+

@@ -357,3 +357,4 @@ def test_mooncake_slice_matches_reference(capacity: int | str) -> None:
     assert (cache.stats.num_evictions > 0) == (capacity != "unlimited")
     assert cache.stats.num_queried_tokens == sum(r["input_length"] for r in requests)
     assert expected > 0
+

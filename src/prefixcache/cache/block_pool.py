@@ -43,11 +43,15 @@ DEFAULT_MAX_EVENTS = 100_000
 class KVBlock:
     """One physical KV block. ``digest`` is None unless the block is full, committed and mapped.
 
-    ``prev``/``next`` are the free-queue links (meaningful only while ``ref_cnt == 0``);
-    ``owner_root`` is the namespace root of the last sequence that held it (zero-on-reuse).
+    ``prev``/``next`` are the free-queue links and ``queue`` the queue they are in (meaningful
+    only while ``ref_cnt == 0``); ``owner_root`` is the namespace root of the last sequence that
+    held it (zero-on-reuse); ``domain`` the isolation domain that cached it.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "digest", "token_bytes", "prev", "next", "owner_root")
+    __slots__ = (
+        "block_id", "ref_cnt", "digest", "token_bytes", "prev", "next", "queue", "owner_root",
+        "domain",
+    )  # fmt: skip
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -56,11 +60,34 @@ class KVBlock:
         self.token_bytes: bytes | None = None
         self.prev: KVBlock = self
         self.next: KVBlock = self
+        self.queue: _Queue | None = None
         self.owner_root: bytes | None = None
+        self.domain = ""
 
     def __repr__(self) -> str:
         digest = self.digest.hex()[:8] if self.digest is not None else None
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, digest={digest})"
+
+
+class _Queue:
+    """An intrusive doubly-linked list of free blocks between two sentinels, with its length."""
+
+    __slots__ = ("head", "tail", "count", "domain")
+
+    def __init__(self, domain: str = "") -> None:
+        self.domain = domain
+        self.head = KVBlock(-1)
+        self.tail = KVBlock(-2)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.count = 0
+
+    def ids(self) -> list[int]:
+        out = []
+        block, tail = self.head.next, self.tail
+        while block is not tail:
+            out.append(block.block_id)
+            block = block.next
+        return out
 
 
 class BlockPool:
@@ -97,21 +124,26 @@ class BlockPool:
         self._parks = False
         self._to_zero: list[int] = []
         self._copies: list[tuple[int, int]] = []
-        self._head = KVBlock(-1)
-        self._tail = KVBlock(-2)
-        self._link_all()
+        self._free = _Queue()  # free uncached blocks: handed out first
+        self._lru: dict[str, _Queue] = {}  # per domain: its free cached blocks, LRU first
+        self._link_all(self.blocks)
 
     def attach(self, index: PrefixIndex) -> None:
         """``index`` caches blocks of this pool (before any block is cached)."""
         self.index = index
         self._parks = index.parks_blocks
 
-    def _link_all(self) -> None:
-        chain = [self._head, *self.blocks, self._tail]
+    def _link_all(self, blocks: list[KVBlock]) -> None:
+        """Every block free and uncached, queued in the order of ``blocks``."""
+        queue = self._free
+        chain = [queue.head, *blocks, queue.tail]
         for left, right in zip(chain, chain[1:], strict=False):
             left.next = right
             right.prev = left
-        self.num_queued = self.num_blocks
+        for block in blocks:
+            block.queue = queue
+        queue.count = self.num_queued = len(blocks)
+        self._lru.clear()
 
     @property
     def num_free(self) -> int:
@@ -121,17 +153,18 @@ class BlockPool:
     # -- the free queue -------------------------------------------------------------------------
 
     def free_block_ids(self) -> list[int]:
-        """The free queue from head (evicted first) to tail; parked blocks are not in it."""
-        out = []
-        block, tail = self._head.next, self._tail
-        while block is not tail:
-            out.append(block.block_id)
-            block = block.next
+        """The free queues, in the order they are handed out with one domain: uncached blocks,
+        then each domain's cached ones, least recently used first; parked blocks are not here."""
+        out = self._free.ids()
+        for queue in self._lru.values():
+            out += queue.ids()
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on each block, pulling free ones out of the queue (no eviction)."""
         num_queued = 0
+        queue: _Queue | None = None  # the queue of the last run of free blocks, and its length
+        run = 0
         for block in blocks:
             ref_cnt = block.ref_cnt
             if not ref_cnt:
@@ -139,8 +172,15 @@ class BlockPool:
                 nxt = block.next
                 prev.next = nxt
                 nxt.prev = prev
+                if block.queue is not queue:
+                    if queue is not None:
+                        queue.count -= run
+                    queue, run = block.queue, 0
+                run += 1
                 num_queued += 1
             block.ref_cnt = ref_cnt + 1
+        if queue is not None:
+            queue.count -= run
         self.num_queued -= num_queued
         self._note_watermark()
 
@@ -173,19 +213,38 @@ class BlockPool:
         return out
 
     def _pop_queued(self, num: int, out: list[KVBlock]) -> bool:
-        """Pop ``num`` blocks off the queue head into ``out``; True if any carries a digest."""
-        evicted = False
-        block = self._head.next
+        """Pop ``num`` queued blocks into ``out``: uncached ones first, then cached ones from the
+        domain with the most of them (its least recently used first), so one domain's churn
+        evicts its own cached blocks before another's. True if any carries a digest."""
+        left = num - self._pop(self._free, num, out)
+        evicted = left > 0
+        if evicted:
+            for domain in [d for d, q in self._lru.items() if not q.count]:
+                del self._lru[domain]  # empty: no block refers to it
+        while left:
+            if len(self._lru) == 1:
+                left -= self._pop(next(iter(self._lru.values())), left, out)
+                break
+            # several domains compete: the one with the most free cached blocks gives one up
+            queue = max(self._lru.values(), key=_count)
+            left -= self._pop(queue, 1, out)
+            if not queue.count:
+                del self._lru[queue.domain]
+        self.num_queued -= num
+        return evicted
+
+    @staticmethod
+    def _pop(queue: _Queue, num: int, out: list[KVBlock]) -> int:
+        num = min(num, queue.count)
+        block = queue.head.next
         for _ in range(num):
-            if block.digest is not None:
-                evicted = True
             block.ref_cnt = 1
             out.append(block)
             block = block.next
-        self._head.next = block
-        block.prev = self._head
-        self.num_queued -= num
-        return evicted
+        queue.head.next = block
+        block.prev = queue.head
+        queue.count -= num
+        return num
 
     def _evict(self, blocks: list[KVBlock]) -> None:
         """Queued blocks just taken: those still cached lose their digest (lazy eviction)."""
@@ -227,30 +286,54 @@ class BlockPool:
         A block reaching ``ref_cnt == 0`` goes to the queue tail if it is cached (it stays
         hittable) or to the head if not (worth nothing).
         """
-        head = self._head
-        last = self._tail.prev
-        num_queued = 0
+        free = self._free
+        head = free.head
+        num_free = num_queued = 0
+        # the LRU queue cached blocks of the current run join, its last block, and the run's size
+        lru: _Queue | None = None
+        lru_domain: str | None = None
+        last = head
+        run = 0
         for block in blocks_in_order:
             ref_cnt = block.ref_cnt - 1
             block.ref_cnt = ref_cnt
             if ref_cnt:
                 continue
+            num_queued += 1
             if block.digest is None:
                 first = head.next
                 block.next = first
                 first.prev = block
                 block.prev = head
                 head.next = block
-                if last is head:
-                    last = block
-            else:
-                last.next = block
-                block.prev = last
-                last = block
-            num_queued += 1
-        last.next = self._tail
-        self._tail.prev = last
+                block.queue = free
+                num_free += 1
+                continue
+            domain = block.domain
+            if domain is not lru_domain and domain != lru_domain:
+                if lru is not None:
+                    last.next = lru.tail
+                    lru.tail.prev = last
+                    lru.count += run
+                lru, lru_domain, run = self._lru_of(domain), domain, 0
+                last = lru.tail.prev
+            last.next = block
+            block.prev = last
+            block.queue = lru
+            last = block
+            run += 1
+        if lru is not None:
+            last.next = lru.tail
+            lru.tail.prev = last
+            lru.count += run
+        free.count += num_free
         self.num_queued += num_queued
+
+    def _lru_of(self, domain: str) -> _Queue:
+        queue = self._lru.get(domain)
+        if queue is None:
+            queue = self._lru[domain] = _Queue(domain)
+        return queue
 
     def copy_on_write(self, src: KVBlock, owner_root: bytes | None, *, copy: bool) -> KVBlock:
         """A private block to write instead of the shared ``src`` (whose reference is dropped);
@@ -264,10 +347,13 @@ class BlockPool:
 
     # -- cached blocks --------------------------------------------------------------------------
 
-    def mark_cached(self, block: KVBlock, digest: bytes, token_bytes: bytes) -> None:
-        """``block`` (held) now carries ``digest``: the index made it hittable."""
+    def mark_cached(
+        self, block: KVBlock, digest: bytes, token_bytes: bytes, domain: str = ""
+    ) -> None:
+        """``block`` (held) now carries ``digest``: the index made it hittable for ``domain``."""
         block.digest = digest
         block.token_bytes = token_bytes
+        block.domain = domain
         self.num_cached += 1
 
     def reset(self) -> bool:
@@ -280,8 +366,11 @@ class BlockPool:
         if self.index is not None:
             self.index.clear()
         if self._parks:
-            self._link_all()  # parked blocks rejoin the queue, in id order
+            self._link_all(self.blocks)  # parked blocks rejoin the queue, in id order
             self.num_parked = 0
+        else:  # the queue order stays: uncached blocks, then each domain's, LRU first
+            queued = self.free_block_ids()
+            self._link_all([self.blocks[i] for i in queued])
         self.num_cached = 0
         self.epoch += 1
         self.stats.num_resets += 1
@@ -346,22 +435,27 @@ class BlockPool:
 
     def _check_queue(self) -> None:
         seen: set[int] = set()
-        prev, block = self._head, self._head.next
-        while block is not self._tail:
-            check_invariant(
-                block.block_id not in seen, "free queue holds each block once: {!r}", block
-            )
-            check_invariant(block.prev is prev, "free queue links consistent at {!r}", block)
-            check_invariant(block.ref_cnt == 0, "no block is both free and in use: {!r}", block)
-            check_invariant(
-                not (self._parks and block.digest is not None),
-                "a block the index keeps is not in the queue: {!r}",
-                block,
-            )
-            seen.add(block.block_id)
-            check_invariant(len(seen) <= self.num_blocks, "free queue is not a cycle")
-            prev, block = block, block.next
-        check_invariant(self._tail.prev is prev, "free queue links consistent at the tail")
+        for queue in [self._free, *self._lru.values()]:
+            prev, block, count = queue.head, queue.head.next, 0
+            while block is not queue.tail:
+                check_invariant(
+                    block.block_id not in seen, "free queue holds each block once: {!r}", block
+                )
+                check_invariant(block.prev is prev, "free queue links consistent at {!r}", block)
+                check_invariant(block.ref_cnt == 0, "no block is both free and in use: {!r}", block)
+                check_invariant(block.queue is queue, "a free block knows its queue: {!r}", block)
+                check_invariant(
+                    (block.digest is None) == (queue is self._free)
+                    and (queue is self._free or self._lru.get(block.domain) is queue),
+                    "uncached blocks queue together, cached ones in their domain's: {!r}",
+                    block,
+                )
+                seen.add(block.block_id)
+                count += 1
+                check_invariant(len(seen) <= self.num_blocks, "free queue is not a cycle")
+                prev, block = block, block.next
+            check_invariant(queue.tail.prev is prev, "free queue links consistent at the tail")
+            check_invariant(queue.count == count, "queue length {} kept", count)
         free = [b for b in self.blocks if b.ref_cnt == 0]
         kept = sum(1 for b in free if self._parks and b.digest is not None)  # the index's
         check_invariant(len(seen) == len(free) - kept, "free queue holds the free blocks")
@@ -378,3 +472,7 @@ def check_invariant(condition: bool, invariant: str, *args: object) -> None:
     """
     if not condition:
         raise AssertionError("integrity: " + (invariant.format(*args) if args else invariant))
+
+
+def _count(queue: _Queue) -> int:
+    return queue.count

@@ -105,6 +105,7 @@ class HashIndex(PrefixIndex):
         chunks = seq.block_token_bytes
         cached = self.cached
         mark = self.pool.mark_cached
+        domain = seq.domain
         blocks = table.blocks
         run_start = -1
         num_stored = num_dups = 0
@@ -118,7 +119,7 @@ class HashIndex(PrefixIndex):
                 num_dups += 1  # the same blocks computed twice: this copy stays out
             else:
                 cached[digest] = block
-                mark(block, digest, chunks[i])
+                mark(block, digest, chunks[i], domain)
                 stored = True
                 num_stored += 1
             if stored and run_start < 0:

@@ -51,7 +51,7 @@ class _Node:
     """A run of cached blocks ``[start, start + len(block_ids))`` of every sequence through it.
 
     The root and the namespace nodes own no blocks. ``stamp`` names the node's current eviction
-    heap entry (older entries are stale).
+    heap entry (older entries are stale); each domain's nodes have their own heap.
     """
 
     parent: _Node | None
@@ -66,6 +66,7 @@ class _Node:
     hit_count: int = 0
     stamp: int = 0
     attached: bool = True
+    domain: str = ""  # the isolation domain whose sequence cached it
 
     @property
     def end(self) -> int:
@@ -100,7 +101,9 @@ class RadixIndex(PrefixIndex):
         self._lfu = eviction_policy == "lfu"
         self._root = _Node(None, b"", 0, [], [], [])
         self._num_nodes = 0
-        self._heap: list[tuple[int, int, int, _Node]] = []
+        # per isolation domain: its eviction heap and its evictable (unlocked) blocks
+        self._heaps: dict[str, list[tuple[int, int, int, _Node]]] = {}
+        self._evictable: dict[str, int] = {}
         self._clock = 0
         self._stamp = 0
 
@@ -176,27 +179,31 @@ class RadixIndex(PrefixIndex):
     # -- eviction -------------------------------------------------------------------------------
 
     def evict(self, num: int) -> tuple[list[KVBlock], list[bytes]]:
-        """``num`` parked blocks, leaf tails first in policy order (the deepest block first)."""
-        heap = self._heap
+        """``num`` parked blocks, leaf tails first in policy order (the deepest block first),
+        from the domain with the most evictable blocks: one domain's churn evicts its own
+        cached blocks before another's."""
         blocks = self.pool.blocks
+        evictable = self._evictable
         out: list[KVBlock] = []
         dropped: list[bytes] = []
         while num:
-            node = self._candidate()
+            domain = max(evictable, key=evictable.__getitem__)
+            heap = self._heaps[domain]
+            node = self._candidate(heap)
             block_ids, digests = node.block_ids, node.digests
             cut = max(0, len(block_ids) - num)
             out += [blocks[i] for i in reversed(block_ids[cut:])]
             dropped += reversed(digests[cut:])
             num -= len(block_ids) - cut
+            evictable[domain] -= len(block_ids) - cut
             del block_ids[cut:], digests[cut:], node.tokens[cut:]
             if not block_ids:
                 heapq.heappop(heap)
                 self._detach(node)
         return out, dropped
 
-    def _candidate(self) -> _Node:
-        """The first valid entry of the eviction heap (stale entries are dropped on the way)."""
-        heap = self._heap
+    def _candidate(self, heap: list[tuple[int, int, int, _Node]]) -> _Node:
+        """The first valid entry of an eviction heap (stale entries are dropped on the way)."""
         while True:
             node = heap[0][3]
             if (
@@ -227,11 +234,11 @@ class RadixIndex(PrefixIndex):
         self._stamp += 1
         node.stamp = self._stamp
         freq = node.hit_count if self._lfu else 0
-        heap = self._heap
+        heap = self._heaps.setdefault(node.domain, [])
         heapq.heappush(heap, (freq, node.last_access, self._stamp, node))
         if len(heap) > 4 * self._num_nodes + 1024:
-            self._heap = [e for e in heap if e[2] == e[3].stamp and e[3].attached]
-            heapq.heapify(self._heap)
+            heap[:] = [e for e in heap if e[2] == e[3].stamp and e[3].attached]
+            heapq.heapify(heap)
 
     # -- locks ----------------------------------------------------------------------------------
 
@@ -240,9 +247,11 @@ class RadixIndex(PrefixIndex):
         self._clock += 1
         clock = self._clock
         parked = 0
+        evictable = self._evictable
         while node is not stop and node.block_ids:
             if not node.lock_ref:
                 parked += len(node.block_ids)
+                evictable[node.domain] -= len(node.block_ids)
             node.lock_ref += 1
             node.last_access = clock
             if count_hit:
@@ -255,11 +264,13 @@ class RadixIndex(PrefixIndex):
         self._clock += 1
         clock = self._clock
         parked = 0
+        evictable = self._evictable
         while node.block_ids:
             node.lock_ref -= 1
             node.last_access = clock
             if not node.lock_ref:
                 parked += len(node.block_ids)
+                evictable[node.domain] = evictable.get(node.domain, 0) + len(node.block_ids)
                 if not node.children:
                     self._push(node)
             node = node.parent  # type: ignore[assignment]
@@ -332,6 +343,7 @@ class RadixIndex(PrefixIndex):
             table.block_ids[start:end],
             digests[start:end],
             tokens[start:end],
+            domain=seq.domain,  # whose churn evicts it first
         )
         parent.children[node.key] = node
         for block, digest, token_bytes in zip(
@@ -342,6 +354,7 @@ class RadixIndex(PrefixIndex):
             block.ref_cnt = 0  # held by the tree now, through the locks of its node
         self.pool.num_cached += end - start
         self.pool.num_parked += end - start  # unlocked until the caller locks it
+        self._evictable[node.domain] = self._evictable.get(node.domain, 0) + end - start
         self._num_nodes += 1
         self.pool.stats.num_committed_blocks += end - start
         if self.pool.enable_kv_events:
@@ -381,6 +394,7 @@ class RadixIndex(PrefixIndex):
             node.lock_ref,
             node.last_access,
             node.hit_count,
+            domain=node.domain,
         )
         parent.children[head.key] = head
         del node.block_ids[:cut], node.digests[:cut], node.tokens[:cut]
@@ -396,7 +410,8 @@ class RadixIndex(PrefixIndex):
         for ns in self._root.children.values():
             ns.attached = False
         self._root.children.clear()
-        self._heap.clear()
+        self._heaps.clear()
+        self._evictable.clear()
         self._num_nodes = 0
 
     # -- invariants -----------------------------------------------------------------------------
@@ -518,7 +533,18 @@ class RadixIndex(PrefixIndex):
             )
 
     def _check_heap(self, nodes: list[_Node]) -> None:
-        current = {entry[2] for entry in self._heap if entry[2] == entry[3].stamp}
+        evictable: dict[str, int] = {}
+        for node in nodes:
+            if not node.lock_ref:
+                evictable[node.domain] = evictable.get(node.domain, 0) + len(node.block_ids)
+        kept = {d: n for d, n in self._evictable.items() if n}
+        check_invariant(kept == evictable, "evictable blocks per domain {} == {}", kept, evictable)
+        current = {
+            entry[2]
+            for domain, heap in self._heaps.items()
+            for entry in heap
+            if entry[2] == entry[3].stamp and entry[3].domain == domain
+        }
         for node in nodes:
             if not node.lock_ref and not node.children:
                 check_invariant(

@@ -16,7 +16,9 @@ class Sequence:
     ``salt`` is the *effective* cache salt (namespace part), ``adapter`` the LoRA name, and
     ``block_extras`` maps a block index to the extras (multimodal inputs) that change its KV.
     ``use_cache=False`` is isolation mode ``none``: the sequence neither reads nor writes the
-    cache. Digests are computed incrementally by the cache that uses the sequence and kept here.
+    cache. ``domain`` is its isolation domain (tenant or group): the blocks it caches are evicted
+    in that domain's turn (`block_pool.py`). Digests are computed incrementally by the cache that
+    uses the sequence and kept here.
     The token ids are copied, unless ``copy=False`` and they are a list that the caller built for
     this sequence and hands over (a simulator's fresh prompt): the copy of a long prompt touches
     every int object, ~5 ns per token.
@@ -33,6 +35,7 @@ class Sequence:
         "adapter",
         "block_extras",
         "use_cache",
+        "domain",
         "num_computed_tokens",
         "block_digests",
         "block_token_bytes",
@@ -50,6 +53,7 @@ class Sequence:
         block_extras: dict[int, SequenceABC[BlockExtra]] | None = None,
         use_cache: bool = True,
         copy: bool = True,
+        domain: str = "",
     ) -> None:
         self.seq_id = seq_id
         # copy=False: a list built for this sequence alone becomes its own (it is appended to)
@@ -61,6 +65,7 @@ class Sequence:
         self.adapter = adapter
         self.block_extras = block_extras or {}
         self.use_cache = use_cache
+        self.domain = domain
         self.num_computed_tokens = 0
         self.block_digests: list[bytes] = []
         # block i's token ids as u32be bytes, kept with its digest: hits compare them cheaply
@@ -121,6 +126,7 @@ class Sequence:
             adapter=self.adapter,
             block_extras=self.block_extras,
             use_cache=self.use_cache,
+            domain=self.domain,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens

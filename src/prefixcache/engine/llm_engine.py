@@ -121,8 +121,7 @@ class LLMEngine:
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
         self._validate_length(len(token_ids), params)
         self._validate_domain_caps(len(token_ids), params, domain)
-        request = self._new_request(request_id, token_ids, params, cache_salt, use_cache)
-        request.domain = domain
+        request = self._new_request(request_id, token_ids, params, cache_salt, use_cache, domain)
         if arrival_time is not None:
             request.timing.arrival_time = arrival_time
         self._groups[request_id] = request
@@ -193,9 +192,10 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | bytes | None,
         use_cache: bool,
+        domain: str,
     ) -> Request:
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(request_id, token_ids, cache_salt, use_cache=use_cache)
+        seq = Sequence(request_id, token_ids, cache_salt, use_cache=use_cache, domain=domain)
         generator = None if params.greedy else make_generator(derive_seed(base_seed, 0))
         self._num_added += 1
         return Request(
@@ -205,6 +205,7 @@ class LLMEngine:
             generator=generator,
             base_seed=base_seed,
             arrival_index=self._num_added,
+            domain=domain,
         )
 
     def abort(self, request_id: str) -> bool:
