@@ -7,9 +7,13 @@ tensors. A `PrefixCache` (``manager.py``) drives it; its prefix index (``index.p
 blocks are cached and, for an index that parks its free cached blocks, which one goes next.
 
 - Blocks are created once (``__slots__``) and never allocated again.
-- The free queue is an intrusive doubly-linked list threaded through the blocks, between a head
-  and a tail sentinel: popleft, append, appendleft and remove-from-the-middle are O(1) and
-  allocate nothing. Its order is the eviction order (the head is evicted first).
+- Free blocks wait in queues, intrusive doubly-linked lists threaded through the blocks between
+  a head and a tail sentinel (popleft, append, appendleft, remove-from-the-middle: O(1), no
+  allocation): one of uncached blocks, handed out first (they are worth nothing), and per
+  isolation domain one of its cached blocks, least recently used first. Eviction takes from the
+  domain with the most free cached blocks, so a tenant's churn evicts its own cache before a
+  quiet tenant's prefix. With one domain this is exactly one LRU queue: uncached blocks, then
+  cached ones in release order (the head is evicted first).
 - A free cached block stays hittable until it is reused (lazy eviction): it waits in the queue
   (hash index), or the index keeps it (radix: its tree holds the block, the node's locks stand
   for the sequences using it, ``ref_cnt`` stays 0) and gives it up through ``evict`` when no

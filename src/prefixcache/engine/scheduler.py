@@ -6,6 +6,6 @@ from __future__ import annotations
 from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
 from prefixcache.sched.scheduler import SCHEDULE_POLICIES, Scheduler
 
-POLICIES = SCHEDULE_POLICIES
+POLICIES = SCHEDULE_POLICIES  # deprecated name: SCHEDULE_POLICIES
 
-__all__ = ["POLICIES", "ScheduledChunk", "Scheduler", "SchedulerOutput"]
+__all__ = ["POLICIES", "SCHEDULE_POLICIES", "ScheduledChunk", "Scheduler", "SchedulerOutput"]

@@ -12,7 +12,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,12 +26,15 @@ from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixcache.server.serving import OpenAIServing
 from prefixcache.server.tenancy import Tenant, TenantRegistry
 
+if TYPE_CHECKING:
+    from prefixcache.engine.llm_engine import LLMEngine
+
 __all__ = ["block_bytes", "create_app"]
 
 logger = logging.getLogger("prefixcache.server")
 
 
-def block_bytes(engine: Any) -> int:
+def block_bytes(engine: LLMEngine) -> int:
     """Bytes of K and V one KV block holds for this engine's model."""
     from prefixcache.attention import bytes_per_block
 
@@ -42,7 +45,7 @@ def block_bytes(engine: Any) -> int:
 
 
 def create_app(
-    engine: Any,
+    engine: LLMEngine,
     *,
     model_name: str,
     tenants: TenantRegistry,

@@ -17,10 +17,13 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prefixcache.errors import describe_exception
 from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
+
+if TYPE_CHECKING:
+    from prefixcache.engine.llm_engine import LLMEngine
 
 __all__ = ["AsyncEngine", "EngineFailure", "EngineOverloaded"]
 
@@ -51,7 +54,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: Any,
+        engine: LLMEngine,
         *,
         max_pending: int,
         metrics: ServerMetrics | None = None,

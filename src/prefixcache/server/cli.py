@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.engine.config import add_engine_arguments
 from prefixcache.errors import CliError
+
+if TYPE_CHECKING:
+    from prefixcache.engine.llm_engine import LLMEngine
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_arguments", "build_app", "run", "uvicorn_options"]
 
@@ -142,7 +145,7 @@ def _engine(args: argparse.Namespace, tenants: Any = None) -> Any:
         raise CliError(f"cannot start the engine: {exc}") from None
 
 
-def _record_trace(engine: Any, path: str) -> None:
+def _record_trace(engine: LLMEngine, path: str) -> None:
     """Record every finished request (counts and prompt block digests) for the simulator."""
     from prefixcache.sim.record import TraceRecorder
 

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefixcache.cache.radix_index import EVICTION_POLICIES
 from prefixcache.errors import have_extra
 from prefixcache.sched import SCHEDULE_POLICIES
-from prefixcache.sim.config import POLICIES, RunSpec, format_blocks
+from prefixcache.sim.config import RunSpec, format_blocks
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.errors import TraceFormatError
 from prefixcache.sim.loader import FORMATS, load_trace, retime_poisson
@@ -152,7 +153,7 @@ def _load(args: argparse.Namespace) -> Trace:
 def _plan(args: argparse.Namespace) -> SweepPlan:
     capacities = [parse_capacity(c) for c in _items(args.capacity, "--capacity")]
     kinds = _items(args.prefix_cache, "--prefix-cache")
-    policies = _choices(args.eviction_policy, "--eviction-policy", POLICIES)
+    policies = _choices(args.eviction_policy, "--eviction-policy", EVICTION_POLICIES)
     replicas = [_positive_int(r, "--replicas") for r in _items(args.replicas, "--replicas")]
     routers = _choices(args.router, "--router", tuple(ROUTERS))
     cluster = (

@@ -13,8 +13,6 @@ from prefixcache.cache import PREFIX_CACHES, CacheConfig, PrefixCache, build_pre
 from prefixcache.cache.radix_index import EVICTION_POLICIES
 from prefixcache.sim.trace import Trace
 
-POLICIES = EVICTION_POLICIES  # the cache's eviction policies (--eviction-policy)
-
 
 @dataclass(frozen=True, slots=True)
 class RunSpec:
@@ -29,9 +27,10 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"unknown prefix cache {self.prefix_cache!r}")
-        if self.eviction_policy not in POLICIES:
+        if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
-                f"unknown eviction policy {self.eviction_policy!r}; choose one of {POLICIES}"
+                f"unknown eviction policy {self.eviction_policy!r}; "
+                f"choose one of {EVICTION_POLICIES}"
             )
         if self.eviction_policy != "lru" and self.prefix_cache != "radix":
             raise ValueError(
