@@ -2,7 +2,8 @@
 
 `BodyLimit` is an ASGI middleware answering 413 (OpenAI error body) to a request body over
 ``max_bytes``, from its Content-Length before reading anything, or while a chunked body streams
-in. `HeaderTimeoutH11Protocol` is uvicorn's h11 protocol with a deadline for a request's headers
+in (reading and dropping a bounded rest first, so the uploading client reads the answer).
+`HeaderTimeoutH11Protocol` is uvicorn's h11 protocol with a deadline for a request's headers
 (uvicorn's own keep-alive timeout only runs between requests), so connections that never finish
 their headers are closed instead of held open.
 """
@@ -21,6 +22,10 @@ __all__ = ["BodyLimit", "HeaderTimeoutH11Protocol", "header_timeout_protocol"]
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
+
+# how much of an oversized streamed body is read and dropped before the 413 (at least)
+MIN_DISCARD_BYTES = 1 << 20
+DISCARD_SECONDS = 3.0
 
 
 class BodyLimit:
@@ -49,6 +54,9 @@ class BodyLimit:
             parts.append(message.get("body", b""))
             received += len(parts[-1])
             if received > self.max_bytes:
+                parts.clear()
+                if message.get("more_body", False):
+                    await self._discard(receive)
                 await self._reject(send)
                 return
             if not message.get("more_body", False):
@@ -64,6 +72,26 @@ class BodyLimit:
             return message
 
         await self.app(scope, replay, send)
+
+    async def _discard(self, receive: Any) -> None:
+        """Read and drop the rest of an oversized body, up to ``max_bytes`` more and a few
+        seconds, so that a client still uploading reads the 413 instead of a reset connection
+        (uvicorn stops delivering the body once the response is complete). Larger or slower
+        uploads are cut off."""
+        budget = max(self.max_bytes, MIN_DISCARD_BYTES)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DISCARD_SECONDS
+        while budget > 0:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            try:
+                message: Message = await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            budget -= len(message.get("body", b""))
 
     async def _reject(self, send: Any) -> None:
         message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
