@@ -549,3 +549,28 @@ def test_a_flooding_domain_evicts_its_own_cached_blocks_first(
     hit = cache.match(Sequence("c1", [*prefix, 2], domain=calm))
     assert hit.num_tokens == (2 * BS if calm != flood else 0)
 
+
+
+def test_an_over_share_domain_cannot_evict_a_quiet_domains_cache(kind: str) -> None:
+    # 16 blocks, two domains: the flood holds 13 blocks in live sequences (over its share of 8)
+    # and the calm tenant's freed 2-block prefix is the only cached free memory left: the
+    # flood's next block is refused (the scheduler would preempt the flood), the prefix stays
+    cache = new_cache(kind, num_blocks=16)
+    prefix = list(range(2 * BS))
+    calm = Sequence("c0", [*prefix, 1], salt="calm", domain="calm")
+    run_prompt(cache, calm)
+    cache.free(calm)
+    flood = [Sequence(f"f{i}", [1000 + 100 * i + t for t in range(3 * BS)], salt="flood",
+                      domain="flood") for i in range(4)]  # fmt: skip
+    for seq in flood:
+        run_prompt(cache, seq)  # 12 blocks held; free: the 2 prefix blocks and 2 uncached
+    big = Sequence("f9", list(range(5000, 5000 + 3 * BS)), salt="flood", domain="flood")
+    assert cache.allocate(big, 3 * BS) is None  # 3 blocks: only 2 are not the calm prefix
+    again = Sequence("c1", [*prefix, 2], salt="calm", domain="calm")
+    assert cache.match(again).num_tokens == 2 * BS
+    one = Sequence("f8", list(range(6000, 6000 + BS)), salt="flood", domain="flood")
+    assert cache.allocate(one, BS) is not None  # uncached free blocks are the flood's to take
+    for seq in flood:
+        cache.free(seq)
+    assert cache.allocate(big, 3 * BS) is not None  # its own cached blocks are free again
+    assert cache.match(again).num_tokens == 2 * BS

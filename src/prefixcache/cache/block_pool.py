@@ -188,21 +188,24 @@ class BlockPool:
         self.num_queued -= num_queued
         self._note_watermark()
 
-    def take(self, num: int, owner_root: bytes | None = None) -> list[KVBlock]:
+    def take(
+        self, num: int, owner_root: bytes | None = None, protected: frozenset[str] = frozenset()
+    ) -> list[KVBlock]:
         """``num`` blocks with ``ref_cnt = 1``: the queue's head first, then parked ones the index
         evicts; a cached block taken loses its digest (an eviction).
 
-        The caller checked ``num <= num_free``. ``owner_root`` is the new owner's namespace root
-        (used only with zero-on-reuse).
+        The caller checked ``num <= num_free`` (less the free cached blocks of the ``protected``
+        domains, which are not evicted). ``owner_root`` is the new owner's namespace root (used
+        only with zero-on-reuse).
         """
         if num > self.num_free:
             raise RuntimeError(f"take({num}) with only {self.num_free} free blocks")
         out: list[KVBlock] = []
         if num > 0:
-            evicted = self._pop_queued(min(num, self.num_queued), out)
+            evicted = self._pop_queued(min(num, self._num_takeable(protected)), out, protected)
             if len(out) < num:
                 assert self.index is not None
-                parked, digests = self.index.evict(num - len(out))
+                parked, digests = self.index.evict(num - len(out), protected)
                 self.num_parked -= len(parked)
                 for block in parked:
                     block.ref_cnt = 1
@@ -216,7 +219,21 @@ class BlockPool:
         self._note_watermark()
         return out
 
-    def _pop_queued(self, num: int, out: list[KVBlock]) -> bool:
+    def _num_takeable(self, protected: frozenset[str]) -> int:
+        if not protected:
+            return self.num_queued
+        return self.num_queued - sum(q.count for d, q in self._lru.items() if d in protected)
+
+    def free_cached_by_domain(self) -> dict[str, int]:
+        """Free (evictable) cached blocks per domain."""
+        if self._parks:
+            assert self.index is not None
+            return self.index.evictable_by_domain()
+        return {d: q.count for d, q in self._lru.items() if q.count}
+
+    def _pop_queued(
+        self, num: int, out: list[KVBlock], protected: frozenset[str] = frozenset()
+    ) -> bool:
         """Pop ``num`` queued blocks into ``out``: uncached ones first, then cached ones from the
         domain with the most of them (its least recently used first), so one domain's churn
         evicts its own cached blocks before another's. True if any carries a digest."""
@@ -226,11 +243,13 @@ class BlockPool:
             for domain in [d for d, q in self._lru.items() if not q.count]:
                 del self._lru[domain]  # empty: no block refers to it
         while left:
-            if len(self._lru) == 1:
+            if len(self._lru) == 1 and not protected:
                 left -= self._pop(next(iter(self._lru.values())), left, out)
                 break
             # several domains compete: the one with the most free cached blocks gives one up
-            queue = max(self._lru.values(), key=_count)
+            queue = max(
+                (q for d, q in self._lru.items() if d not in protected), key=_count
+            )
             left -= self._pop(queue, 1, out)
             if not queue.count:
                 del self._lru[queue.domain]
@@ -339,10 +358,17 @@ class BlockPool:
             queue = self._lru[domain] = _Queue(domain)
         return queue
 
-    def copy_on_write(self, src: KVBlock, owner_root: bytes | None, *, copy: bool) -> KVBlock:
+    def copy_on_write(
+        self,
+        src: KVBlock,
+        owner_root: bytes | None,
+        *,
+        copy: bool,
+        protected: frozenset[str] = frozenset(),
+    ) -> KVBlock:
         """A private block to write instead of the shared ``src`` (whose reference is dropped);
         ``copy``: its KV must be copied from ``src`` first (queued for the runner)."""
-        (dst,) = self.take(1, owner_root)
+        (dst,) = self.take(1, owner_root, protected)
         if copy:
             self._copies.append((src.block_id, dst.block_id))
             self.cancel_zero(dst.block_id)  # the copy overwrites the whole block

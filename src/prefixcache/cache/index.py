@@ -105,9 +105,15 @@ class PrefixIndex(abc.ABC):
     def release(self, table: SeqBlocks) -> None:  # noqa: B027 - optional hook
         """``table`` let go of its blocks (radix: unlock the path)."""
 
-    def evict(self, num: int) -> tuple[list[KVBlock], list[bytes]]:
-        """Give up ``num`` parked blocks in eviction order, with their digests (only when
-        ``parks_blocks``); the pool clears them."""
+    def evict(
+        self, num: int, protected: frozenset[str] = frozenset()
+    ) -> tuple[list[KVBlock], list[bytes]]:
+        """Give up ``num`` parked blocks in eviction order, with their digests, none of the
+        ``protected`` domains' (only when ``parks_blocks``); the pool clears them."""
+        raise NotImplementedError
+
+    def evictable_by_domain(self) -> dict[str, int]:
+        """Parked (evictable) blocks per domain (only when ``parks_blocks``)."""
         raise NotImplementedError
 
     def forget(self, blocks: list[KVBlock]) -> None:  # noqa: B027 - optional hook

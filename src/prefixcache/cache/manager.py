@@ -107,6 +107,7 @@ class PrefixCache:
         self.index = self._make_index()
         self.pool.attach(self.index)
         self._tables: dict[str, SeqBlocks] = {}
+        self._held: dict[str, int] = {}  # per domain: blocks in its live tables
         self._observers: list[CacheObserver] = []
 
     kind = ""  # "hash" | "radix", set by each implementation
@@ -204,13 +205,15 @@ class PrefixCache:
         end = computed + num_new_tokens
         num_new = -(-end // self.block_size) - num_hit
         pool = self.pool
+        protected = self._protected_from(seq.domain, num_hit + num_new)
+        num_free = pool.num_free - self._num_protected(protected)
         if num_hit:
             assert hit is not None
-            if num_new + num_hit > pool.num_free:
+            if num_new + num_hit > num_free:
                 num_reused = self.index.num_free_in(hit, hit_blocks)
-                if num_new + num_reused > pool.num_free:
+                if num_new + num_reused > num_free:
                     return None
-        elif num_new > pool.num_free:
+        elif num_new > num_free:
             return None
         block_ids = list(hit.block_ids) if hit is not None and num_hit else []
         table = SeqBlocks(seq, list(hit_blocks), block_ids, computed, end, num_hit)
@@ -218,15 +221,46 @@ class PrefixCache:
             assert hit is not None
             self.index.admit(table, hit)
             pool.touch(hit_blocks[table.num_path :])
-        new_blocks = pool.take(num_new, self._owner_root(seq))
+        new_blocks = pool.take(num_new, self._owner_root(seq), protected)
         table.blocks += new_blocks
         table.block_ids += map(_block_id, new_blocks)
         seq.num_computed_tokens = computed
         self._tables[seq.seq_id] = table
+        self._add_held(seq.domain, len(table.blocks))
         self._count_lookup(seq, hit)
         for observer in self._observers:
             observer.on_admit(seq, hit, list(table.block_ids))
         return list(table.block_ids)
+
+    def _protected_from(self, domain: str, num_more: int) -> frozenset[str]:
+        """The domains whose free cached blocks ``domain`` may not evict for ``num_more`` more
+        blocks: while several domains use the pool, a domain that would hold more than its
+        equal share (held + free cached blocks) evicts only from domains at or over theirs, so
+        its churn cannot take a quiet tenant's cache; it gets None and the scheduler preempts
+        its newest sequence instead. With one domain (or under its share) nothing is."""
+        free_cached = self.pool.free_cached_by_domain()
+        if not free_cached or free_cached.keys() <= {domain}:
+            return frozenset()
+        usage = dict(self._held)
+        for d, n in free_cached.items():
+            usage[d] = usage.get(d, 0) + n
+        share = self.num_blocks / len(usage.keys() | {domain})
+        if usage.get(domain, 0) + num_more <= share:
+            return frozenset()
+        return frozenset(d for d in free_cached if d != domain and usage[d] <= share)
+
+    def _add_held(self, domain: str, num: int) -> None:
+        held = self._held.get(domain, 0) + num
+        if held:
+            self._held[domain] = held
+        else:
+            self._held.pop(domain, None)
+
+    def _num_protected(self, protected: frozenset[str]) -> int:
+        if not protected:
+            return 0
+        free_cached = self.pool.free_cached_by_domain()
+        return sum(free_cached.get(d, 0) for d in protected)
 
     def _checked_hit(self, seq: Sequence, hit: CacheHit | None) -> list[KVBlock]:
         """The hit's blocks, verified to still be cached for ``seq``."""
@@ -252,15 +286,20 @@ class PrefixCache:
             for i in range(computed // bs, min(len(blocks), -(-end // bs)))
             if blocks[i].ref_cnt > 1
         ]
-        if num_new + len(shared) > self.pool.num_free:
+        domain = table.seq.domain
+        protected = self._protected_from(domain, num_new) if num_new else frozenset()
+        if num_new + len(shared) > self.pool.num_free - self._num_protected(protected):
             return None
         root = self._owner_root(table.seq)
         for i in shared:  # a shared block is never written: the table gets its own copy
-            dst = self.pool.copy_on_write(blocks[i], root, copy=i * bs < computed)
+            dst = self.pool.copy_on_write(
+                blocks[i], root, copy=i * bs < computed, protected=protected
+            )
             blocks[i] = dst
             table.block_ids[i] = dst.block_id
-        new_blocks = self.pool.take(num_new, root)
+        new_blocks = self.pool.take(num_new, root, protected)
         if new_blocks:
+            self._add_held(domain, len(new_blocks))
             blocks.extend(new_blocks)
             table.block_ids.extend(map(_block_id, new_blocks))
         table.num_alloc_tokens = max(table.num_alloc_tokens, end)
@@ -312,6 +351,7 @@ class PrefixCache:
         if table is None or table.seq is not seq:
             return
         del self._tables[seq.seq_id]
+        self._add_held(seq.domain, -len(table.blocks))
         self.pool.release(reversed(table.blocks[table.num_path :]))
         self.index.release(table)
         seq.num_computed_tokens = 0
@@ -340,6 +380,7 @@ class PrefixCache:
         )
         self.index.fork(table, child_table)
         self._tables[child_id] = child_table
+        self._add_held(child.domain, len(child_table.blocks))
         return child
 
     def reset(self) -> bool:
@@ -403,6 +444,11 @@ class PrefixCache:
         for table in self._tables.values():
             refs.update(table.block_ids[table.num_path :])  # the path is held by the index
         self.pool.check_integrity(refs)
+        held: dict[str, int] = {}
+        for table in self._tables.values():
+            if table.blocks:
+                held[table.seq.domain] = held.get(table.seq.domain, 0) + len(table.blocks)
+        check_invariant(held == self._held, "blocks held per domain {} == {}", self._held, held)
         for seq_id, table in self._tables.items():
             self._check_table(seq_id, table)
         self.index.check(self._tables)

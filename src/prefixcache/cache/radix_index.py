@@ -178,7 +178,12 @@ class RadixIndex(PrefixIndex):
 
     # -- eviction -------------------------------------------------------------------------------
 
-    def evict(self, num: int) -> tuple[list[KVBlock], list[bytes]]:
+    def evictable_by_domain(self) -> dict[str, int]:
+        return {d: n for d, n in self._evictable.items() if n}
+
+    def evict(
+        self, num: int, protected: frozenset[str] = frozenset()
+    ) -> tuple[list[KVBlock], list[bytes]]:
         """``num`` parked blocks, leaf tails first in policy order (the deepest block first),
         from the domain with the most evictable blocks: one domain's churn evicts its own
         cached blocks before another's."""
@@ -187,7 +192,9 @@ class RadixIndex(PrefixIndex):
         out: list[KVBlock] = []
         dropped: list[bytes] = []
         while num:
-            domain = max(evictable, key=evictable.__getitem__)
+            domain = max(
+                (d for d in evictable if d not in protected), key=evictable.__getitem__
+            )
             heap = self._heaps[domain]
             node = self._candidate(heap)
             block_ids, digests = node.block_ids, node.digests
