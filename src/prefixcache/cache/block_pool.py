@@ -224,6 +224,12 @@ class BlockPool:
             return self.num_queued
         return self.num_queued - sum(q.count for d, q in self._lru.items() if d in protected)
 
+    def other_cache_domains(self, domain: str) -> bool:
+        """Whether a domain other than ``domain`` may have free cached blocks (cheap; may say
+        True for a domain whose count dropped to 0)."""
+        keys = self.index.evictable_domains() if self._parks else self._lru.keys()  # type: ignore[union-attr]
+        return len(keys) > 1 or (len(keys) == 1 and domain not in keys)
+
     def free_cached_by_domain(self) -> dict[str, int]:
         """Free (evictable) cached blocks per domain."""
         if self._parks:

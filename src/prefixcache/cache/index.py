@@ -18,6 +18,7 @@ Two ways to hold a free cached block, chosen by the index:
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -114,6 +115,10 @@ class PrefixIndex(abc.ABC):
 
     def evictable_by_domain(self) -> dict[str, int]:
         """Parked (evictable) blocks per domain (only when ``parks_blocks``)."""
+        raise NotImplementedError
+
+    def evictable_domains(self) -> Collection[str]:
+        """The domains that may have parked blocks (only when ``parks_blocks``)."""
         raise NotImplementedError
 
     def forget(self, blocks: list[KVBlock]) -> None:  # noqa: B027 - optional hook

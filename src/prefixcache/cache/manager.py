@@ -39,6 +39,7 @@ from prefixcache.cache.stats import CacheStats
 __all__ = ["CacheObserver", "PrefixCache"]
 
 _block_id = attrgetter("block_id")
+_NONE: frozenset[str] = frozenset()
 
 
 class CacheObserver(Protocol):
@@ -205,8 +206,8 @@ class PrefixCache:
         end = computed + num_new_tokens
         num_new = -(-end // self.block_size) - num_hit
         pool = self.pool
-        protected = self._protected_from(seq.domain, num_hit + num_new)
-        num_free = pool.num_free - self._num_protected(protected)
+        protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
+        num_free = pool.num_free - num_protected
         if num_hit:
             assert hit is not None
             if num_new + num_hit > num_free:
@@ -232,22 +233,24 @@ class PrefixCache:
             observer.on_admit(seq, hit, list(table.block_ids))
         return list(table.block_ids)
 
-    def _protected_from(self, domain: str, num_more: int) -> frozenset[str]:
+    def _protected_from(self, domain: str, num_more: int) -> tuple[frozenset[str], int]:
         """The domains whose free cached blocks ``domain`` may not evict for ``num_more`` more
-        blocks: while several domains use the pool, a domain that would hold more than its
-        equal share (held + free cached blocks) evicts only from domains at or over theirs, so
-        its churn cannot take a quiet tenant's cache; it gets None and the scheduler preempts
-        its newest sequence instead. With one domain (or under its share) nothing is."""
+        blocks, and how many blocks that keeps from it: while several domains use the pool, a
+        domain that would hold more than its equal share (held + free cached blocks) evicts only
+        from domains at or over theirs, so its churn cannot take a quiet tenant's cache; it gets
+        None and the scheduler preempts its newest sequence instead. With one domain (or under
+        its share) nothing is protected."""
+        if not self.pool.other_cache_domains(domain):  # the common case: one domain
+            return _NONE, 0
         free_cached = self.pool.free_cached_by_domain()
-        if not free_cached or free_cached.keys() <= {domain}:
-            return frozenset()
         usage = dict(self._held)
         for d, n in free_cached.items():
             usage[d] = usage.get(d, 0) + n
         share = self.num_blocks / len(usage.keys() | {domain})
         if usage.get(domain, 0) + num_more <= share:
-            return frozenset()
-        return frozenset(d for d in free_cached if d != domain and usage[d] <= share)
+            return _NONE, 0
+        protected = [d for d in free_cached if d != domain and usage[d] <= share]
+        return frozenset(protected), sum(free_cached[d] for d in protected)
 
     def _add_held(self, domain: str, num: int) -> None:
         held = self._held.get(domain, 0) + num
@@ -255,12 +258,6 @@ class PrefixCache:
             self._held[domain] = held
         else:
             self._held.pop(domain, None)
-
-    def _num_protected(self, protected: frozenset[str]) -> int:
-        if not protected:
-            return 0
-        free_cached = self.pool.free_cached_by_domain()
-        return sum(free_cached.get(d, 0) for d in protected)
 
     def _checked_hit(self, seq: Sequence, hit: CacheHit | None) -> list[KVBlock]:
         """The hit's blocks, verified to still be cached for ``seq``."""
@@ -287,8 +284,10 @@ class PrefixCache:
             if blocks[i].ref_cnt > 1
         ]
         domain = table.seq.domain
-        protected = self._protected_from(domain, num_new) if num_new else frozenset()
-        if num_new + len(shared) > self.pool.num_free - self._num_protected(protected):
+        protected, num_protected = (
+            self._protected_from(domain, num_new) if num_new else (_NONE, 0)
+        )
+        if num_new + len(shared) > self.pool.num_free - num_protected:
             return None
         root = self._owner_root(table.seq)
         for i in shared:  # a shared block is never written: the table gets its own copy

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
@@ -180,6 +181,9 @@ class RadixIndex(PrefixIndex):
 
     def evictable_by_domain(self) -> dict[str, int]:
         return {d: n for d, n in self._evictable.items() if n}
+
+    def evictable_domains(self) -> Collection[str]:
+        return self._evictable.keys()
 
     def evict(
         self, num: int, protected: frozenset[str] = frozenset()

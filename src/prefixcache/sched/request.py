@@ -101,10 +101,6 @@ class SchedRequest:
         return self.seq.num_tokens - self.seq.num_computed_tokens
 
     @property
-    def in_prefill(self) -> bool:
-        return self.seq.num_computed_tokens < self.seq.num_prompt_tokens
-
-    @property
     def reserved_seqs(self) -> int:
         """Sequences this request will occupy: with n > 1, room for its children too."""
         return 1 if self.forked else self.n
