@@ -28,11 +28,15 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int64: offsets of each sequence's tokens in T
     seq_lens: torch.Tensor  # [B] int64: num_computed + num_new
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
-    logits_indices: torch.Tensor  # [B] int64: last new token of each sequence
+    # [R] int64: the new tokens whose logits the model returns: each sequence's last, or all of
+    # a sequence's new tokens where `build` was asked for every token (prompt logprobs)
+    logits_indices: torch.Tensor
     block_size: int
     num_computed: list[int]
     num_new: list[int]
     query_starts: list[int]  # python copy of query_start_loc, for slicing without syncs
+    # [B] row of each sequence's last new token in the returned logits (b when R == B)
+    last_logits_rows: list[int]
     # Per prefill sequence with cached context: the slots of all its tokens [seq_len] and the
     # lower-right causal mask [num_new, seq_len]. None without cached context, and for a single
     # query token (decode attends through the block table: `decode_attention`).
@@ -107,8 +111,10 @@ class AttentionMetadata:
         num_new: Sequence[int],
         block_size: int,
         device: str | torch.device = "cpu",
+        every_token: Sequence[bool] | None = None,
     ) -> AttentionMetadata:
-        """Metadata from python lists; raises ValueError on inconsistent input."""
+        """Metadata from python lists; raises ValueError on inconsistent input. ``every_token[b]``:
+        return logits for all of sequence b's new tokens, not only its last."""
         computed, new = list(map(int, num_computed)), list(map(int, num_new))
         _validate(block_tables, computed, new, block_size)
         table = _padded_table(block_tables)
@@ -118,20 +124,39 @@ class AttentionMetadata:
         slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
         as_tensor = _tensor_maker(device)
         context_slots, masks = _context(table, computed, new, block_size, as_tensor)
+        logits_indices = starts[1:] - 1
+        last_rows = list(range(len(new)))
+        if every_token is not None and any(every_token):
+            logits_indices, last_rows = _logits_rows(starts, every_token)
         return cls(
             slot_mapping=as_tensor(slots),
             positions=as_tensor(positions),
             query_start_loc=as_tensor(starts),
             seq_lens=as_tensor(np.asarray(computed) + np.asarray(new)),
             block_tables=as_tensor(table),
-            logits_indices=as_tensor(starts[1:] - 1),
+            logits_indices=as_tensor(logits_indices),
             block_size=block_size,
             num_computed=computed,
             num_new=new,
             query_starts=starts.tolist(),
+            last_logits_rows=last_rows,
             context_slots=context_slots,
             causal_masks=masks,
         )
+
+
+def _logits_rows(starts: np.ndarray, every_token: Sequence[bool]) -> tuple[np.ndarray, list[int]]:
+    """Token indices whose logits to return, and the row of each sequence's last one."""
+    parts = []
+    last_rows = []
+    num_rows = 0
+    for b, every in enumerate(every_token):
+        start, end = int(starts[b]), int(starts[b + 1])
+        rows = np.arange(start if every else end - 1, end)
+        parts.append(rows)
+        num_rows += len(rows)
+        last_rows.append(num_rows - 1)
+    return np.concatenate(parts), last_rows
 
 
 def _tensor_maker(device: str | torch.device) -> Callable[[np.ndarray], torch.Tensor]:

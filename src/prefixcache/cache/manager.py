@@ -152,9 +152,11 @@ class PrefixCache:
 
     def match(self, seq: Sequence) -> CacheHit:
         """Longest cached prefix of ``seq``, capped at ``num_tokens - 1`` rounded down to a block.
-        Pure: changes no ref count and no statistic."""
+        Pure: changes no ref count and no statistic. Empty for a sequence that does not read
+        the cache."""
         start_ns = time.perf_counter_ns()
-        hit = self.index.lookup(seq) if self.enable_caching and seq.use_cache else CacheHit()
+        reads = self.enable_caching and seq.use_cache and seq.read_cache
+        hit = self.index.lookup(seq) if reads else CacheHit()
         hit.lookup_time_ns = time.perf_counter_ns() - start_ns
         hit.epoch = self.pool.epoch
         return hit

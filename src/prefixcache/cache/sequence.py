@@ -16,7 +16,9 @@ class Sequence:
     ``salt`` is the *effective* cache salt (namespace part), ``adapter`` the LoRA name, and
     ``block_extras`` maps a block index to the extras (multimodal inputs) that change its KV.
     ``use_cache=False`` is isolation mode ``none``: the sequence neither reads nor writes the
-    cache. ``domain`` is its isolation domain (tenant or group): the blocks it caches are evicted
+    cache. ``read_cache=False`` computes every token (no hit is looked up) but still caches what
+    it computes: a request that needs prompt logprobs. ``domain`` is its isolation domain
+    (tenant or group): the blocks it caches are evicted
     in that domain's turn (`block_pool.py`). Digests are computed incrementally by the cache that
     uses the sequence and kept here.
     The token ids are copied, unless ``copy=False`` and they are a list that the caller built for
@@ -35,6 +37,7 @@ class Sequence:
         "adapter",
         "block_extras",
         "use_cache",
+        "read_cache",
         "domain",
         "num_computed_tokens",
         "block_digests",
@@ -54,6 +57,7 @@ class Sequence:
         use_cache: bool = True,
         copy: bool = True,
         domain: str = "",
+        read_cache: bool = True,
     ) -> None:
         self.seq_id = seq_id
         # copy=False: a list built for this sequence alone becomes its own (it is appended to)
@@ -65,6 +69,7 @@ class Sequence:
         self.adapter = adapter
         self.block_extras = block_extras or {}
         self.use_cache = use_cache
+        self.read_cache = read_cache
         self.domain = domain
         self.num_computed_tokens = 0
         self.block_digests: list[bytes] = []
@@ -127,6 +132,7 @@ class Sequence:
             block_extras=self.block_extras,
             use_cache=self.use_cache,
             domain=self.domain,
+            read_cache=self.read_cache,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens

@@ -19,6 +19,7 @@ from prefixcache.cache.block_hash import HASH_ALGOS
 from prefixcache.cache.config import CACHE_KINDS
 from prefixcache.cache.radix_index import EVICTION_POLICIES
 from prefixcache.catalog import DTYPE_NAMES, model_help
+from prefixcache.engine.sampling_params import LOGPROBS_MODES
 from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
 
@@ -54,7 +55,8 @@ class EngineConfig:
     """``model``: a built-in name, a checkpoint directory, a .gguf file or a `LoadedModel`.
     ``cache.num_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
     ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
-    invariant after each step (tests)."""
+    invariant after each step (tests). ``logprobs_mode``: what reported log-probabilities are
+    of (`prefixcache.engine.sampler`)."""
 
     model: Any = "tiny"
     dtype: str = "float32"
@@ -63,8 +65,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_memory_bytes: int = DEFAULT_KV_MEMORY_BYTES
     check_integrity: bool = False
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"unknown logprobs_mode {self.logprobs_mode!r}; choose one of "
+                             f"{list(LOGPROBS_MODES)}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPE_NAMES)}")
         if self.kv_memory_bytes < 1:
@@ -81,7 +87,8 @@ class EngineConfig:
         ``hash_algo``, ``eviction_policy``, ``zero_on_reuse``, ``kv_events``,
         ``kv_events_with_tokens``, ``max_num_seqs``, ``max_num_batched_tokens``,
         ``schedule_policy``, ``lpm_max_wait_steps``, ``dedup``, ``domain_limits``,
-        ``default_domain_limits``, ``seed``, ``dtype``, ``check_integrity``. Deprecated
+        ``default_domain_limits``, ``seed``, ``dtype``, ``check_integrity``,
+        ``logprobs_mode``. Deprecated
         spellings (``policy``, ``zero_freed_blocks``) still work, with a warning."""
         for old, new in _DEPRECATED.items():
             if old in settings:
@@ -91,7 +98,7 @@ class EngineConfig:
                 settings.setdefault(new, settings.pop(old))
         cache = {_CACHE_KEYS[k]: settings.pop(k) for k in list(settings) if k in _CACHE_KEYS}
         scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
-        known = {"dtype", "seed", "kv_memory_bytes", "check_integrity"}
+        known = {"dtype", "seed", "kv_memory_bytes", "check_integrity", "logprobs_mode"}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
@@ -130,6 +137,7 @@ class EngineConfig:
             schedule_policy=args.policy or args.schedule_policy,
             domain_limits=domain_limits,
             default_domain_limits=default_domain_limits,
+            logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
         )
 
 
@@ -151,6 +159,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
                         action="store_true",
                         help="zero a block's KV before another namespace reuses it "
                              "(--zero-freed-blocks: deprecated spelling)")
+    parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                        help="reported logprobs: of the model's distribution, or after "
+                             "penalties, logit_bias, min_tokens and temperature")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES,

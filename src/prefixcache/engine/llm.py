@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.engine.outputs import CompletionOutput, GenerationOutput
+from prefixcache.engine.outputs import CompletionOutput, GenerationOutput, best_of
 from prefixcache.engine.request import Request
 from prefixcache.engine.sampling_params import SamplingParams
 
@@ -203,15 +203,21 @@ def _as_params_list(
 
 
 def _result(request: Request, prompt: Prompt) -> GenerationOutput:
+    choices = request.choices
+    if request.params.ranks_choices:  # best_of: the n best by cumulative logprob, re-indexed
+        ranked = best_of([r.cumulative_logprob for r in choices], request.params.n)
+        choices = [choices[i] for i in ranked]
+    tracks = request.params.logprobs is not None or request.params.ranks_choices
     outputs = [
         CompletionOutput(
-            index=r.index,
+            index=index,
             token_ids=list(r.output_token_ids),
             text=r.text,
             finish_reason=r.finish_reason,
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            cumulative_logprob=r.cumulative_logprob if tracks else None,
         )
-        for r in request.choices
+        for index, r in enumerate(choices)
     ]
     return GenerationOutput(
         request_id=request.request_id,
@@ -220,4 +226,5 @@ def _result(request: Request, prompt: Prompt) -> GenerationOutput:
         outputs=outputs,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         ttft=request.timing.ttft,
+        prompt_logprobs=request.prompt_logprobs,
     )

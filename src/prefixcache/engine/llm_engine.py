@@ -21,9 +21,10 @@ import torch
 
 from prefixcache.cache import PrefixCache, Sequence, build_prefix_cache
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
+from prefixcache.engine.logits_processors import apply_logits_processors
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, RequestOutput
 from prefixcache.engine.request import Request, RequestStatus
-from prefixcache.engine.runner import ModelRunner, blocks_for_budget
+from prefixcache.engine.runner import ModelRunner, StepLogits, blocks_for_budget
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stop import check_stop, emittable_text
@@ -76,7 +77,7 @@ class LLMEngine:
             self.loaded.model, self.config, num_blocks=num_blocks, block_size=self.block_size
         )
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.logprobs_mode)
         self.check_integrity = config.check_integrity
         self._seed_rng = random.Random(config.seed)
         self._groups: dict[str, Request] = {}  # request id -> its first choice (the parent)
@@ -120,6 +121,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
         self._validate_length(len(token_ids), params)
+        self._validate_token_params(params)
         self._validate_domain_caps(len(token_ids), params, domain)
         request = self._new_request(request_id, token_ids, params, cache_salt, use_cache, domain)
         if arrival_time is not None:
@@ -169,19 +171,30 @@ class LLMEngine:
                 f"{self.cache.num_blocks}"
             )
 
+    def _validate_token_params(self, params: SamplingParams) -> None:
+        """Token ids in the parameters must lie in the vocabulary."""
+        vocab = self.config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise InvalidParam(
+                "logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+
     def _validate_domain_caps(self, num_prompt: int, params: SamplingParams, domain: str) -> None:
         """A request that could never fit its domain's caps is refused now, not queued forever."""
         limits = self.scheduler.limits_for(domain)
-        if limits.max_seqs is not None and params.n > limits.max_seqs:
+        num = params.num_choices
+        name = "best_of" if params.ranks_choices else "n"
+        if limits.max_seqs is not None and num > limits.max_seqs:
             raise InvalidParam(
-                "n",
-                f"n ({params.n}) exceeds this caller's limit of {limits.max_seqs} running sequences"
+                name,
+                f"{name} ({num}) exceeds this caller's limit of {limits.max_seqs} running sequences"
             )
-        needed = blocks_needed(num_prompt, params.max_tokens, params.n, self.block_size)
+        needed = blocks_needed(num_prompt, params.max_tokens, num, self.block_size)
         if limits.max_blocks is not None and needed > limits.max_blocks:
             raise InvalidParam(
-                "n",
-                f"n ({params.n}) x (prompt {num_prompt} + max_tokens {params.max_tokens} tokens) "
+                name,
+                f"{name} ({num}) x (prompt {num_prompt} + max_tokens {params.max_tokens} tokens) "
                 f"needs up to {needed} KV blocks, over this caller's limit of {limits.max_blocks}"
             )
 
@@ -195,10 +208,13 @@ class LLMEngine:
         domain: str,
     ) -> Request:
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(request_id, token_ids, cache_salt, use_cache=use_cache, domain=domain)
+        # prompt logprobs need logits at every prompt position: compute them all (no cache
+        # read), still caching the blocks for others
+        seq = Sequence(request_id, token_ids, cache_salt, use_cache=use_cache, domain=domain,
+                       read_cache=params.prompt_logprobs is None)
         generator = None if params.greedy else make_generator(derive_seed(base_seed, 0))
         self._num_added += 1
-        return Request(
+        request = Request(
             request_id=request_id,
             seq=seq,
             params=params,
@@ -207,6 +223,9 @@ class LLMEngine:
             arrival_index=self._num_added,
             domain=domain,
         )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(token_ids)
+        return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output comes with the next step.
@@ -243,9 +262,11 @@ class LLMEngine:
         self.num_steps += 1
         if not out.is_empty:
             self._mark_scheduled(out)
-            logits = self.runner.execute(out)
+            logits = self.runner.execute_step(out)
             targets = self.scheduler.update_from_step(out)
-            outputs.extend(self._sample(logits, targets))
+            if logits.every_token:
+                self._record_prompt_logprobs(out, logits)
+            outputs.extend(self._sample(logits.last, targets))
         if self.check_integrity:
             self.cache.check_integrity()
         return outputs
@@ -256,6 +277,34 @@ class LLMEngine:
             timing = cast(Request, chunk.request).timing  # the scheduler holds our requests
             if timing.first_scheduled_time is None:
                 timing.first_scheduled_time = now
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput, logits: StepLogits) -> None:
+        """Each prompt position's logits rate the next prompt token: keep its logprob (and the
+        top alternatives) by position; a recomputed chunk (after preemption) rewrites them."""
+        for i, rows in logits.every_token.items():
+            chunk = out.chunks[i]
+            request = cast(Request, chunk.request)
+            table = request.prompt_logprobs
+            if table is None or request.params.prompt_logprobs is None:
+                continue
+            start = chunk.num_computed_tokens
+            num = min(chunk.num_new_tokens, request.num_prompt_tokens - 1 - start)
+            if num <= 0:
+                continue
+            logprobs = torch.log_softmax(rows[:num].float(), dim=-1)
+            next_ids = request.seq.token_ids[start + 1 : start + 1 + num]
+            chosen_t = logprobs.gather(1, torch.tensor(next_ids).unsqueeze(1))
+            ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+            chosen = chosen_t.squeeze(1).tolist()
+            k = min(request.params.prompt_logprobs, logprobs.shape[1])
+            tops: list[dict[int, float]] = [{} for _ in range(num)]
+            if k:
+                values, ids = torch.topk(logprobs, k, dim=-1)
+                tops = [dict(zip(i_row, v_row, strict=True))
+                        for i_row, v_row in zip(ids.tolist(), values.tolist(), strict=True)]
+            for j in range(num):
+                table[start + 1 + j] = {"token_id": next_ids[j], "logprob": chosen[j],
+                                        "rank": ranks[j], "top": tops[j]}
 
     def _sample(
         self, logits: torch.Tensor, targets: list[tuple[Request, int]]
@@ -274,26 +323,31 @@ class LLMEngine:
             try:
                 if isinstance(token, Exception):
                     raise token
-                outputs.append(self._process_token(request, token.token_id, token.logprob, now))
-                if token.logprob is not None:
-                    request.logprobs.append({"logprob": token.logprob, "top": token.top_logprobs})
+                outputs.append(self._process_token(request, token, now))
             except Exception as exc:  # noqa: BLE001 - isolated to this request, reported in it
                 outputs.extend(self._fail_request(request, exc, now))
         return outputs
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[Any]:
-        """One batched sample; if it raises, row by row so only the failing rows fail."""
+        """Logits processors, then one batched sample; if either raises, row by row so only the
+        failing rows fail. ``logits`` is the step's own copy of these rows."""
         params = [r.params for r in requests]
         generators = [r.generator for r in requests]
+        eos = self.tokenizer.eos_token_ids
         try:
-            return list(self.sampler.sample(logits, params, generators))
+            raw = _raw_copy(logits, params)
+            processed = apply_logits_processors(logits, requests, eos)
+            return list(self.sampler.sample(processed, params, generators, raw))
         except Exception:  # noqa: BLE001 - retried per row below
             pass
         out: list[Any] = []
         for i in range(len(requests)):
             try:
-                out.extend(self.sampler.sample(logits[i : i + 1], params[i : i + 1],
-                                               generators[i : i + 1]))
+                row = logits[i : i + 1].clone()
+                raw = _raw_copy(row, params[i : i + 1])
+                row = apply_logits_processors(row, requests[i : i + 1], eos)
+                out.extend(self.sampler.sample(row, params[i : i + 1], generators[i : i + 1],
+                                               raw))
             except Exception as exc:  # noqa: BLE001 - this row's failure, reported in it
                 out.append(exc)
         return out
@@ -317,33 +371,45 @@ class LLMEngine:
             outputs[-1].request_finished = self._retire_if_done(request.request_id)
         return outputs
 
-    def _process_token(
-        self, request: Request, token_id: int, logprob: float | None, now: float
-    ) -> RequestOutput:
+    def _process_token(self, request: Request, token: Any, now: float) -> RequestOutput:
+        token_id = token.token_id
         request.append_output(token_id)
         if request.timing.first_token_time is None:
             request.timing.first_token_time = now
         if request.detokenizer is None:
-            request.detokenizer = self._detokenizer()
+            request.detokenizer = self._detokenizer(request.params.skip_special_tokens)
+        new_logprobs: list[dict[str, Any]] = []
+        if token.logprob is not None:
+            request.cumulative_logprob += token.logprob
+            if request.params.logprobs is not None:
+                entry = {"token_id": token_id, "logprob": token.logprob,
+                         "top": token.top_logprobs}
+                request.logprobs.append(entry)
+                new_logprobs.append(entry)
         status = check_stop(request, token_id, self.tokenizer.eos_token_ids)
         if status is not None:
             self.scheduler.finish(request, status)
             request.timing.finish_time = now
-        new_logprobs = [] if logprob is None else [{"token_id": token_id, "logprob": logprob}]
         output = self._output(request, [token_id], new_logprobs)
         if status is not None:
             output.request_finished = self._retire_if_done(request.request_id)
         return output
 
-    def _detokenizer(self) -> Any:
+    def _detokenizer(self, skip_special_tokens: bool) -> Any:
         from prefixcache.model.detokenizer import IncrementalDetokenizer
 
-        return IncrementalDetokenizer(self.tokenizer)
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
 
     def _output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list[dict[str, Any]]
     ) -> RequestOutput:
         text = emittable_text(request)
+        params = request.params
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and len(request.output_token_ids) <= 1:
+            root = request.parent if isinstance(request.parent, Request) else request
+            prompt_logprobs = root.prompt_logprobs
+        tracks = params.logprobs is not None or params.ranks_choices
         return RequestOutput(
             request_id=request.request_id,
             index=request.index,
@@ -356,6 +422,8 @@ class LLMEngine:
             num_output_tokens=len(request.output_token_ids),
             request_finished=self._group_done(request.request_id),
             new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cumulative_logprob=request.cumulative_logprob if tracks else None,
         )
 
     def _group_done(self, request_id: str) -> bool:
@@ -446,6 +514,14 @@ class LLMEngine:
             "requests": dict(self._history),
             "cache": stats.as_dict(),
         }
+
+
+def _raw_copy(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """The rows before the logits processors edit them, where raw logprobs are reported."""
+    wants = any(p.logprobs is not None or p.ranks_choices for p in params)
+    if wants and any(p.processes_logits for p in params):
+        return logits.clone()
+    return None
 
 
 def _load(model: Any, dtype: str) -> Any:

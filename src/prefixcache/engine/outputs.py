@@ -8,6 +8,7 @@ from typing import Any
 
 __all__ = [
     "CompletionOutput",
+    "best_of",
     "EngineLimits",
     "EngineSnapshot",
     "GenerationOutput",
@@ -22,7 +23,11 @@ class RequestOutput:
     ``text`` is the new text only (stop strings cut, a possible stop-string prefix held back
     until it is decided). ``request_finished`` is True on the last output of the whole request.
     ``error`` says why a request ended with finish reason ``"error"`` (a failure inside the step
-    that touched this request alone; no prompt text in it).
+    that touched this request alone; no prompt text in it). ``new_logprobs``: per new token,
+    ``{"token_id", "logprob", "top": {id: logprob}}`` when logprobs were asked for;
+    ``prompt_logprobs`` (on a choice's first output, when asked for): per prompt position, None
+    for the first, else the same shape for that prompt token; ``cumulative_logprob``: of the
+    choice's tokens so far, when logprobs or a ``best_of`` ranking need it.
     """
 
     request_id: str
@@ -37,6 +42,8 @@ class RequestOutput:
     request_finished: bool = False
     new_logprobs: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +55,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[dict[str, Any]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +68,7 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     ttft: float | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -72,6 +81,13 @@ class GenerationOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+def best_of(cumulative_logprobs: list[float], n: int) -> list[int]:
+    """The indices of the ``n`` choices with the highest cumulative log-probability, best first
+    (ties: the lower index), as ``best_of`` returns them."""
+    order = sorted(range(len(cumulative_logprobs)), key=lambda i: (-cumulative_logprobs[i], i))
+    return order[:n]
 
 
 @dataclass(frozen=True, slots=True)

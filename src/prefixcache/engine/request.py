@@ -59,9 +59,25 @@ class Request(SchedRequest):
     num_text_emitted: int = field(default=0, kw_only=True)  # characters of `text` streamed
     num_tokens_emitted: int = field(default=0, kw_only=True)  # output tokens streamed
     logprobs: list[dict[str, Any]] = field(default_factory=list, kw_only=True)
+    cumulative_logprob: float = field(default=0.0, kw_only=True)  # of the sampled tokens
+    # prompt logprobs by position (None for position 0), filled as prefill chunks run
+    prompt_logprobs: list[dict[str, Any] | None] | None = field(default=None, kw_only=True)
+    _unique_prompt: torch.Tensor | None = field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
-        self.n = self.params.n
+        self.n = self.params.num_choices
+        self.prompt_logits = self.params.prompt_logprobs is not None
+
+    def unique_prompt_ids(self) -> torch.Tensor:
+        """The prompt's distinct token ids, for the repetition penalty (built once)."""
+        if self._unique_prompt is None:
+            parent = self.parent
+            if isinstance(parent, Request):
+                self._unique_prompt = parent.unique_prompt_ids()
+            else:
+                ids = torch.tensor(self.prompt_token_ids, dtype=torch.long)
+                self._unique_prompt = torch.unique(ids)
+        return self._unique_prompt
 
     def spawn(self, index: int, seq: Sequence) -> Request:
         """Choice ``index``: same parameters, its own random stream, the parent's timing."""

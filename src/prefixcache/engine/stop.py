@@ -1,8 +1,10 @@
 """Stop rules and streamed text for one choice: EOS / stop token ids, stop strings, max_tokens.
 
 Stop strings are searched only in the text tail a new token can have changed, cut from the
-output, and never streamed: up to ``len(longest stop) - 1`` trailing characters are held back
-until they are known not to start a stop string. Knows nothing about caches or tensors.
+output (kept, up to their end, with ``include_stop_str_in_output``), and never streamed early: up
+to ``len(longest stop) - 1`` trailing characters are held back until they are known not to start
+a stop string. Below ``min_tokens`` output tokens only ``max_tokens`` ends a choice (as vLLM).
+Knows nothing about caches or tensors.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ def check_stop(
 ) -> RequestStatus | None:
     """Account for ``token_id`` (already appended): update the text, return a finish status."""
     params = request.params
-    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+    num_output = len(request.output_token_ids)
+    may_stop = num_output >= params.min_tokens
+    if may_stop and (
+        (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids
+    ):
         request.text += request.detokenizer.flush()
         return RequestStatus.FINISHED_STOPPED
     delta = request.detokenizer.add(token_id)
     if delta:
         request.text += delta
-        if params.stop and _cut_at_stop(request, len(delta)):
+        if may_stop and params.stop and _cut_at_stop(request, len(delta)):
             return RequestStatus.FINISHED_STOPPED
-    if len(request.output_token_ids) >= params.max_tokens:
+    if num_output >= params.max_tokens:
         request.text += request.detokenizer.flush()
         if params.stop and _cut_at_stop(request, len(request.text)):
             return RequestStatus.FINISHED_STOPPED
@@ -38,10 +44,12 @@ def check_stop(
 def _cut_at_stop(request: Request, num_new_chars: int) -> bool:
     text = request.text
     start = max(0, len(text) - num_new_chars - request.params.max_stop_len + 1)
-    found = [i for i in (text.find(s, start) for s in request.params.stop) if i >= 0]
+    found = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in request.params.stop)
+             if i >= 0]
     if not found:
         return False
-    request.text = text[: min(found)]
+    at, length = min(found)
+    request.text = text[: at + length if request.params.include_stop_str_in_output else at]
     return True
 
 

@@ -35,6 +35,11 @@ class ScheduledChunk:
         """Computes prompt tokens (else one decode token)."""
         return self.num_computed_tokens < self.request.num_prompt_tokens
 
+    @property
+    def logits_every_token(self) -> bool:
+        """The runner returns a logits row for each of this chunk's tokens (prompt logprobs)."""
+        return self.request.prompt_logits and self.is_prefill
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

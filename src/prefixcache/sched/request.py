@@ -46,6 +46,8 @@ class SchedRequest:
     ``domain`` is the isolation domain (tenant or group) for fair sharing ("" single-tenant);
     ``arrival_index`` orders admission (FCFS; children inherit their parent's);
     ``num_cached_tokens`` is the prompt prefix served from the cache at first admission.
+    ``prompt_logits``: the driver needs the logits at every prompt position (prompt logprobs),
+    so each prefill chunk of this request returns a row per token, not only its last.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class SchedRequest:
     forked: bool = field(default=False, kw_only=True)  # n > 1: children were forked
     parent: SchedRequest | None = field(default=None, kw_only=True)
     children: list[SchedRequest] = field(default_factory=list, kw_only=True)
+    prompt_logits: bool = field(default=False, kw_only=True)
 
     def spawn(self, index: int, seq: Sequence) -> SchedRequest:
         """Choice ``index`` of this request, on ``seq`` (forked from this one's)."""

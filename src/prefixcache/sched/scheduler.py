@@ -344,8 +344,9 @@ class Scheduler(Generic[R]):
     # ---- in-batch dedup ----------------------------------------------------------------------
 
     def _first_miss_digest(self, request: R, hit: CacheHit) -> bytes | None:
-        if not (self.dedup and self.cache.enable_caching and request.seq.use_cache):
-            return None
+        seq = request.seq
+        if not (self.dedup and self.cache.enable_caching and seq.use_cache and seq.read_cache):
+            return None  # a sequence that reads no hit gains nothing by waiting
         digests = request.seq.digests(self.cache.hasher, self.cache.model_id)
         return digests[hit.num_blocks] if hit.num_blocks < len(digests) else None
 

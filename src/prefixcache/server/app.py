@@ -22,7 +22,13 @@ from prefixcache.server.async_engine import AsyncEngine
 from prefixcache.server.errors import ApiError, install_error_handlers
 from prefixcache.server.limits import BodyLimit
 from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
-from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixcache.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+)
 from prefixcache.server.serving import OpenAIServing
 from prefixcache.server.tenancy import Tenant, TenantRegistry
 
@@ -56,10 +62,12 @@ def create_app(
     trust_content_markers: bool = False,
     metrics_key: str | None = None,
     metrics_domain_labels: str = "name",
+    strict_api: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (an `LLMEngine`, driven from its own thread).
 
     With a tenants file, ``/metrics`` answers only an admin tenant's key or ``metrics_key``.
+    ``strict_api``: unknown request fields get 400 instead of being ignored.
     """
     metrics = ServerMetrics(model_name, block_bytes(engine), metrics_domain_labels)
     max_pending = engine.limits.max_num_seqs + max_queue_len
@@ -69,7 +77,7 @@ def create_app(
                                log_interval_s=log_interval_s, max_pending_per_domain=per_domain)
     serving = OpenAIServing(async_engine, model_name=model_name, tenants=tenants,
                             metrics=metrics, default_max_tokens=default_max_tokens,
-                            trust_content_markers=trust_content_markers)
+                            trust_content_markers=trust_content_markers, strict_api=strict_api)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,17 +153,41 @@ def _add_routes(
                    tenant: Tenant = Depends(auth)) -> Any:
         return await serving.chat(body, tenant, request)
 
-    @app.get("/v1/models")
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request,
+                        tenant: Tenant = Depends(auth)) -> Any:
+        return await serving.responses(body, tenant, request)
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(tenant: Tenant = Depends(auth)) -> Any:
         return protocol.model_list(serving.model_name, protocol.now(), serving.max_model_len)
 
-    @app.get("/health")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(model_id: str, tenant: Tenant = Depends(auth)) -> Any:
+        if model_id != serving.model_name:
+            raise ApiError(404, f"the model {model_id!r} does not exist", param="model",
+                           code="model_not_found")
+        return protocol.model_card(serving.model_name, protocol.now(), serving.max_model_len)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, tenant: Tenant = Depends(auth)) -> Any:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, tenant: Tenant = Depends(auth)) -> Any:
+        return await serving.detokenize(body)
+
+    @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
+    async def tokenizer_info(tenant: Tenant = Depends(auth)) -> Any:
+        return serving.tokenizer_info()
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not async_engine.is_alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", dependencies=[Depends(metrics_auth)])
+    @app.api_route("/metrics", methods=["GET", "HEAD"], dependencies=[Depends(metrics_auth)])
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 

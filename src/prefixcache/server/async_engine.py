@@ -102,11 +102,12 @@ class AsyncEngine:
 
     async def add(
         self, request_id: str, prompt_token_ids: list[int], params: Any, salt: str | None,
-        use_cache: bool, domain: str = "",
+        use_cache: bool, domain: str = "", queue: asyncio.Queue[Any] | None = None,
     ) -> asyncio.Queue[Any]:
-        """Queue a request; its outputs arrive on the returned queue, the last one with
-        ``request_finished``. Raises ValueError (bad request) or `EngineOverloaded` (the
-        server's limit, or ``domain``'s own share of it, is reached)."""
+        """Queue a request; its outputs arrive on the returned queue (``queue``, which several
+        requests may share, or a new one), the last one with ``request_finished``. Raises
+        ValueError (bad request) or `EngineOverloaded` (the server's limit, or ``domain``'s own
+        share of it, is reached)."""
         if self._pending_by_domain.get(domain, 0) >= self.max_pending_per_domain:
             raise EngineOverloaded(
                 f"this caller has {self.max_pending_per_domain} queued and running requests, "
@@ -117,7 +118,9 @@ class AsyncEngine:
                 f"the server is at its limit of {self.max_pending} queued and running requests; "
                 "retry later"
             )
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        if queue is None:
+            queue = asyncio.Queue()
+        stream = _Stream(asyncio.get_running_loop(), queue)
 
         def add_in_thread() -> None:
             self.engine.add_request(request_id, None, params, prompt_token_ids=prompt_token_ids,

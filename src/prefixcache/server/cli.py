@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close a connection whose request headers are not complete in time")
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
                         help="close an idle keep-alive connection after this long")
+    parser.add_argument("--strict-api", action="store_true",
+                        help="reject request fields this server does not know (400) instead of "
+                             "ignoring them with a warning naming them")
     parser.add_argument("--no-retain-freed-memory", action="store_true",
                         help="keep glibc's malloc defaults (by default the server keeps freed "
                              "tensor memory mapped, avoiding page-fault churn in prefills)")
@@ -194,7 +197,8 @@ def build_app(args: argparse.Namespace) -> Any:
                       max_request_bytes=args.max_request_bytes,
                       trust_content_markers=args.trust_special_tokens_in_content,
                       metrics_key=args.metrics_key,
-                      metrics_domain_labels=args.metrics_domain_labels)
+                      metrics_domain_labels=args.metrics_domain_labels,
+                      strict_api=args.strict_api)
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,9 +1,11 @@
-"""The OpenAI wire format: pydantic request and response models for completions and chat.
+"""The OpenAI wire format: pydantic request and response models for completions, chat and
+responses, plus vLLM's tokenizer endpoints.
 
-Requests are strict: wrong types and unknown fields are rejected (400 through the error
-handlers), and the few standard OpenAI fields this server does not implement are accepted only at
-their neutral value. Responses are plain models serialised with ``model_dump``. No engine types
-here; `serving` translates between the two.
+Requests are lenient about *names* and strict about *values*, as vLLM's server is: a field this
+server does not know is accepted and ignored (`Lenient.ignored_fields` lists them; the server
+logs their names, or rejects them under ``--strict-api``); a known field keeps its type and range
+checks (400 with ``param`` set). An explicit ``null`` means the field's default. Responses are
+plain dicts. No engine types here; `serving` translates between the two.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    model_validator,
 )
 from pydantic import StrictStr as _PlainStr
 
@@ -27,18 +30,24 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
+    "Lenient",
+    "ResponsesRequest",
     "StreamOptions",
+    "TokenizeRequest",
     "Usage",
+    "chat_choice",
     "chat_chunk",
     "chat_response",
+    "completion_choice",
     "completion_chunk",
     "completion_response",
+    "model_card",
     "model_list",
     "new_id",
     "usage",
     "usage_chunk",
 ]
-
 
 
 def _encodable(text: str) -> str:
@@ -59,41 +68,60 @@ Number = StrictInt | StrictFloat
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Lenient(BaseModel):
+    """Unknown fields are kept aside (`ignored_fields`), an explicit null is the default."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():
+            known = cls.model_fields
+            return {k: v for k, v in data.items() if not (v is None and k in known)}
+        return data
+
+    def ignored_fields(self) -> list[str]:
+        """Names of the fields this server does not know (top level only)."""
+        return sorted(self.model_extra or ())
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Lenient):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by both endpoints."""
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _SamplingFields(Lenient):
+    """Fields shared by completions and chat (OpenAI's and vLLM's extensions)."""
 
     model: StrictStr
     max_tokens: StrictInt | None = None
     temperature: Number = 1.0
     top_p: Number = 1.0
     top_k: StrictInt = 0  # extension (vLLM)
+    min_p: Number = 0.0  # extension (vLLM)
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
     ignore_eos: StrictBool = False  # extension (vLLM)
+    min_tokens: StrictInt = 0  # extension (vLLM)
+    include_stop_str_in_output: StrictBool = False  # extension (vLLM)
+    skip_special_tokens: StrictBool = True  # extension (vLLM)
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     cache_salt: StrictStr | None = None  # extension (vLLM): narrows reuse inside the namespace
     user: StrictStr | None = None
-    # standard fields accepted only at their neutral value (see `unsupported_fields`)
-    frequency_penalty: Number | None = None
-    presence_penalty: Number | None = None
-    logit_bias: dict[str, Number] | None = None
-
-    def unsupported_fields(self) -> list[str]:
-        neutral = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-                   "logit_bias": (None, {})}
-        return [name for name, ok in neutral.items() if getattr(self, name) not in ok]
+    frequency_penalty: Number = 0.0
+    presence_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0  # extension (vLLM)
+    logit_bias: dict[StrictStr, Number] | None = None
+    response_format: ResponseFormat | None = None
+    prompt_logprobs: StrictInt | None = None  # extension (vLLM)
 
 
 class CompletionRequest(_SamplingFields):
@@ -103,19 +131,15 @@ class CompletionRequest(_SamplingFields):
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
 
-    def unsupported_fields(self) -> list[str]:
-        out = super().unsupported_fields()
-        neutral = {"logprobs": (None,), "echo": (False,), "suffix": (None, ""),
-                   "best_of": (None, 1)}
-        return out + [name for name, ok in neutral.items() if getattr(self, name) not in ok]
 
-
-class TextPart(_Strict):
-    type: Literal["text"]
+class TextPart(Lenient):
+    type: Literal["text", "input_text", "output_text"]
     text: StrictStr
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Lenient):
+    """One message; fields beyond these (``tool_calls``, ``refusal``, ``audio``...) are kept."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
@@ -133,10 +157,43 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool = True  # extension (vLLM)
 
-    def unsupported_fields(self) -> list[str]:
-        out = super().unsupported_fields()
-        return out + (["logprobs"] if self.logprobs else [])
+
+class ResponsesRequest(Lenient):
+    """``POST /v1/responses``, the subset clients use: text in, text out."""
+
+    model: StrictStr
+    input: StrictStr | Annotated[list[ChatMessage], Field(min_length=1)]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    stream: StrictBool = False
+    previous_response_id: StrictStr | None = None
+    tools: list[dict[str, Any]] | None = None
+    store: StrictBool | None = None
+    user: StrictStr | None = None
+    cache_salt: StrictStr | None = None  # extension (vLLM)
+
+
+class TokenizeRequest(Lenient):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered by the template."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(Lenient):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -166,45 +223,53 @@ def _envelope(rid: str, obj: str, model: str, created: int) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": model}
 
 
+def completion_choice(
+    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+
+
+def chat_choice(
+    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "finish_reason": reason, "logprobs": logprobs}
+
+
 def completion_response(
-    rid: str, model: str, created: int, choices: list[tuple[str, str | None]], use: dict[str, Any]
+    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, Any]
 ) -> dict[str, Any]:
     body = _envelope(rid, "text_completion", model, created)
-    body["choices"] = [
-        {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
-        for i, (text, reason) in enumerate(choices)
-    ]
+    body["choices"] = choices
     body["usage"] = use
     return body
 
 
 def chat_response(
-    rid: str, model: str, created: int, choices: list[tuple[str, str | None]], use: dict[str, Any]
+    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, Any]
 ) -> dict[str, Any]:
     body = _envelope(rid, "chat.completion", model, created)
-    body["choices"] = [
-        {"index": i, "message": {"role": "assistant", "content": text},
-         "finish_reason": reason, "logprobs": None}
-        for i, (text, reason) in enumerate(choices)
-    ]
+    body["choices"] = choices
     body["usage"] = use
     return body
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, index: int, text: str, reason: str | None
+    rid: str, model: str, created: int, index: int, text: str, reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body = _envelope(rid, "text_completion", model, created)
-    body["choices"] = [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]
+    body["choices"] = [completion_choice(index, text, reason, logprobs)]
     return body
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, index: int, delta: dict[str, str], reason: str | None
+    rid: str, model: str, created: int, index: int, delta: dict[str, str], reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body = _envelope(rid, "chat.completion.chunk", model, created)
     body["choices"] = [{"index": index, "delta": delta, "finish_reason": reason,
-                        "logprobs": None}]
+                        "logprobs": logprobs}]
     return body
 
 
@@ -217,11 +282,80 @@ def usage_chunk(
     return body
 
 
-def model_list(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
-    card = {"id": model_id, "object": "model", "created": created, "owned_by": "prefixcache",
+def model_card(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "prefixcache",
             "max_model_len": max_model_len}
-    return {"object": "list", "data": [card]}
+
+
+def model_list(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(model_id, created, max_model_len)]}
 
 
 def now() -> int:
     return int(time.time())
+
+
+# ---- the Responses API ------------------------------------------------------------------------
+
+
+def response_usage(num_input: int, num_output: int, num_cached: int) -> dict[str, Any]:
+    return {
+        "input_tokens": num_input,
+        "input_tokens_details": {"cached_tokens": num_cached},
+        "output_tokens": num_output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": num_input + num_output,
+    }
+
+
+def response_message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [output_text(text)] if status == "completed" else [],
+    }
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def response_object(
+    rid: str,
+    body: ResponsesRequest,
+    created: int,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    use: dict[str, Any] | None,
+    incomplete_reason: str | None = None,
+) -> dict[str, Any]:
+    """A ``response`` object (``status``: in_progress | completed | incomplete)."""
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": body.model,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": float(body.temperature),
+        "top_p": float(body.top_p),
+        "output": output,
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "store": False,
+        "previous_response_id": None,
+        "error": None,
+        "incomplete_details": (
+            {"reason": incomplete_reason} if incomplete_reason is not None else None
+        ),
+        "metadata": {},
+        "user": body.user,
+        "usage": use,
+    }

@@ -1,15 +1,20 @@
 """The OpenAI endpoints' logic: request model -> token ids + sampling params -> engine -> response.
 
 `OpenAIServing` tokenizes (chat through the model's template), builds `SamplingParams`, asks the
-tenancy registry for the cache scope, submits to the `AsyncEngine` and turns its incremental
-outputs into one JSON response or an SSE stream ending in ``data: [DONE]``. A client that goes
-away aborts its request. Prompt text and token ids never reach a log line.
+tenancy registry for the cache scope, submits one engine request per prompt to the `AsyncEngine`
+(a batched completions ``prompt`` is several; their outputs share one queue) and turns the
+incremental outputs into one JSON response or an SSE stream: completions and chat end in
+``data: [DONE]``, the Responses API sends typed events. A client that goes away aborts its
+requests. Prompt text and token ids never reach a log line; neither do the values of ignored
+fields, only their (sanitised) names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,75 +24,154 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.engine.outputs import best_of
+from prefixcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
 from prefixcache.server.async_engine import AsyncEngine, EngineFailure, EngineOverloaded
 from prefixcache.server.errors import ApiError
+from prefixcache.server.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from prefixcache.server.metrics import ServerMetrics
-from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixcache.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    Lenient,
+    ResponsesRequest,
+    TokenizeRequest,
+)
 from prefixcache.server.tenancy import Tenant, TenantRegistry
 
 __all__ = ["OpenAIServing"]
 
+logger = logging.getLogger("prefixcache.server")
+
 _DISCONNECT_POLL_S = 0.5
+_FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 @dataclass(slots=True)
-class _Tally:
-    """What a request has produced so far, per choice."""
+class _Choice:
+    """What one choice has produced so far."""
 
-    n: int
-    start: float
-    texts: list[str] = field(default_factory=list)
-    reasons: list[str | None] = field(default_factory=list)
-    num_outputs: list[int] = field(default_factory=list)
-    num_prompt: int = 0
+    text: str = ""
+    reason: str | None = None
+    num_output: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    started: bool = False  # its first stream chunk (role, echoed prompt) went out
+    text_offset: int = 0  # completions logprobs: where its next token starts in the text
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """One engine request: a prompt and its choices (``best_of`` of them, if given)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None  # the prompt's text, for echo (decoded from ids where given as ids)
+    choices: list[_Choice]
     num_cached: int = 0
-    first_token_time: float | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     done: bool = False
 
-    def __post_init__(self) -> None:
-        self.texts = [""] * self.n
-        self.reasons = [None] * self.n
-        self.num_outputs = [0] * self.n
 
-    def add(self, output: Any) -> None:
-        i = output.index
-        self.texts[i] += output.text
-        self.num_outputs[i] = output.num_output_tokens
-        self.num_prompt = output.num_prompt_tokens
-        if i == 0:
-            self.num_cached = output.num_cached_tokens
+@dataclass(slots=True)
+class _Options:
+    """How outputs are rendered: echo, logprobs, usage, choice count."""
+
+    n: int = 1
+    echo: bool = False
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt (and its logprobs) alone
+    logprobs: int | None = None  # completions: top-N per token; chat: top_logprobs
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
+    include_usage: bool = False
+
+
+@dataclass(slots=True)
+class _Job:
+    """One accepted HTTP request on its way through the engine."""
+
+    kind: str  # "completion" | "chat" | "response"
+    public_id: str
+    model: str
+    created: int
+    tenant: Tenant
+    queue: asyncio.Queue[Any]
+    prompts: list[_Prompt]
+    options: _Options
+    start: float
+    by_id: dict[str, int] = field(default_factory=dict)
+    first_token_time: float | None = None
+    num_added: int = 0  # engine requests accepted (each released once, by `_finish`)
+    released: bool = False
+
+    def __post_init__(self) -> None:
+        self.by_id = {p.request_id: i for i, p in enumerate(self.prompts)}
+
+    @property
+    def done(self) -> bool:
+        return all(p.done for p in self.prompts[: self.num_added])
+
+    def add(self, output: Any) -> tuple[int, _Choice]:
+        i = self.by_id[output.request_id]
+        prompt = self.prompts[i]
+        choice = prompt.choices[output.index]
+        choice.text += output.text
+        choice.num_output = output.num_output_tokens
+        choice.logprobs.extend(output.new_logprobs)
+        if output.cumulative_logprob is not None:
+            choice.cumulative_logprob = output.cumulative_logprob
+        if output.prompt_logprobs is not None:
+            prompt.prompt_logprobs = output.prompt_logprobs
+        if output.index == 0:
+            prompt.num_cached = output.num_cached_tokens
         if output.finished:
-            self.reasons[i] = _finish_reason(output.finish_reason)
+            choice.reason = _finish_reason(output.finish_reason)
         if self.first_token_time is None and output.new_token_ids:
             self.first_token_time = time.monotonic()
-        self.done = output.request_finished
+        if output.request_finished:
+            prompt.done = True
+        return i, choice
+
+    def ranked(self, prompt: _Prompt) -> list[_Choice]:
+        """The choices to return: all, or the n best of ``best_of``."""
+        if len(prompt.choices) == self.options.n:
+            return prompt.choices
+        order = best_of([c.cumulative_logprob for c in prompt.choices], self.options.n)
+        return [prompt.choices[i] for i in order]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        if self.options.echo_only:
+            return 0
+        return sum(c.num_output for p in self.prompts for c in p.choices)
 
     def usage(self) -> dict[str, Any]:
-        return protocol.usage(self.num_prompt, sum(self.num_outputs), self.num_cached)
+        cached = sum(p.num_cached for p in self.prompts)
+        return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached)
+
+    @property
+    def first_reason(self) -> str | None:
+        return self.prompts[0].choices[0].reason
 
 
 def _finish_reason(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-@dataclass(slots=True)
-class _Job:
-    """One accepted request on its way through the engine."""
-
-    request_id: str
-    kind: str  # "completion" | "chat"
-    model: str
-    created: int
-    tenant: Tenant
-    queue: asyncio.Queue[Any]
-    tally: _Tally
-
-
 class OpenAIServing:
-    """Completions and chat completions over one model."""
+    """Completions, chat completions, responses and the tokenizer endpoints over one model."""
 
     def __init__(
         self,
@@ -98,6 +182,7 @@ class OpenAIServing:
         metrics: ServerMetrics,
         default_max_tokens: int,
         trust_content_markers: bool = False,
+        strict_api: bool = False,
     ) -> None:
         self.engine = engine
         limits = engine.engine.limits
@@ -111,29 +196,129 @@ class OpenAIServing:
         self.default_max_tokens = default_max_tokens
         # False: marker strings in message content are text, never control tokens
         self.trust_content_markers = trust_content_markers
+        self.strict_api = strict_api
+        self.token_text = TokenText(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     # ---- endpoints ----------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, tenant: Tenant, http: Request) -> Any:
         self._check_common(body)
-        self._check_prompt_bytes(_text_bytes(body.prompt), "prompt")
-        token_ids = await self._off_loop(self._completion_prompt, body.prompt)
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        return await self._serve("completion", body, token_ids, max_tokens, tenant, http)
+        if body.suffix:
+            raise ApiError(400, "'suffix' (insertion) is not supported", param="suffix")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        options = _Options(n=body.n, echo=body.echo, echo_only=body.echo and max_tokens == 0,
+                           logprobs=body.logprobs,
+                           prompt_logprobs=body.prompt_logprobs is not None)
+        if max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
+        _check_logprobs(body.logprobs, "logprobs")
+        prompts = _as_prompts(body.prompt)
+        limit = self.engine.max_pending_per_domain
+        if len(prompts) > limit:
+            raise ApiError(400, f"{len(prompts)} prompts in one request: at most {limit}",
+                           param="prompt")
+        for prompt in prompts:
+            self._check_prompt_bytes(_text_bytes(prompt), "prompt")
+        encoded = await self._off_loop(self._completion_prompts, prompts)
+        # echo with logprobs rates the prompt tokens: prompt logprobs of the same width
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        params = self._params(body, max(1, max_tokens), logprobs=body.logprobs,
+                              prompt_logprobs=prompt_logprobs, best_of=body.best_of)
+        options.include_usage = _include_usage(body)
+        if body.stream and params.ranks_choices:
+            raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
+        return await self._serve("completion", body, encoded, params, options, tenant, http)
 
     async def chat(self, body: ChatCompletionRequest, tenant: Tenant, http: Request) -> Any:
         self._check_common(body)
+        _check_tools(body)
+        if body.top_logprobs is not None:
+            _check_logprobs(body.top_logprobs, "top_logprobs")
+            if not body.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self._check_prompt_bytes(sum(_text_bytes(m.text()) for m in body.messages), "messages")
         token_ids = await self._off_loop(self._chat_prompt, body)
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
-        return await self._serve("chat", body, token_ids, max_tokens, tenant, http)
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, max_tokens, logprobs=num_top,
+                              prompt_logprobs=body.prompt_logprobs)
+        options = _Options(n=body.n, logprobs=num_top,
+                           prompt_logprobs=body.prompt_logprobs is not None,
+                           include_usage=_include_usage(body))
+        prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
+        return await self._serve("chat", body, prompts, params, options, tenant, http)
+
+    async def responses(self, body: ResponsesRequest, tenant: Tenant, http: Request) -> Any:
+        self._check_model(body.model)
+        self._check_ignored(body)
+        if body.previous_response_id is not None:
+            raise ApiError(400, "previous_response_id needs stored responses, which this server "
+                           "does not keep: send the whole conversation in 'input'",
+                           param="previous_response_id")
+        if body.tools:
+            raise ApiError(400, "tools (built-in or function) are not supported on "
+                           "/v1/responses", param="tools")
+        messages = _response_messages(body)
+        self._check_prompt_bytes(sum(_text_bytes(m.text()) for m in messages), "input")
+        token_ids = await self._off_loop(self._render_messages, (messages, "input", True))
+        max_tokens = body.max_output_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
+        params = self._sampling_params(
+            param_names={"max_tokens": "max_output_tokens"},
+            max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
+        )
+        prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
+        return await self._serve("response", body, prompts, params, _Options(), tenant, http)
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self._check_ignored(body)
+        if body.model is not None:
+            self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if body.messages is not None:
+            ids = await self._off_loop(
+                self._render_messages, (body.messages, "messages", body.add_generation_prompt))
+        else:
+            assert body.prompt is not None
+            self._check_prompt_bytes(_text_bytes(body.prompt), "prompt")
+            ids = await self._off_loop(
+                lambda text: list(self.tokenizer.encode(text, body.add_special_tokens)),
+                body.prompt)
+        strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self._check_ignored(body)
+        if body.model is not None:
+            self._check_model(body.model)
+        self._check_token_ids(body.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """What a remote-tokenizer client (lm-eval) needs: special tokens and the template."""
+        special = self.tokenizer.special_tokens
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": special.get("eos_token"),
+            "bos_token": special.get("bos_token"),
+            "pad_token": special.get("pad_token"),
+            "unk_token": special.get("unk_token"),
+            "chat_template": self.tokenizer.chat_template,
+            "model_max_length": self.max_model_len,
+            "vocab_size": self.vocab_size,
+        }
 
     # ---- request -> engine ----------------------------------------------------------------------
 
-    async def _off_loop(self, fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
+    async def _off_loop(self, fn: Callable[[Any], Any], arg: Any) -> Any:
         """Tokenize (and render chat templates) on worker threads: a long prompt must not stall
         every other connection's event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, arg)
@@ -145,99 +330,164 @@ class OpenAIServing:
             raise ApiError(400, f"the prompt is {num_bytes} bytes: more tokens than this "
                            f"model's context of {self.max_model_len} can hold", param=param)
 
-    def _check_common(self, body: protocol._SamplingFields) -> None:
-        if body.model != self.model_name:
-            raise ApiError(400, f"model {body.model!r} does not exist; this server serves "
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(400, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
-        unsupported = body.unsupported_fields()
-        if unsupported:
-            raise ApiError(400, f"{unsupported[0]!r} is not supported by this server",
-                           param=unsupported[0])
+
+    def _check_ignored(self, body: Lenient) -> None:
+        """Unknown top-level fields: 400 under --strict-api, else one log line naming them."""
+        names = body.ignored_fields()
+        if not names:
+            return
+        if self.strict_api:
+            raise ApiError(400, f"unknown parameter {_safe_name(names[0])!r}",
+                           param=_safe_name(names[0]))
+        shown = ", ".join(_safe_name(n) for n in names[:16])
+        more = f" (+{len(names) - 16} more)" if len(names) > 16 else ""
+        logger.warning("ignoring unknown request field(s): %s%s", shown, more)
+
+    def _check_common(self, body: protocol._SamplingFields) -> None:
+        self._check_model(body.model)
+        self._check_ignored(body)
+        if body.response_format is not None and body.response_format.type != "text":
+            raise ApiError(400, f"response_format {body.response_format.type!r} (structured "
+                           "output) is not supported yet", param="response_format")
         if not 1 <= body.n <= self.max_n:
             raise ApiError(400, f"n must be between 1 and {self.max_n}, got {body.n}", param="n")
+        if body.prompt_logprobs is not None:
+            _check_logprobs(body.prompt_logprobs, "prompt_logprobs")
 
-    def _completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "batched prompts are not supported: send one prompt per "
-                               "request", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
+    def _completion_prompts(
+        self, prompts: list[str | list[int]]
+    ) -> list[tuple[list[int], str | None]]:
+        out: list[tuple[list[int], str | None]] = []
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt {i}"
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ApiError(400, f"the {where} is empty", param="prompt")
+                out.append((list(self.tokenizer.encode(prompt)), prompt))
+                continue
             if not prompt:
-                raise ApiError(400, "the prompt is empty", param="prompt")
-            return list(self.tokenizer.encode(prompt))
-        if not prompt:
-            raise ApiError(400, "the prompt is empty (no token ids)", param="prompt")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+                raise ApiError(400, f"the {where} is empty (no token ids)", param="prompt")
+            self._check_token_ids(prompt, "prompt")
+            out.append((list(prompt), None))
+        return out
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param="prompt")
-        return list(prompt)
+            raise ApiError(400, f"{param} token id {bad} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param=param)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return self._render_messages((body.messages, "messages", body.add_generation_prompt))
+
+    def _render_messages(self, arg: tuple[list[ChatMessage], str, bool]) -> list[int]:
+        messages_in, param, add_generation_prompt = arg
+        messages = [{"role": m.role, "content": m.text()} for m in messages_in]
         if not any(m["content"] for m in messages):
-            raise ApiError(400, "the messages are empty", param="messages")
+            raise ApiError(400, f"the {param} are empty" if param == "messages" else
+                           f"the {param} is empty", param=param)
         try:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
                                              literal_content=not self.trust_content_markers)
         except ValueError as exc:
-            raise ApiError(400, f"cannot apply the chat template: {exc}",
-                           param="messages") from None
+            raise ApiError(400, f"cannot apply the chat template: {exc}", param=param) from None
         return list(ids)
 
-    def _params(self, body: protocol._SamplingFields, max_tokens: int) -> SamplingParams:
+    def _params(
+        self, body: protocol._SamplingFields, max_tokens: int, *, logprobs: int | None,
+        prompt_logprobs: int | None, best_of: int | None = None,
+    ) -> SamplingParams:
+        return self._sampling_params(
+            max_tokens=max_tokens, temperature=float(body.temperature),
+            top_p=float(body.top_p), top_k=body.top_k, min_p=float(body.min_p), seed=body.seed,
+            stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            n=body.n, best_of=best_of, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=float(body.presence_penalty),
+            frequency_penalty=float(body.frequency_penalty),
+            repetition_penalty=float(body.repetition_penalty),
+            min_tokens=body.min_tokens, logit_bias=body.logit_bias,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+
+    def _sampling_params(
+        self, *, param_names: dict[str, str] | None = None, **fields: Any
+    ) -> SamplingParams:
         try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=float(body.temperature),
-                top_p=float(body.top_p), top_k=body.top_k, seed=body.seed,
-                stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
-                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                n=body.n,
-            )
+            params = SamplingParams(**fields)
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=_param_of(exc)) from None
+            param = _param_of(exc)
+            raise ApiError(400, str(exc),
+                           param=(param_names or {}).get(param or "", param)) from None
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"logit_bias token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param="logit_bias")
+        return params
 
     async def _serve(
-        self, kind: str, body: Any, token_ids: list[int], max_tokens: int, tenant: Tenant,
-        http: Request,
+        self, kind: str, body: Any, prompts: list[tuple[list[int], str | None]],
+        params: SamplingParams, options: _Options, tenant: Tenant, http: Request,
     ) -> Any:
         start = time.monotonic()
-        params = self._params(body, max_tokens)
         scope = self.tenants.scope(tenant, body.cache_salt)
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        request_id = protocol.new_id(prefix)
+        public_id = protocol.new_id({"completion": "cmpl", "chat": "chatcmpl",
+                                     "response": "resp"}[kind])
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        job = _Job(kind, public_id, body.model, protocol.now(), tenant, queue, [
+            _Prompt(public_id if len(prompts) == 1 else f"{public_id}-{i}", ids,
+                    text if text is not None or not options.echo else self.tokenizer.decode(ids),
+                    [_Choice() for _ in range(params.num_choices)])
+            for i, (ids, text) in enumerate(prompts)
+        ], options, start)
         try:
-            queue = await self.engine.add(request_id, token_ids, params, scope.salt,
-                                          scope.use_cache, tenant.scheduling_domain)
+            for prompt in job.prompts:
+                await self.engine.add(prompt.request_id, prompt.token_ids, params, scope.salt,
+                                      scope.use_cache, tenant.scheduling_domain, queue=queue)
+                job.num_added += 1
         except EngineOverloaded as exc:
+            self._finish(job)
             raise ApiError(429, str(exc), code="queue_full") from None
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=_param_of(exc)) from None
-        job = _Job(request_id, kind, body.model, protocol.now(), tenant, queue,
-                   _Tally(body.n, start))
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(job, include_usage),
-                                     media_type="text/event-stream")
-        return await self._collect(job, http)
+            self._finish(job)
+            where = "" if len(prompts) == 1 else f"prompt {job.num_added}: "
+            raise ApiError(400, where + str(exc), param=_param_of(exc)) from None
+        except BaseException:
+            self._finish(job)
+            raise
+        if getattr(body, "stream", False):
+            stream = self._stream_response(job, body) if kind == "response" else self._stream(job)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        await self._collect(job, http)
+        if kind == "response":
+            return JSONResponse(self._response_body(job, body))
+        return JSONResponse(self._final_body(job))
 
     # ---- engine -> response ---------------------------------------------------------------------
 
-    async def _next(self, job: _Job) -> Any:
+    async def _next(self, job: _Job) -> tuple[Any, int, _Choice]:
+        had_first = job.first_token_time is not None
         output = await job.queue.get()
         if isinstance(output, EngineFailure):
             raise ApiError(500, str(output))
         if output.error is not None:  # this request alone failed inside a step
             raise ApiError(500, output.error)
-        job.tally.add(output)
-        return output
+        i, choice = job.add(output)
+        if not had_first and job.first_token_time is not None:
+            self.metrics.observe_first_token(job.tenant.domain, job.first_token_time - job.start,
+                                             job.prompts[i].num_cached)
+        return output, i, choice
 
     async def _drain(self, job: _Job) -> None:
-        while not job.tally.done:
-            await self._next_observed(job)
+        while not job.done:
+            await self._next(job)
 
-    async def _collect(self, job: _Job, http: Request) -> JSONResponse:
+    async def _collect(self, job: _Job, http: Request) -> None:
         drain = asyncio.ensure_future(self._drain(job))
         watch = asyncio.ensure_future(_wait_disconnect(http))
         try:
@@ -250,66 +500,231 @@ class OpenAIServing:
         if not drain.done() or drain.cancelled():
             raise ApiError(499, "client disconnected")
         drain.result()
-        choices = list(zip(job.tally.texts, job.tally.reasons, strict=True))
-        build = protocol.completion_response if job.kind == "completion" else (
-            protocol.chat_response)
-        return JSONResponse(build(job.request_id, job.model, job.created, choices,
-                                  job.tally.usage()))
 
-    async def _next_observed(self, job: _Job) -> Any:
-        had_first = job.tally.first_token_time is not None
-        output = await self._next(job)
-        if not had_first and job.tally.first_token_time is not None:
-            self.metrics.observe_first_token(job.tenant.domain,
-                                             job.tally.first_token_time - job.tally.start,
-                                             job.tally.num_cached)
-        return output
+    def _final_body(self, job: _Job) -> dict[str, Any]:
+        choices = []
+        for i, prompt in enumerate(job.prompts):
+            for j, choice in enumerate(job.ranked(prompt)):
+                index = i * job.options.n + j
+                if job.kind == "completion":
+                    text, logprobs = self._completion_text(job, prompt, choice, first=True)
+                    item = protocol.completion_choice(index, text, choice.reason, logprobs)
+                else:
+                    item = protocol.chat_choice(index, choice.text, choice.reason,
+                                                self._chat_logprobs(job, choice.logprobs))
+                if job.options.prompt_logprobs:
+                    item["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
+                choices.append(item)
+        build = (protocol.completion_response if job.kind == "completion"
+                 else protocol.chat_response)
+        return build(job.public_id, job.model, job.created, choices, job.usage())
 
-    async def _stream(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
+    def _completion_text(
+        self, job: _Job, prompt: _Prompt, choice: _Choice, *, first: bool,
+        new_text: str | None = None, new_logprobs: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A completions choice's text and logprobs: the whole choice, or (``new_*``) one
+        stream delta; ``first`` adds the echoed prompt."""
+        options = job.options
+        text = choice.text if new_text is None else new_text
+        entries: list[dict[str, Any] | None] = list(
+            choice.logprobs if new_logprobs is None else new_logprobs)
+        if options.echo_only:
+            text, entries = "", []
+        if first and options.echo:
+            text = (prompt.text or "") + text
+            if options.logprobs is not None:
+                prompt_entries = prompt.prompt_logprobs or [None] * len(prompt.token_ids)
+                entries = list(prompt_entries) + entries
+        if options.logprobs is None:
+            return text, None
+        logprobs, choice.text_offset = completion_logprobs(
+            entries, prompt.token_ids[0], self.token_text, choice.text_offset)
+        return text, logprobs
+
+    def _chat_logprobs(
+        self, job: _Job, entries: list[dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        if job.options.logprobs is None:
+            return None
+        return chat_logprobs(entries, job.options.logprobs, self.token_text)
+
+    def _vllm_prompt_logprobs(self, prompt: _Prompt) -> list[Any] | None:
+        if prompt.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(prompt.prompt_logprobs, self.token_text)
+
+    async def _stream(self, job: _Job) -> AsyncIterator[str]:
         try:
             if job.kind == "chat":
-                for i in range(job.tally.n):
-                    yield _sse(protocol.chat_chunk(job.request_id, job.model, job.created, i,
+                for j in range(job.options.n):
+                    yield _sse(protocol.chat_chunk(job.public_id, job.model, job.created, j,
                                                    {"role": "assistant", "content": ""}, None))
-            while not job.tally.done:
+            while not job.done:
                 try:
-                    output = await self._next_observed(job)
+                    output, i, choice = await self._next(job)
                 except ApiError as exc:
                     yield _sse({"error": {"message": exc.message, "type": "server_error",
                                           "param": None, "code": None}})
                     break
-                chunk = self._chunk(job, output)
+                chunk = self._chunk(job, output, i, choice)
                 if chunk is not None:
                     yield _sse(chunk)
-            if include_usage and job.tally.done:
+            if job.options.include_usage and job.done:
                 obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
-                yield _sse(protocol.usage_chunk(job.request_id, obj, job.model, job.created,
-                                                job.tally.usage()))
+                yield _sse(protocol.usage_chunk(job.public_id, obj, job.model, job.created,
+                                                job.usage()))
             yield "data: [DONE]\n\n"
         finally:
             self._finish(job)
 
-    def _chunk(self, job: _Job, output: Any) -> dict[str, Any] | None:
+    def _chunk(self, job: _Job, output: Any, i: int, choice: _Choice) -> dict[str, Any] | None:
         reason = _finish_reason(output.finish_reason) if output.finished else None
-        if not (output.text or output.new_token_ids or reason):
+        first = not choice.started
+        if not (output.text or output.new_token_ids or reason or (first and job.options.echo)):
             return None  # nothing new: no token, no text, no finish
+        choice.started = True
+        index = i * job.options.n + output.index
+        prompt = job.prompts[i]
         if job.kind == "completion":
-            return protocol.completion_chunk(job.request_id, job.model, job.created,
-                                             output.index, output.text, reason)
-        delta = {"content": output.text}
-        return protocol.chat_chunk(job.request_id, job.model, job.created, output.index,
-                                   delta, reason)
+            text, logprobs = self._completion_text(job, prompt, choice, first=first,
+                                                   new_text=output.text,
+                                                   new_logprobs=output.new_logprobs)
+            chunk = protocol.completion_chunk(job.public_id, job.model, job.created, index,
+                                              text, reason, logprobs)
+        else:
+            chunk = protocol.chat_chunk(job.public_id, job.model, job.created, index,
+                                        {"content": output.text}, reason,
+                                        self._chat_logprobs(job, output.new_logprobs))
+        if first and job.options.prompt_logprobs:
+            chunk["choices"][0]["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
+        return chunk
+
+    # ---- the Responses API ----------------------------------------------------------------------
+
+    def _response_body(self, job: _Job, body: ResponsesRequest) -> dict[str, Any]:
+        choice = job.prompts[0].choices[0]
+        status, incomplete = _response_status(choice.reason)
+        message = protocol.response_message(f"msg_{job.public_id[5:]}", choice.text, "completed")
+        use = protocol.response_usage(job.num_prompt_tokens, job.num_output_tokens,
+                                      job.prompts[0].num_cached)
+        return protocol.response_object(job.public_id, body, job.created, status=status,
+                                        output=[message], use=use, incomplete_reason=incomplete)
+
+    async def _stream_response(self, job: _Job, body: ResponsesRequest) -> AsyncIterator[str]:
+        """The event sequence of a streamed response, each event with its ``sequence_number``."""
+        sequence = 0
+        item_id = f"msg_{job.public_id[5:]}"
+
+        def event(kind: str, **payload: Any) -> str:
+            nonlocal sequence
+            data = {"type": kind, "sequence_number": sequence, **payload}
+            sequence += 1
+            return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+        def snapshot(status: str, use: dict[str, Any] | None = None,
+                     output: list[dict[str, Any]] | None = None,
+                     incomplete: str | None = None) -> dict[str, Any]:
+            return protocol.response_object(job.public_id, body, job.created, status=status,
+                                            output=output or [], use=use,
+                                            incomplete_reason=incomplete)
+
+        part = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        try:
+            yield event("response.created", response=snapshot("in_progress"))
+            yield event("response.in_progress", response=snapshot("in_progress"))
+            yield event("response.output_item.added", output_index=0,
+                        item=protocol.response_message(item_id, "", "in_progress"))
+            yield event("response.content_part.added", **part, part=protocol.output_text(""))
+            choice = job.prompts[0].choices[0]
+            while not job.done:
+                try:
+                    output, _, choice = await self._next(job)
+                except ApiError as exc:
+                    yield event("error", code="server_error", message=exc.message, param=None)
+                    return
+                if output.text:
+                    yield event("response.output_text.delta", **part, delta=output.text,
+                                logprobs=[])
+            yield event("response.output_text.done", **part, text=choice.text, logprobs=[])
+            yield event("response.content_part.done", **part,
+                        part=protocol.output_text(choice.text))
+            message = protocol.response_message(item_id, choice.text, "completed")
+            yield event("response.output_item.done", output_index=0, item=message)
+            status, incomplete = _response_status(choice.reason)
+            use = protocol.response_usage(job.num_prompt_tokens, job.num_output_tokens,
+                                          job.prompts[0].num_cached)
+            final = "response.completed" if status == "completed" else "response.incomplete"
+            yield event(final, response=snapshot(status, use, [message], incomplete))
+        finally:
+            self._finish(job)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
 
     def _finish(self, job: _Job) -> None:
-        """Release the request's slot; abort it in the engine if the client left early."""
-        self.engine.release(job.tenant.scheduling_domain)
-        self.metrics.prompt_tokens.inc(job.tally.num_prompt)
-        self.metrics.generation_tokens.inc(sum(job.tally.num_outputs))
-        if not job.tally.done:
-            self.engine.abort(job.request_id)
+        """Release the job's slots; abort in the engine what the client left unfinished."""
+        if job.released:
             return
-        self.metrics.observe_finished(job.tenant.domain, time.monotonic() - job.tally.start,
-                                      job.tally.reasons[0])
+        job.released = True
+        for prompt in job.prompts[: job.num_added]:
+            self.engine.release(job.tenant.scheduling_domain)
+            if not prompt.done:
+                self.engine.abort(prompt.request_id)
+        if not job.num_added:
+            return
+        self.metrics.prompt_tokens.inc(job.num_prompt_tokens)
+        self.metrics.generation_tokens.inc(job.num_output_tokens)
+        if job.done:
+            self.metrics.observe_finished(job.tenant.domain, time.monotonic() - job.start,
+                                          job.first_reason)
+
+
+def _check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(400, f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}",
+                       param=param)
+
+
+def _check_tools(body: ChatCompletionRequest) -> None:
+    """Tool calling is not implemented yet: refuse it plainly rather than ignore it."""
+    if body.tools and body.tool_choice != "none":
+        raise ApiError(400, "tool calling is not supported yet; send tool_choice 'none' or no "
+                       "tools", param="tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice needs tool calling, which is not supported yet",
+                       param="tool_choice")
+
+
+def _include_usage(body: protocol._SamplingFields) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def _as_prompts(prompt: Any) -> list[str | list[int]]:
+    """A completions prompt as a list of prompts: a string, token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
+
+
+def _response_messages(body: ResponsesRequest) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    if body.instructions:
+        messages.append(ChatMessage(role="system", content=body.instructions))
+    if isinstance(body.input, str):
+        messages.append(ChatMessage(role="user", content=body.input))
+    else:
+        messages.extend(body.input)
+    return messages
+
+
+def _response_status(reason: str | None) -> tuple[str, str | None]:
+    if reason == "length":
+        return "incomplete", "max_output_tokens"
+    return "completed", None
 
 
 async def _wait_disconnect(http: Request) -> None:
@@ -319,6 +734,11 @@ async def _wait_disconnect(http: Request) -> None:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _safe_name(name: str) -> str:
+    """A field name fit for a log line: short, plain characters; anything else is elided."""
+    return name if _FIELD_NAME.fullmatch(name) else "<unprintable>"
 
 
 def _text_bytes(prompt: Any) -> int:
