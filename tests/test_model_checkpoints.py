@@ -165,10 +165,10 @@ def test_a_sampler_failure_fails_only_its_row(monkeypatch):
     llm = LLM(model="tiny")
     real = llm.engine.sampler.sample
 
-    def sample(logits, params, generators):  # noqa: ANN001, ANN202
+    def sample(logits, params, generators, raw_logits=None):  # noqa: ANN001, ANN202
         if any(p.seed == 666 for p in params):
             raise RuntimeError("injected sampler failure")
-        return real(logits, params, generators)
+        return real(logits, params, generators, raw_logits)
 
     monkeypatch.setattr(llm.engine.sampler, "sample", sample)
     params = [SamplingParams(max_tokens=4, temperature=0.0, seed=s, n=2) for s in (1, 666)]

@@ -5,7 +5,9 @@ for prompt tokens). Completions want parallel lists (``tokens``, ``token_logprob
 ``top_logprobs`` keyed by token text, ``text_offset``), with the chosen token always among the
 top ones; chat wants ``content: [{token, logprob, bytes, top_logprobs}]``; vLLM's
 ``prompt_logprobs`` a list of ``{id: {logprob, rank, decoded_token}}``. Token text is each id
-decoded alone (special tokens included), memoised.
+decoded alone (special tokens included), memoised; a token that is only part of a UTF-8
+character is named by its bytes, ``bytes:\\xe2\\x80``, as OpenAI does, so no two tokens share
+a name in a ``top_logprobs`` dict.
 """
 
 from __future__ import annotations
@@ -18,19 +20,53 @@ __all__ = ["TokenText", "chat_logprobs", "completion_logprobs", "vllm_prompt_log
 Entry = dict[str, Any]
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character for each byte (GPT-2's table), inverted:
+    printable Latin-1 bytes stand for themselves, the other 68 map to U+0100 onwards."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in chars]
+    chars.update({b: chr(0x100 + i) for i, b in enumerate(others)})
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
 class TokenText:
-    """Each token id's text alone (what the logprobs name it by), decoded once."""
+    """Each token id's text alone (what the logprobs name it by), and its bytes; memoised."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._memo: dict[int, str] = {}
+        self._memo: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token_id: int) -> str:
-        text = self._memo.get(token_id)
-        if text is None:
-            text = self._memo[token_id] = self.tokenizer.decode([token_id],
-                                                                skip_special_tokens=False)
-        return text
+        return self._lookup(token_id)[0]
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        return list(self._lookup(token_id)[1])
+
+    def _lookup(self, token_id: int) -> tuple[str, bytes]:
+        found = self._memo.get(token_id)
+        if found is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = text.encode("utf-8")
+            if "\ufffd" in text:  # part of a character: name it by its bytes
+                raw = self._raw_bytes(token_id) or raw
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            found = self._memo[token_id] = (text, raw)
+        return found
+
+    def _raw_bytes(self, token_id: int) -> bytes | None:
+        backend = getattr(self.tokenizer, "backend", None)
+        piece = backend.id_to_token(token_id) if backend is not None else None
+        if piece is None:
+            return None
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+        if all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)  # byte-level BPE
+        return None
 
 
 def completion_logprobs(
@@ -51,8 +87,9 @@ def completion_logprobs(
         else:
             token_id = entry["token_id"]
             token_logprobs.append(entry["logprob"])
-            top = {text(t): lp for t, lp in entry["top"].items()}
-            top.setdefault(text(token_id), entry["logprob"])  # the chosen token is always listed
+            top = {text(token_id): entry["logprob"]}  # the chosen token is always listed
+            for t, lp in entry["top"].items():
+                top.setdefault(text(t), lp)
             top_logprobs.append(top)
         piece = text(token_id)
         tokens.append(piece)
@@ -72,9 +109,9 @@ def chat_logprobs(entries: Sequence[Entry], num_top: int, text: TokenText) -> di
         content.append({
             "token": piece,
             "logprob": entry["logprob"],
-            "bytes": list(piece.encode("utf-8")),
-            "top_logprobs": [{"token": text(t), "logprob": lp,
-                              "bytes": list(text(t).encode("utf-8"))} for t, lp in ranked],
+            "bytes": text.bytes_of(entry["token_id"]),
+            "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": text.bytes_of(t)}
+                             for t, lp in ranked],
         })
     return {"content": content, "refusal": None}
 

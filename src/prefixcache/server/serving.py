@@ -654,8 +654,10 @@ class OpenAIServing:
             status, incomplete = _response_status(choice.reason)
             use = protocol.response_usage(job.num_prompt_tokens, job.num_output_tokens,
                                           job.prompts[0].num_cached)
-            final = "response.completed" if status == "completed" else "response.incomplete"
-            yield event(final, response=snapshot(status, use, [message], incomplete))
+            # "response.completed" even when cut at max_output_tokens (as vLLM): clients wait
+            # for it; the response's status says "incomplete"
+            yield event("response.completed", response=snapshot(status, use, [message],
+                                                                incomplete))
         finally:
             self._finish(job)
 
