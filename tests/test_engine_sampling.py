@@ -230,3 +230,15 @@ def test_min_p_keeps_only_likely_tokens(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     want = llm.generate([PROMPT], greedy)[0].token_ids
     assert llm.generate([PROMPT], strict)[0].token_ids == want
+
+
+def test_skip_special_tokens_decides_whether_markers_reach_the_text() -> None:
+    tiny = LLM("tiny")
+    marker_id = tiny.tokenizer.bos_token_id  # a special token of the byte tokenizer
+    forced = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+              "logit_bias": {marker_id: 100.0}}
+    hidden = tiny.generate(["hi"], SamplingParams(**forced))[0]
+    shown = tiny.generate(["hi"], SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert hidden.token_ids == shown.token_ids == [marker_id] * 3
+    marker = tiny.tokenizer.decode([marker_id], skip_special_tokens=False)
+    assert hidden.text == "" and shown.text == marker * 3
