@@ -242,3 +242,14 @@ def test_skip_special_tokens_decides_whether_markers_reach_the_text() -> None:
     assert hidden.token_ids == shown.token_ids == [marker_id] * 3
     marker = tiny.tokenizer.decode([marker_id], skip_special_tokens=False)
     assert hidden.text == "" and shown.text == marker * 3
+
+
+def test_min_p_mask_equals_its_probability_definition() -> None:
+    from prefixcache.engine.sampler import _min_p
+
+    torch.manual_seed(0)
+    for min_p in (0.01, 0.1, 0.5, 0.9):
+        scores = torch.randn(5000) * 3
+        probs = torch.softmax(scores, dim=-1)
+        kept = _min_p(scores, min_p) > float("-inf")
+        assert torch.equal(kept, probs >= min_p * probs.max())

@@ -18,6 +18,7 @@ The sampler knows nothing about requests, caches or stop rules.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -135,9 +136,9 @@ def _sample_row(
 
 
 def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop tokens less probable than ``min_p`` times the most probable one."""
-    probs = torch.softmax(scores, dim=-1)
-    return scores.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    """Drop tokens less probable than ``min_p`` times the most probable one: in log space,
+    ``p_i < min_p * p_max`` is ``s_i < s_max + log(min_p)`` (no softmax needed)."""
+    return scores.masked_fill(scores < scores.max() + math.log(min_p), float("-inf"))
 
 
 def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
