@@ -7,9 +7,12 @@ exercise the same wiring as the command line.
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,3 +67,29 @@ def wait_idle(running: RunningServer, timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("the engine did not become idle")
         time.sleep(0.05)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(self.format(record))
+
+
+@contextmanager
+def captured_logs(*names: str) -> Iterator[list[str]]:
+    """Every line the named loggers emit (at DEBUG and up) while the block runs."""
+    handler = _Records()
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.DEBUG)
+        lg.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)

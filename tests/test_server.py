@@ -4,7 +4,6 @@ server (tiny model, single-tenant mode) on a free localhost port."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 
@@ -13,34 +12,17 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_harness import RunningServer, start_server, wait_idle
+from server_harness import RunningServer, captured_logs, start_server, wait_idle
 
 MODEL = "tiny"
 NUM_KV_BLOCKS = 256  # 4,096 tokens of KV: a 4,200-token prompt does not fit, 8,192 is the context
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(self.format(record))
-
-
 @pytest.fixture(scope="module")
 def server_logs() -> list[str]:
     """Every log line of the server's loggers while this module runs."""
-    handler = _Records()
-    loggers = [logging.getLogger(name) for name in ("prefixcache", "uvicorn")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.DEBUG)
-        lg.addHandler(handler)
-    yield handler.messages
-    for lg, level in zip(loggers, levels, strict=True):
-        lg.removeHandler(handler)
-        lg.setLevel(level)
+    with captured_logs("prefixcache", "uvicorn") as messages:
+        yield messages
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ that leave the cache intact."""
 
 from __future__ import annotations
 
-import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import RunningServer, start_server
+from server_harness import RunningServer, captured_logs, start_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -22,22 +21,10 @@ MODEL = "tiny"
 ARGS = ["--model", MODEL, "--num-kv-blocks", "512", "--max-num-seqs", "16"]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture(scope="module")
 def logs() -> list[str]:
-    handler = _Records()
-    logger = logging.getLogger("prefixcache")
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
+    with captured_logs("prefixcache") as messages:
+        yield messages
 
 
 @pytest.fixture(scope="module")
