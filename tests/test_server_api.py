@@ -441,3 +441,12 @@ def test_tokenizer_endpoints_need_a_key_with_tenants(tenanted) -> None:
                         headers={"authorization": f"Bearer {ACME}"})
         assert ok.status_code == 200
     assert httpx.get(tenanted.base_url + "/v1/models/tiny").status_code == 401
+
+
+def test_chat_prompt_logprobs_sit_beside_the_choices(client) -> None:
+    body = post(client, "/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": fresh(20)}], "max_tokens": 1,
+        "prompt_logprobs": 0}).json()
+    assert body["prompt_logprobs"][0] is None
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in body["choices"][0]

@@ -512,12 +512,16 @@ class OpenAIServing:
                 else:
                     item = protocol.chat_choice(index, choice.text, choice.reason,
                                                 self._chat_logprobs(job, choice.logprobs))
-                if job.options.prompt_logprobs:
+                if job.options.prompt_logprobs and job.kind == "completion":
                     item["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
                 choices.append(item)
-        build = (protocol.completion_response if job.kind == "completion"
-                 else protocol.chat_response)
-        return build(job.public_id, job.model, job.created, choices, job.usage())
+        if job.kind == "completion":
+            return protocol.completion_response(job.public_id, job.model, job.created, choices,
+                                                job.usage())
+        body = protocol.chat_response(job.public_id, job.model, job.created, choices, job.usage())
+        if job.options.prompt_logprobs:  # vLLM puts a chat's prompt logprobs beside its choices
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(job.prompts[0])
+        return body
 
     def _completion_text(
         self, job: _Job, prompt: _Prompt, choice: _Choice, *, first: bool,
