@@ -216,6 +216,7 @@ def _result(request: Request, prompt: Prompt) -> GenerationOutput:
             finish_reason=r.finish_reason,
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
             cumulative_logprob=r.cumulative_logprob if tracks else None,
+            stop_reason=r.stop_reason,
         )
         for index, r in enumerate(choices)
     ]

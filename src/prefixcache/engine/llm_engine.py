@@ -28,6 +28,7 @@ from prefixcache.engine.runner import ModelRunner, StepLogits, blocks_for_budget
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stop import check_stop, emittable_text
+from prefixcache.engine.structured import GrammarCompiler, mask_logits
 from prefixcache.errors import InvalidParam, describe_exception
 from prefixcache.sched import Scheduler, SchedulerOutput
 from prefixcache.sched.fairness import blocks_needed
@@ -78,6 +79,7 @@ class LLMEngine:
         )
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
         self.sampler = Sampler(config.logprobs_mode)
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self.check_integrity = config.check_integrity
         self._seed_rng = random.Random(config.seed)
         self._groups: dict[str, Request] = {}  # request id -> its first choice (the parent)
@@ -124,6 +126,8 @@ class LLMEngine:
         self._validate_token_params(params)
         self._validate_domain_caps(len(token_ids), params, domain)
         request = self._new_request(request_id, token_ids, params, cache_salt, use_cache, domain)
+        if params.structured_outputs is not None:  # compiled (or refused) before it queues
+            request.matcher = self.grammars.matcher(params.structured_outputs)
         if arrival_time is not None:
             request.timing.arrival_time = arrival_time
         self._groups[request_id] = request
@@ -322,6 +326,9 @@ class LLMEngine:
             if request.is_finished:  # another choice of its request failed earlier this step
                 continue
             try:
+                if isinstance(token, _NoTokenAllowed):
+                    outputs.append(self._stop_by_grammar(request, now))
+                    continue
                 if isinstance(token, Exception):
                     raise token
                 outputs.append(self._process_token(request, token, now))
@@ -337,15 +344,22 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids
         try:
             raw = _raw_copy(logits, params)
+            dead = _mask_grammars(logits, requests)
             processed = apply_logits_processors(logits, requests, eos)
-            return list(self.sampler.sample(processed, params, generators, raw))
+            out: list[Any] = list(self.sampler.sample(processed, params, generators, raw))
+            for index in dead:
+                out[index] = _NoTokenAllowed()
+            return out
         except Exception:  # noqa: BLE001 - retried per row below
             pass
-        out: list[Any] = []
+        out = []
         for i in range(len(requests)):
             try:
                 row = logits[i : i + 1].clone()
                 raw = _raw_copy(row, params[i : i + 1])
+                if _mask_grammars(row, requests[i : i + 1]):
+                    out.append(_NoTokenAllowed())
+                    continue
                 row = apply_logits_processors(row, requests[i : i + 1], eos)
                 out.extend(self.sampler.sample(row, params[i : i + 1], generators[i : i + 1],
                                                raw))
@@ -388,12 +402,38 @@ class LLMEngine:
                 request.logprobs.append(entry)
                 new_logprobs.append(entry)
         status = check_stop(request, token_id, self.tokenizer.eos_token_ids)
+        if request.matcher is not None:
+            status = self._advance_grammar(request, token_id, status)
         if status is not None:
             self.scheduler.finish(request, status)
             request.timing.finish_time = now
         output = self._output(request, [token_id], new_logprobs)
         if status is not None:
             output.request_finished = self._retire_if_done(request.request_id)
+        return output
+
+    def _advance_grammar(
+        self, request: Request, token_id: int, status: RequestStatus | None
+    ) -> RequestStatus | None:
+        """Accept the token into the choice's grammar; a complete grammar ends the choice."""
+        matcher = request.matcher
+        if not matcher.consume_token(token_id):
+            request.stop_reason = "the output constraint rejected the token"
+            return RequestStatus.FINISHED_STOPPED
+        if status is None and matcher.is_stopped():
+            request.text += request.detokenizer.flush()
+            return RequestStatus.FINISHED_STOPPED
+        return status
+
+    def _stop_by_grammar(self, request: Request, now: float) -> RequestOutput:
+        """The choice's grammar allows no next token: it ends here, the step goes on."""
+        request.stop_reason = "the output constraint allows no further token"
+        if request.detokenizer is not None:
+            request.text += request.detokenizer.flush()
+        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        request.timing.finish_time = now
+        output = self._output(request, [], [])
+        output.request_finished = self._retire_if_done(request.request_id)
         return output
 
     def _detokenizer(self, skip_special_tokens: bool) -> Any:
@@ -425,6 +465,7 @@ class LLMEngine:
             new_logprobs=new_logprobs,
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=request.cumulative_logprob if tracks else None,
+            stop_reason=request.stop_reason,
         )
 
     def _group_done(self, request_id: str) -> bool:
@@ -515,6 +556,16 @@ class LLMEngine:
             "requests": dict(self._history),
             "cache": stats.as_dict(),
         }
+
+
+class _NoTokenAllowed(Exception):
+    """A row whose output grammar allows no token: its choice stops (not an error)."""
+
+
+def _mask_grammars(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """Mask the constrained rows to their grammars' tokens; the rows left with none."""
+    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+    return mask_logits(logits, rows, [requests[i].matcher for i in rows]) if rows else []
 
 
 def _raw_copy(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:

@@ -44,6 +44,7 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     cumulative_logprob: float | None = None
+    stop_reason: str | None = None  # a stop not by EOS, stop string or token: the grammar's
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[dict[str, Any]] | None = None
     cumulative_logprob: float | None = None
+    stop_reason: str | None = None
 
 
 @dataclass(slots=True)

@@ -63,6 +63,8 @@ class Request(SchedRequest):
     # prompt logprobs by position (None for position 0), filled as prefill chunks run
     prompt_logprobs: list[dict[str, Any] | None] | None = field(default=None, kw_only=True)
     _unique_prompt: torch.Tensor | None = field(default=None, kw_only=True, repr=False)
+    matcher: Any = field(default=None, kw_only=True, repr=False)  # the output grammar's state
+    stop_reason: str | None = field(default=None, kw_only=True)  # why it stopped, if not EOS/stop
 
     def __post_init__(self) -> None:
         self.n = self.params.num_choices
@@ -90,6 +92,8 @@ class Request(SchedRequest):
             base_seed=self.base_seed,
             **SchedRequest.child_fields(self, index),
         )
+        if self.matcher is not None:  # forked before any token: the same fresh grammar state
+            child.matcher = self.matcher.deep_copy()
         child.timing.arrival_time = self.timing.arrival_time
         child.timing.first_scheduled_time = self.timing.first_scheduled_time
         return child

@@ -13,7 +13,13 @@ from typing import cast
 
 from prefixcache.errors import InvalidParam
 
-__all__ = ["GREEDY_TEMPERATURE", "LOGPROBS_MODES", "MAX_LOGPROBS", "SamplingParams"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "LOGPROBS_MODES",
+    "MAX_LOGPROBS",
+    "SamplingParams",
+    "StructuredOutputs",
+]
 
 # Most alternatives one token may report (vLLM's default ``max_logprobs``; OpenAI allows 20).
 MAX_LOGPROBS = 20
@@ -25,6 +31,63 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # Below this temperature sampling is greedy (vLLM's rule): dividing logits by a tiny temperature
 # overflows float32 (1e-300 gives inf scores, and softmax of infs picks token 0 every time).
 GREEDY_TEMPERATURE = 1e-5
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """One output constraint, as vLLM's ``structured_outputs`` names them: ``json`` (a JSON
+    Schema, as a dict or its JSON text), ``json_object`` (any JSON object), ``regex``, ``choice``
+    (one of these strings) or ``grammar`` (Lark). Exactly one. Hashable: compiled grammars are
+    cached by it (`prefixcache.engine.structured`)."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidParam("structured_outputs", f"unknown constraint {self.kind!r}; one of "
+                               f"{', '.join(STRUCTURED_KINDS)}")
+        if not isinstance(self.value, str):
+            raise InvalidParam("structured_outputs", "the constraint must be given as text")
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        json: object = None,
+        json_object: bool = False,
+        regex: str | None = None,
+        choice: Iterable[str] | None = None,
+        grammar: str | None = None,
+    ) -> StructuredOutputs:
+        """vLLM's keyword form: ``StructuredOutputs.of(json=schema)``, ``of(choice=[...])``..."""
+        import json as _json
+
+        given = [name for name, v in (("json", json), ("regex", regex), ("choice", choice),
+                                      ("grammar", grammar)) if v is not None]
+        given += ["json_object"] if json_object else []
+        if len(given) != 1:
+            raise InvalidParam("structured_outputs", "give exactly one of json, json_object, "
+                               f"regex, choice and grammar (got {', '.join(given) or 'none'})")
+        kind = given[0]
+        if kind == "json":
+            text = json if isinstance(json, str) else _json.dumps(json)  # property order kept
+            return cls("json", text)
+        if kind == "choice":
+            items = list(choice or ())
+            if not items or not all(isinstance(c, str) and c for c in items):
+                raise InvalidParam("structured_outputs",
+                                   "choice must be a non-empty list of non-empty strings")
+            return cls("choice", _json.dumps(items))
+        if kind == "json_object":
+            return cls("json_object")
+        source = regex if kind == "regex" else grammar
+        if not isinstance(source, str) or not source:
+            raise InvalidParam("structured_outputs", f"{kind} must be a non-empty string")
+        return cls(kind, source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +113,8 @@ class SamplingParams:
     ``min_p`` (in [0, 1]) drops tokens whose probability is below ``min_p`` times the top one's,
     after temperature. ``best_of`` (>= n) generates that many choices and keeps the ``n`` with
     the highest cumulative log-probability. ``skip_special_tokens`` leaves special tokens out of
-    the text.
+    the text. ``structured_outputs`` constrains every choice to a grammar (`StructuredOutputs`);
+    a choice ends when its grammar is complete.
     """
 
     max_tokens: int = 16
@@ -73,6 +137,7 @@ class SamplingParams:
     best_of: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_str_tuple(self.stop))
@@ -126,6 +191,10 @@ class SamplingParams:
             _check_int("best_of", self.best_of, minimum=1)
             if self.best_of < self.n:
                 raise InvalidParam("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputs
+        ):
+            raise InvalidParam("structured_outputs", "structured_outputs must be StructuredOutputs")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParam(name, f"{name} must be a boolean")

@@ -91,8 +91,26 @@ class StreamOptions(Lenient):
     continuous_usage_stats: StrictBool = False
 
 
+class JsonSchemaFormat(Lenient):
+    name: StrictStr = "response"
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | StrictBool = Field(default=True, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Lenient):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint."""
+
+    json_: dict[str, Any] | StrictStr | StrictBool | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class _SamplingFields(Lenient):
@@ -121,6 +139,7 @@ class _SamplingFields(Lenient):
     repetition_penalty: Number = 1.0  # extension (vLLM)
     logit_bias: dict[StrictStr, Number] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # extension (vLLM)
     prompt_logprobs: StrictInt | None = None  # extension (vLLM)
 
 

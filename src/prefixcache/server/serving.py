@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixcache.engine.outputs import best_of
-from prefixcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from prefixcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
 from prefixcache.server.async_engine import AsyncEngine, EngineFailure, EngineOverloaded
@@ -227,6 +227,7 @@ class OpenAIServing:
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
         params = self._params(body, max(1, max_tokens), logprobs=body.logprobs,
                               prompt_logprobs=prompt_logprobs, best_of=body.best_of)
+        await self._compile(params, body)
         options.include_usage = _include_usage(body)
         if body.stream and params.ranks_choices:
             raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
@@ -247,6 +248,7 @@ class OpenAIServing:
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, logprobs=num_top,
                               prompt_logprobs=body.prompt_logprobs)
+        await self._compile(params, body)
         options = _Options(n=body.n, logprobs=num_top,
                            prompt_logprobs=body.prompt_logprobs is not None,
                            include_usage=_include_usage(body))
@@ -350,9 +352,6 @@ class OpenAIServing:
     def _check_common(self, body: protocol._SamplingFields) -> None:
         self._check_model(body.model)
         self._check_ignored(body)
-        if body.response_format is not None and body.response_format.type != "text":
-            raise ApiError(400, f"response_format {body.response_format.type!r} (structured "
-                           "output) is not supported yet", param="response_format")
         if not 1 <= body.n <= self.max_n:
             raise ApiError(400, f"n must be between 1 and {self.max_n}, got {body.n}", param="n")
         if body.prompt_logprobs is not None:
@@ -413,7 +412,21 @@ class OpenAIServing:
             min_tokens=body.min_tokens, logit_bias=body.logit_bias,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=_structured(body)[0],
         )
+
+    async def _compile(self, params: SamplingParams, body: protocol._SamplingFields) -> None:
+        """Compile (and cache) the request's output grammar off the event loop, so a bad one is
+        a 400 naming the field it came from, and the engine thread finds it compiled."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        param = _structured(body)[1]
+        grammars = self.engine.engine.grammars
+        try:
+            await self._off_loop(lambda s: grammars.grammar(s, param), spec)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=_param_of(exc) or param) from None
 
     def _sampling_params(
         self, *, param_names: dict[str, str] | None = None, **fields: Any
@@ -699,6 +712,33 @@ def _check_tools(body: ChatCompletionRequest) -> None:
     if body.tool_choice not in (None, "none", "auto"):
         raise ApiError(400, "tool_choice needs tool calling, which is not supported yet",
                        param="tool_choice")
+
+
+def _structured(body: protocol._SamplingFields) -> tuple[StructuredOutputs | None, str]:
+    """The output constraint a request asks for (``response_format`` or vLLM's
+    ``structured_outputs``), and the field it came from."""
+    fmt = body.response_format
+    wanted = fmt is not None and fmt.type != "text"
+    if wanted and body.structured_outputs is not None:
+        raise ApiError(400, "give response_format or structured_outputs, not both",
+                       param="structured_outputs")
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputs.of(json_object=True), "response_format"
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ApiError(400, "response_format json_schema needs 'json_schema': "
+                               "{'name', 'schema'}", param="response_format")
+            return StructuredOutputs.of(json=fmt.json_schema.schema_), "response_format"
+        so = body.structured_outputs
+        if so is None:
+            return None, ""
+        return StructuredOutputs.of(json=so.json_, regex=so.regex, choice=so.choice,
+                                    grammar=so.grammar,
+                                    json_object=bool(so.json_object)), "structured_outputs"
+    except InvalidParam as exc:
+        param = "response_format" if wanted else "structured_outputs"
+        raise ApiError(400, str(exc), param=param) from None
 
 
 def _include_usage(body: protocol._SamplingFields) -> bool:
