@@ -117,13 +117,16 @@ def mask_logits(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[An
     words = (vocab + 31) // 32
     bitmask = torch.empty((len(rows), words), dtype=torch.int32)
     for i, matcher in enumerate(matchers):
-        view = bitmask[i]
-        matcher.unsafe_compute_mask_ptr(view.data_ptr(), words * 4)
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    allowed = torch.from_numpy(bits).to(torch.bool)
-    index = torch.tensor(list(rows))
-    selected = logits.index_select(0, index)
-    selected.masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, index, selected)
-    empty = (~allowed.any(dim=1)).nonzero().flatten().tolist()
-    return [rows[i] for i in empty]
+        matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+    packed = bitmask.numpy()
+    blocked = torch.from_numpy(
+        np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0
+    )
+    if len(rows) == logits.shape[0]:  # every row constrained: mask in place
+        logits.masked_fill_(blocked, float("-inf"))
+    else:
+        index = torch.tensor(list(rows))
+        selected = logits.index_select(0, index)
+        selected.masked_fill_(blocked, float("-inf"))
+        logits.index_copy_(0, index, selected)
+    return [rows[i] for i in np.flatnonzero(~packed.any(axis=1)).tolist()]
