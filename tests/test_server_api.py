@@ -374,7 +374,9 @@ BAD = [
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                            "top_logprobs": 30}, "top_logprobs"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                           "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                           "tools": [{"type": "function", "function": {"name": "f"}}],
+                           "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
     ("/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ("/responses", {"input": []}, "input"),
 ]

@@ -157,11 +157,13 @@ class TextPart(Lenient):
 
 
 class ChatMessage(Lenient):
-    """One message; fields beyond these (``tool_calls``, ``refusal``, ``audio``...) are kept."""
+    """One message; fields beyond these (``refusal``, ``audio``...) are kept and ignored."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's past calls
+    tool_call_id: StrictStr | None = None  # the call a tool message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -171,14 +173,38 @@ class ChatMessage(Lenient):
         return "".join(part.text for part in self.content)
 
 
+FunctionName = Annotated[_PlainStr, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDef(Lenient):
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(Lenient):
+    name: StrictStr
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True  # extension (vLLM)
 
 
@@ -249,10 +275,13 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None
+    index: int, text: str | None, reason: str | None, logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "finish_reason": reason, "logprobs": logprobs}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs}
 
 
 def completion_response(
@@ -283,7 +312,7 @@ def completion_chunk(
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, index: int, delta: dict[str, str], reason: str | None,
+    rid: str, model: str, created: int, index: int, delta: dict[str, Any], reason: str | None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body = _envelope(rid, "chat.completion.chunk", model, created)

@@ -47,6 +47,12 @@ from prefixcache.server.protocol import (
     TokenizeRequest,
 )
 from prefixcache.server.tenancy import Tenant, TenantRegistry
+from prefixcache.server.tools import (
+    ToolCallStream,
+    parse_tool_calls,
+    render_messages,
+    tool_grammar,
+)
 
 __all__ = ["OpenAIServing"]
 
@@ -67,6 +73,7 @@ class _Choice:
     cumulative_logprob: float = 0.0
     started: bool = False  # its first stream chunk (role, echoed prompt) went out
     text_offset: int = 0  # completions logprobs: where its next token starts in the text
+    tool_stream: ToolCallStream = field(default_factory=ToolCallStream)
 
 
 @dataclass(slots=True)
@@ -92,6 +99,7 @@ class _Options:
     logprobs: int | None = None  # completions: top-N per token; chat: top_logprobs
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
     include_usage: bool = False
+    tools: bool = False  # chat: the answer may hold tool calls, parsed out of its text
 
 
 @dataclass(slots=True)
@@ -225,9 +233,11 @@ class OpenAIServing:
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        structured, param = _structured(body)
         params = self._params(body, max(1, max_tokens), logprobs=body.logprobs,
-                              prompt_logprobs=prompt_logprobs, best_of=body.best_of)
-        await self._compile(params, body)
+                              prompt_logprobs=prompt_logprobs, best_of=body.best_of,
+                              structured=structured)
+        await self._compile(params, param)
         options.include_usage = _include_usage(body)
         if body.stream and params.ranks_choices:
             raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
@@ -235,23 +245,34 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, tenant: Tenant, http: Request) -> Any:
         self._check_common(body)
-        _check_tools(body)
+        tools, choice = _tool_choice(body)
         if body.top_logprobs is not None:
             _check_logprobs(body.top_logprobs, "top_logprobs")
             if not body.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self._check_prompt_bytes(sum(_text_bytes(m.text()) for m in body.messages), "messages")
-        token_ids = await self._off_loop(self._chat_prompt, body)
+        rendered_tools = tools if choice != "none" else None
+        token_ids = await self._off_loop(
+            self._render_messages, (body.messages, "messages", body.add_generation_prompt,
+                                    rendered_tools))
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
         num_top = (body.top_logprobs or 0) if body.logprobs else None
+        forced = choice not in ("none", "auto")
+        structured, param = _structured(body)
+        if forced:
+            if structured is not None:
+                raise ApiError(400, "a required or named tool_choice already constrains the "
+                               "output: drop response_format", param="tool_choice")
+            structured = tool_grammar(tools, choice, body.parallel_tool_calls)
+            param = "tools"
         params = self._params(body, max_tokens, logprobs=num_top,
-                              prompt_logprobs=body.prompt_logprobs)
-        await self._compile(params, body)
+                              prompt_logprobs=body.prompt_logprobs, structured=structured)
+        await self._compile(params, param)
         options = _Options(n=body.n, logprobs=num_top,
                            prompt_logprobs=body.prompt_logprobs is not None,
-                           include_usage=_include_usage(body))
+                           include_usage=_include_usage(body), tools=choice != "none")
         prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
         return await self._serve("chat", body, prompts, params, options, tenant, http)
 
@@ -267,7 +288,7 @@ class OpenAIServing:
                            "/v1/responses", param="tools")
         messages = _response_messages(body)
         self._check_prompt_bytes(sum(_text_bytes(m.text()) for m in messages), "input")
-        token_ids = await self._off_loop(self._render_messages, (messages, "input", True))
+        token_ids = await self._off_loop(self._render_messages, (messages, "input", True, None))
         max_tokens = body.max_output_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
@@ -286,7 +307,8 @@ class OpenAIServing:
             raise ApiError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
             ids = await self._off_loop(
-                self._render_messages, (body.messages, "messages", body.add_generation_prompt))
+                self._render_messages,
+                (body.messages, "messages", body.add_generation_prompt, None))
         else:
             assert body.prompt is not None
             self._check_prompt_bytes(_text_bytes(body.prompt), "prompt")
@@ -380,18 +402,19 @@ class OpenAIServing:
             raise ApiError(400, f"{param} token id {bad} is outside the vocabulary "
                            f"[0, {self.vocab_size})", param=param)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        return self._render_messages((body.messages, "messages", body.add_generation_prompt))
-
-    def _render_messages(self, arg: tuple[list[ChatMessage], str, bool]) -> list[int]:
-        messages_in, param, add_generation_prompt = arg
-        messages = [{"role": m.role, "content": m.text()} for m in messages_in]
-        if not any(m["content"] for m in messages):
+    def _render_messages(
+        self, arg: tuple[list[ChatMessage], str, bool, list[dict[str, Any]] | None]
+    ) -> list[int]:
+        messages_in, param, add_generation_prompt, tools = arg
+        messages = [_message_dict(m) for m in messages_in]
+        if not any(m["content"] or m.get("tool_calls") for m in messages):
             raise ApiError(400, f"the {param} are empty" if param == "messages" else
                            f"the {param} is empty", param=param)
+        messages, extra = render_messages(messages, tools, self.tokenizer.chat_template)
         try:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                             literal_content=not self.trust_content_markers)
+                                             literal_content=not self.trust_content_markers,
+                                             **extra)
         except ValueError as exc:
             raise ApiError(400, f"cannot apply the chat template: {exc}", param=param) from None
         return list(ids)
@@ -399,6 +422,7 @@ class OpenAIServing:
     def _params(
         self, body: protocol._SamplingFields, max_tokens: int, *, logprobs: int | None,
         prompt_logprobs: int | None, best_of: int | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> SamplingParams:
         return self._sampling_params(
             max_tokens=max_tokens, temperature=float(body.temperature),
@@ -412,16 +436,15 @@ class OpenAIServing:
             min_tokens=body.min_tokens, logit_bias=body.logit_bias,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
-            structured_outputs=_structured(body)[0],
+            structured_outputs=structured,
         )
 
-    async def _compile(self, params: SamplingParams, body: protocol._SamplingFields) -> None:
+    async def _compile(self, params: SamplingParams, param: str) -> None:
         """Compile (and cache) the request's output grammar off the event loop, so a bad one is
-        a 400 naming the field it came from, and the engine thread finds it compiled."""
+        a 400 naming ``param``, the field it came from, and the engine thread finds it compiled."""
         spec = params.structured_outputs
         if spec is None:
             return
-        param = _structured(body)[1]
         grammars = self.engine.engine.grammars
         try:
             await self._off_loop(lambda s: grammars.grammar(s, param), spec)
@@ -523,8 +546,13 @@ class OpenAIServing:
                     text, logprobs = self._completion_text(job, prompt, choice, first=True)
                     item = protocol.completion_choice(index, text, choice.reason, logprobs)
                 else:
-                    item = protocol.chat_choice(index, choice.text, choice.reason,
-                                                self._chat_logprobs(job, choice.logprobs))
+                    content: str | None = choice.text
+                    calls: list[dict[str, Any]] = []
+                    if job.options.tools:
+                        content, calls = parse_tool_calls(choice.text)
+                    reason = "tool_calls" if calls else choice.reason
+                    item = protocol.chat_choice(index, content, reason,
+                                                self._chat_logprobs(job, choice.logprobs), calls)
                 if job.options.prompt_logprobs and job.kind == "completion":
                     item["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
                 choices.append(item)
@@ -610,9 +638,18 @@ class OpenAIServing:
             chunk = protocol.completion_chunk(job.public_id, job.model, job.created, index,
                                               text, reason, logprobs)
         else:
-            chunk = protocol.chat_chunk(job.public_id, job.model, job.created, index,
-                                        {"content": output.text}, reason,
-                                        self._chat_logprobs(job, output.new_logprobs))
+            delta: dict[str, Any] = {"content": output.text}
+            if job.options.tools:
+                text, calls = choice.tool_stream.feed(output.text, final=output.finished)
+                delta = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = calls
+                if reason is not None and choice.tool_stream.num_calls:
+                    reason = "tool_calls"
+                if not (delta or reason or output.new_logprobs):
+                    return None
+            chunk = protocol.chat_chunk(job.public_id, job.model, job.created, index, delta,
+                                        reason, self._chat_logprobs(job, output.new_logprobs))
         if first and job.options.prompt_logprobs:
             chunk["choices"][0]["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
         return chunk
@@ -704,14 +741,42 @@ def _check_logprobs(value: int | None, param: str) -> None:
                        param=param)
 
 
-def _check_tools(body: ChatCompletionRequest) -> None:
-    """Tool calling is not implemented yet: refuse it plainly rather than ignore it."""
-    if body.tools and body.tool_choice != "none":
-        raise ApiError(400, "tool calling is not supported yet; send tool_choice 'none' or no "
-                       "tools", param="tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice needs tool calling, which is not supported yet",
-                       param="tool_choice")
+def _tool_choice(
+    body: ChatCompletionRequest,
+) -> tuple[list[dict[str, Any]], str | dict[str, Any]]:
+    """The request's tools (as plain dicts) and its tool_choice, checked against each other."""
+    tools = [t.model_dump(exclude_none=True, exclude_unset=False) for t in body.tools or []]
+    for tool in tools:
+        for key in list(tool):
+            if key not in ("type", "function"):
+                del tool[key]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, "two tools have the same name", param="tools")
+    choice: str | dict[str, Any] = (
+        body.tool_choice.model_dump() if isinstance(body.tool_choice, protocol.NamedToolChoice)
+        else body.tool_choice or ("auto" if tools else "none"))
+    if choice != "none" and not tools:
+        raise ApiError(400, f"tool_choice {choice if isinstance(choice, str) else 'function'!r} "
+                       "needs tools", param="tool_choice")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise ApiError(400, f"tool_choice names the function {name!r}, which is not in "
+                           "tools", param="tool_choice")
+        choice = {"type": "function", "function": {"name": name}}
+    return tools, choice
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
 
 
 def _structured(body: protocol._SamplingFields) -> tuple[StructuredOutputs | None, str]:
