@@ -243,3 +243,31 @@ def test_litellm_response_format(server: RunningServer) -> None:
         response_format={"type": "json_schema",
                          "json_schema": {"name": "weather", "schema": WEATHER}})
     jsonschema.validate(json.loads(out.choices[0].message.content), WEATHER)
+
+
+class _Dead:
+    """A matcher whose grammar allows nothing (as a grammar the vocabulary cannot spell)."""
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        import ctypes
+
+        ctypes.memset(pointer, 0, size)
+
+    def deep_copy(self) -> _Dead:
+        return self
+
+
+def test_a_grammar_that_allows_no_token_ends_its_choice(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    dead = engine.add_request("dead", "a prompt", params)
+    dead.matcher = _Dead()
+    alive = engine.add_request("alive", "another prompt", params)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    last = [o for o in outputs if o.request_id == "dead"][-1]
+    assert last.finished and last.finish_reason == "stop" and last.error is None
+    assert "no further token" in last.stop_reason and last.num_output_tokens == 0
+    assert len(alive.output_token_ids) == 8
+    engine.cache.check_integrity()

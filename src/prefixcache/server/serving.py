@@ -74,6 +74,7 @@ class _Choice:
     started: bool = False  # its first stream chunk (role, echoed prompt) went out
     text_offset: int = 0  # completions logprobs: where its next token starts in the text
     tool_stream: ToolCallStream = field(default_factory=ToolCallStream)
+    stop_reason: str | None = None  # vLLM's field: why it stopped, beyond finish_reason
 
 
 @dataclass(slots=True)
@@ -142,6 +143,7 @@ class _Job:
             prompt.num_cached = output.num_cached_tokens
         if output.finished:
             choice.reason = _finish_reason(output.finish_reason)
+            choice.stop_reason = output.stop_reason
         if self.first_token_time is None and output.new_token_ids:
             self.first_token_time = time.monotonic()
         if output.request_finished:
@@ -553,6 +555,8 @@ class OpenAIServing:
                     reason = "tool_calls" if calls else choice.reason
                     item = protocol.chat_choice(index, content, reason,
                                                 self._chat_logprobs(job, choice.logprobs), calls)
+                if choice.stop_reason is not None:
+                    item["stop_reason"] = choice.stop_reason
                 if job.options.prompt_logprobs and job.kind == "completion":
                     item["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
                 choices.append(item)
@@ -652,6 +656,8 @@ class OpenAIServing:
                                         reason, self._chat_logprobs(job, output.new_logprobs))
         if first and job.options.prompt_logprobs:
             chunk["choices"][0]["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
+        if reason is not None and choice.stop_reason is not None:
+            chunk["choices"][0]["stop_reason"] = choice.stop_reason
         return chunk
 
     # ---- the Responses API ----------------------------------------------------------------------
