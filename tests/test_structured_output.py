@@ -102,6 +102,8 @@ def test_a_grammar_with_no_way_on_stops_its_choice_only(llm: LLM) -> None:
 
 @pytest.mark.parametrize(("spec", "fragment"), [
     (StructuredOutputs.of(json={"type": "strnig"}), "strnig"),
+    (StructuredOutputs.of(json={"not": {"type": "string"}}), "Unimplemented keys"),  # unsupported
+    (StructuredOutputs.of(json={"$ref": "http://example.com/s.json"}), "Default retriever"),
     (StructuredOutputs.of(regex="(unclosed"), "unclosed group"),
     (StructuredOutputs.of(grammar="start: ( "), "invalid grammar"),
 ])
@@ -178,6 +180,9 @@ def test_sdk_vllm_structured_outputs(client: openai.OpenAI) -> None:
                                                                  "schema": {"type": "strnig"}}}},
      "response_format", "strnig"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "unclosed group"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "dependentSchemas": {"a": {}}}}}},
+     "response_format", "Unimplemented keys"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice must be"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "exactly one"),
