@@ -93,3 +93,45 @@ def captured_logs(*names: str) -> Iterator[list[str]]:
         for lg, level in zip(loggers, levels, strict=True):
             lg.removeHandler(handler)
             lg.setLevel(level)
+
+
+# ---- prompts whose greedy continuation cannot flip -------------------------------------------
+
+# The tiny model has random weights: a prompt whose top-2 logits are closer than the float noise
+# of another batch shape or of a cache hit (measured up to ~7e-5) may change its greedy tokens
+# with no engine fault. Tests that compare outputs across batches or cache states use prompts
+# whose every step has a top-2 margin of at least SAFE_MARGIN, found deterministically here.
+SAFE_MARGIN = 1e-3
+_REFERENCE: list[Any] = []
+
+
+def _reference_llm() -> Any:
+    if not _REFERENCE:
+        from prefixcache import LLM
+
+        _REFERENCE.append(LLM("tiny", enable_prefix_caching=False, num_kv_blocks=512))
+    return _REFERENCE[0]
+
+
+def tie_free_prompt(label: str, max_tokens: int, *, chat: bool = False,
+                    system: str | None = None, length: int = 70) -> str:
+    """A deterministic prompt text for ``label`` (unique per test, so cache hits are its own)
+    whose first ``max_tokens`` greedy steps all have a clear top-2 margin; as a completion
+    prompt, or as the user turn of a chat (after ``system``) when ``chat``."""
+    from prefixcache import SamplingParams
+
+    llm = _reference_llm()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    for attempt in range(50):
+        text = (f"[{label} #{attempt}] " + "a prefix cache keeps the keys and values. " * 10)
+        text = text[:length]
+        prompt: Any = text
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": text}]
+            prompt = llm.chat_prompt(messages)
+        out = llm.generate([prompt], params)[0]
+        margins = [sorted(e["top"].values(), reverse=True) for e in out.outputs[0].logprobs]
+        if all(top[0] - top[1] > SAFE_MARGIN for top in margins):
+            return text
+    raise AssertionError(f"no tie-free prompt for {label!r} in 50 tries")

@@ -12,9 +12,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from server_harness import RunningServer, start_server
+from server_harness import RunningServer, start_server, tie_free_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,7 +42,7 @@ def test_langchain_chat_invoke_stream_batch(server) -> None:
 
     chat = ChatOpenAI(base_url=server.base_url + "/v1", api_key="unused", model=MODEL,
                       temperature=0.0, max_tokens=5, max_retries=0)
-    question = fresh()
+    question = tie_free_prompt("langchain-chat", 5, chat=True)
     reply = chat.invoke(question)
     assert isinstance(reply.content, str) and reply.usage_metadata["output_tokens"] >= 1
     streamed = "".join(chunk.content for chunk in chat.stream(question))
@@ -55,7 +56,7 @@ def test_langchain_completions_llm_batches_prompts(server) -> None:
 
     llm = OpenAI(base_url=server.base_url + "/v1", api_key="unused", model=MODEL,
                  temperature=0.0, max_tokens=4, max_retries=0, batch_size=8)
-    prompts = [fresh(), fresh(), fresh()]
+    prompts = [tie_free_prompt(f"langchain-llm-{i}", 4) for i in range(3)]
     alone = [llm.invoke(p) for p in prompts]
     result = llm.generate(prompts)  # one request with a list of three prompts
     assert [g[0].text for g in result.generations] == alone
@@ -76,7 +77,7 @@ def litellm():
 
 def test_litellm_completion_text_completion_and_stream(server, litellm) -> None:
     base = server.base_url + "/v1"
-    messages = [{"role": "user", "content": fresh()}]
+    messages = [{"role": "user", "content": tie_free_prompt("litellm-chat", 5, chat=True)}]
     out = litellm.completion(model=f"openai/{MODEL}", api_base=base, api_key="unused",
                              messages=messages, max_tokens=5, temperature=0.0)
     text = out.choices[0].message.content
@@ -85,12 +86,15 @@ def test_litellm_completion_text_completion_and_stream(server, litellm) -> None:
         model=f"openai/{MODEL}", api_base=base, api_key="unused", messages=messages,
         max_tokens=5, temperature=0.0, stream=True))
     assert streamed == text
-    prompt = fresh()
+    prompt = tie_free_prompt("litellm-text", 4)
+    expected = httpx.post(base + "/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+        "ignore_eos": True, "cache_salt": "sdk"}).json()
     completion = litellm.text_completion(model=f"text-completion-openai/{MODEL}", api_base=base,
                                          api_key="unused", prompt=prompt, max_tokens=4,
-                                         temperature=0.0)
-    assert completion.choices[0].text
-    assert completion.usage.prompt_tokens > 0
+                                         temperature=0.0, ignore_eos=True)
+    assert completion.choices[0].text == expected["choices"][0]["text"]
+    assert completion.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
 
 
 # ---- lm-eval --------------------------------------------------------------------------------

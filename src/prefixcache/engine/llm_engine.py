@@ -251,6 +251,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def running_requests(self) -> list[Request]:
+        """The choices running now (a copy; for inspection between steps)."""
+        return list(self.scheduler.running)
+
+    @property
+    def kv_cache(self) -> Any:
+        """The paged KV tensors (`prefixcache.attention.PagedKVCache`), for debugging tools."""
+        return self.runner.kv_cache
+
     def get_request(self, request_id: str) -> list[Request]:
         """The live choices of a request (empty once it finished)."""
         parent = self._groups.get(request_id)

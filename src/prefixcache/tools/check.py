@@ -183,7 +183,7 @@ def corrupt_first_committed_block() -> StepHook:
             elif isinstance(event, BlockRemoved):
                 cached[:] = [b for b in cached if b not in event.block_ids]
         if cached and not engine.has_unfinished():
-            _overwrite_kv(engine.runner.kv_cache, cached[0])
+            _overwrite_kv(engine.kv_cache, cached[0])
             done.append(True)
 
     return hook

@@ -162,7 +162,7 @@ class _Driver:
 def check_block_tables(engine: Any) -> None:
     """Independent of the cache's own check: live block tables are valid and cover their KV."""
     cache = engine.cache
-    for request in engine.scheduler.running:
+    for request in engine.running_requests():
         table = cache.block_table(request.seq)
         if len(set(table)) != len(table):
             raise AssertionError(f"request {request.request_id} holds a block twice: {table}")
