@@ -152,3 +152,44 @@ def test_ideal_hit_ratio_matches_a_direct_count() -> None:
         seen.update(r.hash_ids[: r.input_length // 512])
     assert ideal_hit_ratio(trace) == pytest.approx(hit / total)
     assert ideal_hit_ratio(trace) > 0.05
+
+
+LMBENCH = FIXTURES / "lmbench_shape_24.jsonl"  # LMCache's LMBench shape, made up for the test
+
+
+def test_lmbench_shape_reads_with_ns_string_times_and_32_bit_hash_ids() -> None:
+    rows = [json.loads(line) for line in LMBENCH.read_text().splitlines()]
+    assert isinstance(rows[0]["timestamp"], str) and max(max(r["hash_ids"]) for r in rows) > 2**31
+    trace = load_trace(str(LMBENCH), block_size=32)
+    assert len(trace) == 24 and trace.requests[0].arrival_s == 0.0
+    gaps = [(int(b["timestamp"]) - int(a["timestamp"])) / 1e9 for a, b in zip(rows, rows[1:])]
+    got = [b.arrival_s - a.arrival_s for a, b in zip(trace.requests, trace.requests[1:])]
+    assert got == pytest.approx(gaps, abs=1e-6)  # nanoseconds detected
+    as_ms = load_trace(str(LMBENCH), block_size=32, time_unit="ms")
+    assert as_ms.requests[-1].arrival_s == pytest.approx(1e6 * trace.requests[-1].arrival_s)
+
+
+def test_large_hash_ids_are_renumbered_with_the_same_sharing(tmp_path: Path) -> None:
+    trace = load_trace(str(LMBENCH), block_size=32)
+    dense: dict[int, int] = {}
+    small = tmp_path / "small.jsonl"
+    with small.open("w") as out:
+        for line in LMBENCH.read_text().splitlines():
+            row = json.loads(line)
+            row["hash_ids"] = [dense.setdefault(h, len(dense)) for h in row["hash_ids"]]
+            out.write(json.dumps(row) + "\n")
+    renumbered = load_trace(str(small), block_size=32)
+    a, b = TokenSource(trace), TokenSource(renumbered)
+    for x, y in zip(trace.requests, renumbered.requests, strict=True):
+        assert a.prompt(x)[: 32 * len(x.hash_ids)] == b.prompt(y)[: 32 * len(y.hash_ids)]
+    assert ideal_hit_ratio(trace) == ideal_hit_ratio(renumbered) > 0.3
+
+
+def test_a_bad_field_names_the_file_once(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": "soon", "input_length": 5, "output_length": 1, '
+                    '"hash_ids": []}\n')
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(str(path))
+    assert str(info.value).count(str(path)) == 1 and "'timestamp' must be a number" in str(
+        info.value)

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "detected; with synthetic:<name>, TRACE holds its k=v parameters)",
     )
     parser.add_argument("--block-size", type=int, help="tokens per hash id (mooncake: 512)")
+    parser.add_argument("--time-unit", default="auto", choices=("auto", "s", "ms", "us", "ns"),
+                        help="unit of a mooncake-shaped trace's timestamps (auto: ns from 1e17, "
+                             "us from 1e14, else ms, as Mooncake's)")
     parser.add_argument("--capacity", default="1k,10k,50k,inf", help="total cache blocks")
     parser.add_argument("--prefix-cache", default="hash,radix", help="hash and/or radix")
     parser.add_argument(
@@ -140,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> Trace:
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1")
-    trace = load_trace(args.trace, args.fmt, args.block_size, args.limit)
+    trace = load_trace(args.trace, args.fmt, args.block_size, args.limit, args.time_unit)
     if args.rate is not None:
         retime_poisson(trace, args.rate, args.seed)
     if args.time_scale is not None:

@@ -22,9 +22,11 @@ FORMATS = ("mooncake", "agentic", "record", "synthetic:<name>")
 
 
 def load_trace(
-    source: str, fmt: str | None = None, block_size: int | None = None, limit: int | None = None
+    source: str, fmt: str | None = None, block_size: int | None = None, limit: int | None = None,
+    time_unit: str = "auto",
 ) -> Trace:
-    """Read or generate a trace; TraceFormatError for anything unreadable."""
+    """Read or generate a trace; TraceFormatError for anything unreadable. ``time_unit``: of a
+    mooncake-shaped trace's timestamps (`read_mooncake`)."""
     if fmt is None and source.startswith("synthetic:"):
         fmt, _, source = source.partition(":")[2].partition(":")
         fmt = "synthetic:" + fmt
@@ -33,7 +35,7 @@ def load_trace(
         params = "" if source in ("", "-", "default") else source
         trace = generate(fmt.partition(":")[2], params, block_size)
     elif fmt == "mooncake":
-        trace = read_mooncake(source, block_size or MOONCAKE_BLOCK_SIZE, limit)
+        trace = read_mooncake(source, block_size or MOONCAKE_BLOCK_SIZE, limit, time_unit)
     elif fmt in ("agentic", "record"):
         trace = read_agentic(source) if fmt == "agentic" else read_record(source)
         _check_block_size(trace, block_size)

@@ -1,7 +1,12 @@
-"""Reader for the Mooncake trace format (FAST'25 release): one JSON object per line.
+"""Reader for the Mooncake trace format (FAST'25 release) and its kin: one JSON object per line.
 
 ``{"timestamp": ms, "input_length": int, "output_length": int, "hash_ids": [int, ...]}`` with
-one hash id per ``block_size`` (512 in the published traces) prompt tokens. Reads files only.
+one hash id per ``block_size`` (512 in the published traces) prompt tokens. Traces in the same
+shape from other tools (LMCache's LMBench) write the timestamp as a string of nanoseconds and
+hash ids as arbitrary 32-bit integers: numbers given as decimal strings are accepted, and the
+time unit is ``time_unit`` (``s``, ``ms``, ``us``, ``ns``) or, with ``auto``, detected from the
+largest timestamp (>= 1e17: ns, >= 1e14: us, else ms). Arrivals are shifted to start at 0.
+Reads files only.
 """
 
 from __future__ import annotations
@@ -14,12 +19,17 @@ from prefixcache.sim.errors import TraceFormatError
 from prefixcache.sim.trace import Trace, TraceRequest
 
 MOONCAKE_BLOCK_SIZE = 512
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
 def read_mooncake(
-    path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE, limit: int | None = None
+    path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE, limit: int | None = None,
+    time_unit: str = "auto",
 ) -> Trace:
-    """Read a Mooncake JSONL trace; ``limit`` keeps only the first requests."""
+    """Read a Mooncake-shaped JSONL trace; ``limit`` keeps only the first requests."""
+    if time_unit != "auto" and time_unit not in TIME_UNITS:
+        raise TraceFormatError(f"unknown time unit {time_unit!r}; choose auto or one of "
+                               f"{', '.join(TIME_UNITS)}")
     path = Path(path)
     trace = Trace(path.stem, block_size)
     with _open(path) as lines:
@@ -28,8 +38,22 @@ def read_mooncake(
                 break
             if line.strip():
                 trace.requests.append(_parse_line(line, f"{path}:{line_no}"))
+    _to_seconds(trace, time_unit)
     trace.sort_by_arrival()
     return trace
+
+
+def _to_seconds(trace: Trace, time_unit: str) -> None:
+    """Timestamps (read raw) to seconds from the first arrival."""
+    if not trace.requests:
+        return
+    raw = [r.arrival_s for r in trace.requests]
+    if time_unit == "auto":
+        top = max(raw)
+        time_unit = "ns" if top >= 1e17 else "us" if top >= 1e14 else "ms"
+    scale, start = TIME_UNITS[time_unit], min(raw)
+    for request, value in zip(trace.requests, raw, strict=True):
+        request.arrival_s = (value - start) * scale
 
 
 def _open(path: Path) -> Any:
@@ -49,20 +73,28 @@ def _parse_line(line: str, where: str) -> TraceRequest:
     try:
         return TraceRequest(
             request_id=where.rsplit(":", 1)[-1],
-            arrival_s=_number(obj, "timestamp", where) / 1000.0,
+            arrival_s=_number(obj, "timestamp", where),  # raw: `_to_seconds` scales it
             input_length=int(_number(obj, "input_length", where)),
             output_length=int(_number(obj, "output_length", where)),
             hash_ids=hash_id_list(obj.get("hash_ids"), where),
         )
+    except TraceFormatError:
+        raise  # already says where
     except ValueError as exc:
         raise TraceFormatError(f"{where}: {exc}") from exc
 
 
 def _number(obj: dict[str, Any], key: str, where: str) -> float:
+    """A numeric field: a JSON number, or a decimal string of one (LMBench's timestamps)."""
     value = obj.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TraceFormatError(f"{where}: field {key!r} must be a number, got {value!r}")
-    return float(value)
+    if isinstance(value, str):
+        try:
+            return float(int(value)) if value.strip().lstrip("-").isdigit() else float(value)
+        except ValueError:
+            pass
+    elif not isinstance(value, bool) and isinstance(value, int | float):
+        return float(value)
+    raise TraceFormatError(f"{where}: field {key!r} must be a number, got {value!r}")
 
 
 def hash_id_list(value: object, where: str) -> list[int]:
