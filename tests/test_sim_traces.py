@@ -162,8 +162,10 @@ def test_lmbench_shape_reads_with_ns_string_times_and_32_bit_hash_ids() -> None:
     assert isinstance(rows[0]["timestamp"], str) and max(max(r["hash_ids"]) for r in rows) > 2**31
     trace = load_trace(str(LMBENCH), block_size=32)
     assert len(trace) == 24 and trace.requests[0].arrival_s == 0.0
-    gaps = [(int(b["timestamp"]) - int(a["timestamp"])) / 1e9 for a, b in zip(rows, rows[1:])]
-    got = [b.arrival_s - a.arrival_s for a, b in zip(trace.requests, trace.requests[1:])]
+    times = [int(r["timestamp"]) for r in rows]
+    gaps = [(b - a) / 1e9 for a, b in zip(times, times[1:], strict=False)]
+    arrivals = [r.arrival_s for r in trace.requests]
+    got = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     assert got == pytest.approx(gaps, abs=1e-6)  # nanoseconds detected
     as_ms = load_trace(str(LMBENCH), block_size=32, time_unit="ms")
     assert as_ms.requests[-1].arrival_s == pytest.approx(1e6 * trace.requests[-1].arrival_s)
