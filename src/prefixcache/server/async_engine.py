@@ -80,6 +80,9 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._log = _PeriodicLog(log_interval_s)
+        # called on the engine thread with the KV events of each step or command that made any
+        self.kv_event_sink: Callable[[list[Any]], None] | None = None
+        self.on_stop: list[Callable[[], None]] = []  # after the engine thread has ended
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -93,6 +96,9 @@ class AsyncEngine:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        for callback in self.on_stop:
+            callback()
+        self.on_stop.clear()
 
     @property
     def is_alive(self) -> bool:
@@ -182,8 +188,19 @@ class AsyncEngine:
                 command()
             if self.engine.has_unfinished():
                 self._step()
+            self._drain_kv_events()
             self._log.maybe_log(self.snapshot)
         self._fail_all("the server is shutting down")
+
+    def _drain_kv_events(self) -> None:
+        if self.kv_event_sink is None:
+            return
+        events = self.engine.take_kv_events()
+        if events:
+            try:
+                self.kv_event_sink(events)
+            except Exception as exc:  # noqa: BLE001 - a publisher fault must not stop serving
+                logger.error("KV event publishing failed: %s", describe_exception(exc))
 
     def _next_commands(self) -> list[Callable[[], None]] | None:
         """Pending commands; blocks while there is neither a command nor engine work."""

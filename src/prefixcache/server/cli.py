@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close a connection whose request headers are not complete in time")
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
                         help="close an idle keep-alive connection after this long")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="publish KV cache events as vLLM does, e.g. "
+                             "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                             "\"endpoint\": \"tcp://127.0.0.1:5557\"}' (docs/kv-events.md)")
+    parser.add_argument("--kv-events-token-ids", default="auto", choices=("auto", "on", "off"),
+                        help="token ids in published BlockStored events (auto: off with "
+                             "--tenants, where they are tenant data; on otherwise)")
     parser.add_argument("--strict-api", action="store_true",
                         help="reject request fields this server does not know (400) instead of "
                              "ignoring them with a warning naming them")
@@ -134,7 +141,28 @@ def _domain_limits(args: argparse.Namespace, tenants: Any) -> tuple[Any, dict[st
     return default, limits
 
 
-def _engine(args: argparse.Namespace, tenants: Any = None) -> Any:
+def _kv_events(args: argparse.Namespace, tenants: Any) -> tuple[Any, bool]:
+    """The KV events config (None: nothing published) and whether events carry token ids."""
+    if not getattr(args, "kv_events_config", None):
+        return None, False
+    from prefixcache.errors import require_extra
+
+    require_extra("zmq", "events", "--kv-events-config")
+    require_extra("msgspec", "events", "--kv-events-config")
+    from prefixcache.server.kv_events import KVEventsConfig
+
+    config = KVEventsConfig.from_json(args.kv_events_config)
+    if not config.publishes:
+        return None, False
+    mode = args.kv_events_token_ids
+    with_tokens = mode == "on" or (mode == "auto" and (tenants is None or tenants.trusted))
+    return config, with_tokens
+
+
+def _engine(args: argparse.Namespace, tenants: Any = None, events: bool = False,
+            event_tokens: bool = False) -> Any:
+    from dataclasses import replace
+
     from prefixcache.engine.config import EngineConfig
     from prefixcache.engine.llm_engine import LLMEngine
 
@@ -143,6 +171,9 @@ def _engine(args: argparse.Namespace, tenants: Any = None) -> Any:
         config = EngineConfig.from_args(
             args, domain_limits=limits, default_domain_limits=default_limits
         )
+        if events:
+            config = replace(config, cache=replace(config.cache, enable_kv_events=True,
+                                                   events_with_tokens=event_tokens))
         return LLMEngine(config=config)
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot start the engine: {exc}") from None
@@ -175,7 +206,8 @@ def build_app(args: argparse.Namespace) -> Any:
 
         retain_freed_memory()  # this process is a server: see prefixcache.model.host_memory
     tenants = _tenants(args)
-    engine = _engine(args, tenants)
+    events_config, event_tokens = _kv_events(args, tenants)
+    engine = _engine(args, tenants, events_config is not None, event_tokens)
     from prefixcache.tools.cachelog import configure_from_env
 
     configure_from_env(engine)  # PREFIXCACHE_LOG=json: JSON logs + cache decisions (no text)
@@ -190,7 +222,7 @@ def build_app(args: argparse.Namespace) -> Any:
                 "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}",
                 "compiled CPU kernel" if native_attention.available() else "torch",
                 "compiled" if native_layers.available() else "torch")
-    return create_app(engine, model_name=args.served_model_name or args.model, tenants=tenants,
+    app = create_app(engine, model_name=args.served_model_name or args.model, tenants=tenants,
                       max_queue_len=args.max_queue_len,
                       default_max_tokens=args.default_max_tokens,
                       log_interval_s=args.log_interval,
@@ -199,6 +231,14 @@ def build_app(args: argparse.Namespace) -> Any:
                       metrics_key=args.metrics_key,
                       metrics_domain_labels=args.metrics_domain_labels,
                       strict_api=args.strict_api)
+    if events_config is not None:
+        from prefixcache.server.kv_events import ZmqEventPublisher
+
+        publisher = ZmqEventPublisher(events_config, event_tokens)
+        app.state.kv_event_publisher = publisher
+        app.state.async_engine.kv_event_sink = publisher.publish
+        app.state.async_engine.on_stop.append(publisher.close)
+    return app
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,209 @@
+"""KV events on the wire: a real server publishing over ZMQ, decoded here with msgspec structs
+written independently from vLLM 0.32's definitions (batch as an array; events as maps tagged by
+``type``; vLLM's field order), checked against the cache's own state through stores, evictions
+and a reset, and the replay socket serving a subscriber that missed batches."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from prefixcache.cache import Sequence
+from prefixcache.errors import CliError
+from prefixcache.server.kv_events import KVEventsConfig
+from server_harness import RunningServer, start_server
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOPIC = b"kv"
+NUM_BLOCKS = 24
+
+
+class Stored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class Removed(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None = None
+
+
+class Cleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Stored | Removed | Cleared]
+    data_parallel_rank: int | None = None
+
+
+DECODER = msgspec.msgpack.Decoder(Batch)
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+
+
+@pytest.fixture(scope="module")
+def server(endpoints: tuple[str, str]) -> RunningServer:
+    pub, replay = endpoints
+    config = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+              f'"endpoint": "{pub}", "replay_endpoint": "{replay}", "topic": "kv"}}')
+    running = start_server(["--model", "tiny", "--num-kv-blocks", str(NUM_BLOCKS),
+                            "--max-num-seqs", "2", "--kv-events-config", config])
+    yield running
+    running.stop()
+
+
+def _complete(server: RunningServer, prompt: str) -> dict:
+    response = httpx.post(server.base_url + "/v1/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert response.status_code == 200
+    return response.json()
+
+
+def _receive(sub: zmq.Socket, until: float = 3.0) -> list[tuple[int, Batch]]:
+    out = []
+    deadline = time.monotonic() + until
+    while time.monotonic() < deadline:
+        if sub.poll(100):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == TOPIC and len(seq) == 8
+            out.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+            deadline = time.monotonic() + 0.5  # more may follow shortly
+    return out
+
+
+def _replay(endpoint: str, start: int) -> list[tuple[int, Batch]]:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    out = []
+    try:
+        while dealer.poll(5000):
+            _, topic, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return out
+            assert topic == TOPIC
+            out.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+        raise AssertionError("no end-of-replay marker")
+    finally:
+        dealer.close(0)
+
+
+def _cached_digests(server: RunningServer) -> set[bytes]:
+    return {b.digest for b in server.engine.cache.pool.blocks if b.digest is not None}
+
+
+def _apply(state: set[bytes], batches: list[tuple[int, Batch]]) -> None:
+    for _, batch in batches:
+        for event in batch.events:
+            if isinstance(event, Stored):
+                state.update(event.block_hashes)
+            elif isinstance(event, Removed):
+                state.difference_update(event.block_hashes)
+            else:
+                state.clear()
+
+
+def test_events_follow_the_cache_through_store_evict_and_reset(
+    server: RunningServer, endpoints: tuple[str, str]
+) -> None:
+    pub, replay = endpoints
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sub.connect(pub)
+    time.sleep(0.3)  # ZMQ's slow joiner: what a late subscriber misses, replay serves
+    cache = server.engine.cache
+    prompt = f"[{uuid.uuid4().hex}] " + "the events say which blocks are cached. " * 3
+    _complete(server, prompt)
+    seen = _receive(sub)
+    stored = [e for _, b in seen for e in b.events if isinstance(e, Stored)]
+    assert stored, "no BlockStored after a request"
+    seq = Sequence("x", server.engine.tokenizer.encode(prompt))
+    digests = seq.digests(cache.hasher, cache.model_id)
+    num_full = (len(seq.token_ids)) // 16
+    assert stored[0].block_hashes == digests[:num_full]
+    assert stored[0].parent_block_hash == seq.root_digest(cache.hasher, cache.model_id)
+    assert stored[0].block_size == 16 and stored[0].medium == "CPU"
+    assert stored[0].token_ids == seq.token_ids[: 16 * num_full]  # no tenants: ids included
+
+    # fill the pool with other prompts: the first prompt's blocks are evicted
+    for i in range(6):
+        _complete(server, f"[{uuid.uuid4().hex} {i}] " + "filler that evicts older blocks. " * 3)
+    seen += _receive(sub)
+    assert any(isinstance(e, Removed) for _, b in seen for e in b.events)
+    state: set[bytes] = set()
+    _apply(state, seen)
+    assert state == _cached_digests(server)
+
+    assert httpx.post(server.base_url + "/reset_prefix_cache").status_code == 200
+    seen += _receive(sub)
+    assert isinstance(seen[-1][1].events[-1], Cleared)
+    _apply(state, seen[-1:])
+    assert state == _cached_digests(server) == set()
+    seqs = [s for s, _ in seen]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+    # a subscriber that missed everything replays from 0 and rebuilds the same state
+    replayed = _replay(replay, 0)
+    assert [s for s, _ in replayed][-len(seqs):] == seqs
+    assert replayed[0][0] == 0
+    rebuilt: set[bytes] = set()
+    _apply(rebuilt, replayed)
+    assert rebuilt == _cached_digests(server)
+    gap = _replay(replay, seqs[-2])
+    assert [s for s, _ in gap] == seqs[-2:]
+    sub.close(0)
+
+
+def test_bad_kv_events_config_is_a_cli_error() -> None:
+    for text, fragment in (("{", "not JSON"), ('{"publisher": "kafka"}', "publisher"),
+                           ('{"colour": 1}', "unknown field"), ("[]", "JSON object"),
+                           ('{"buffer_steps": 0}', "buffer_steps")):
+        with pytest.raises(CliError, match=fragment):
+            KVEventsConfig.from_json(text)
+
+
+def test_token_ids_left_out_with_tenants(tmp_path) -> None:
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tenants.toml"
+    pub = f"tcp://127.0.0.1:{_port()}"
+    config = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+              f'"endpoint": "{pub}", "topic": "kv"}}')
+    running = start_server(["--model", "tiny", "--num-kv-blocks", "64", "--tenants",
+                            str(example), "--kv-events-config", config])
+    try:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.connect(pub)
+        time.sleep(0.3)
+        httpx.post(running.base_url + "/v1/completions",
+                   headers={"authorization": "Bearer sk-acme-example-key-1"},
+                   json={"model": "tiny", "prompt": "tenant data " * 8, "max_tokens": 1})
+        stored = [e for _, b in _receive(sub) for e in b.events if isinstance(e, Stored)]
+        assert stored and all(e.token_ids == [] for e in stored)
+        sub.close(0)
+    finally:
+        running.stop()
