@@ -458,3 +458,12 @@ def test_chat_prompt_logprobs_sit_beside_the_choices(client) -> None:
     assert body["prompt_logprobs"][0] is None
     assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
     assert "prompt_logprobs" not in body["choices"][0]
+
+
+def test_continuous_usage_stats_in_every_chunk(client) -> None:
+    usages = [chunk.usage for chunk in client.completions.create(
+        model=MODEL, prompt=fresh(), max_tokens=4, stream=True, **GREEDY,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}) if chunk.choices]
+    assert usages and all(u is not None for u in usages)
+    assert [u.completion_tokens for u in usages] == sorted(u.completion_tokens for u in usages)
+    assert usages[-1].completion_tokens == 4

@@ -276,3 +276,20 @@ def test_a_grammar_that_allows_no_token_ends_its_choice(llm: LLM) -> None:
     assert "no further token" in last.stop_reason and last.num_output_tokens == 0
     assert len(alive.output_token_ids) == 8
     engine.cache.check_integrity()
+
+
+def test_responses_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=12)
+        celsius: int = Field(ge=-60, le=60)
+
+    out = client.responses.parse(model=MODEL, input="Oslo weather?", text_format=Weather,
+                                 max_output_tokens=300, temperature=0.0)
+    assert isinstance(out.output_parsed, Weather)
+    assert out.text.format.type == "json_schema"
+    bad = httpx.post(str(client.base_url) + "responses", json={
+        "model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "x",
+                                                          "schema": {"type": "strnig"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format"

@@ -208,8 +208,22 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True  # extension (vLLM)
 
 
+class ResponsesFormat(Lenient):
+    """``text.format`` of the Responses API: plain text, any JSON object, or a JSON Schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr = "response"
+    schema_: dict[str, Any] | StrictBool = Field(default=True, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class ResponsesText(Lenient):
+    format: ResponsesFormat | None = None
+
+
 class ResponsesRequest(Lenient):
-    """``POST /v1/responses``, the subset clients use: text in, text out."""
+    """``POST /v1/responses``, the subset clients use: text (or JSON) in, text (or JSON) out."""
 
     model: StrictStr
     input: StrictStr | Annotated[list[ChatMessage], Field(min_length=1)]
@@ -223,6 +237,7 @@ class ResponsesRequest(Lenient):
     store: StrictBool | None = None
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None  # extension (vLLM)
+    text: ResponsesText | None = None
 
 
 class TokenizeRequest(Lenient):
@@ -395,7 +410,7 @@ def response_object(
         "parallel_tool_calls": False,
         "tool_choice": "none",
         "tools": [],
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _text_format(body)},
         "truncation": "disabled",
         "store": False,
         "previous_response_id": None,
@@ -407,3 +422,13 @@ def response_object(
         "user": body.user,
         "usage": use,
     }
+
+
+def _text_format(body: ResponsesRequest) -> dict[str, Any]:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return {"type": "text"}
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "name": fmt.name, "schema": fmt.schema_,
+            "strict": fmt.strict, "description": fmt.description}

@@ -100,6 +100,7 @@ class _Options:
     logprobs: int | None = None  # completions: top-N per token; chat: top_logprobs
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
     tools: bool = False  # chat: the answer may hold tool calls, parsed out of its text
 
 
@@ -241,6 +242,7 @@ class OpenAIServing:
                               structured=structured)
         await self._compile(params, param)
         options.include_usage = _include_usage(body)
+        options.continuous_usage = _continuous_usage(body)
         if body.stream and params.ranks_choices:
             raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
         return await self._serve("completion", body, encoded, params, options, tenant, http)
@@ -274,7 +276,8 @@ class OpenAIServing:
         await self._compile(params, param)
         options = _Options(n=body.n, logprobs=num_top,
                            prompt_logprobs=body.prompt_logprobs is not None,
-                           include_usage=_include_usage(body), tools=choice != "none")
+                           include_usage=_include_usage(body),
+                           continuous_usage=_continuous_usage(body), tools=choice != "none")
         prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
         return await self._serve("chat", body, prompts, params, options, tenant, http)
 
@@ -294,10 +297,21 @@ class OpenAIServing:
         max_tokens = body.max_output_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
+        fmt = body.text.format if body.text is not None else None
+        structured = None
+        try:
+            if fmt is not None and fmt.type == "json_object":
+                structured = StructuredOutputs.of(json_object=True)
+            elif fmt is not None and fmt.type == "json_schema":
+                structured = StructuredOutputs.of(json=fmt.schema_)
+        except InvalidParam as exc:
+            raise ApiError(400, str(exc), param="text.format") from None
         params = self._sampling_params(
             param_names={"max_tokens": "max_output_tokens"},
             max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
+            structured_outputs=structured,
         )
+        await self._compile(params, "text.format")
         prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
         return await self._serve("response", body, prompts, params, _Options(), tenant, http)
 
@@ -618,6 +632,8 @@ class OpenAIServing:
                     break
                 chunk = self._chunk(job, output, i, choice)
                 if chunk is not None:
+                    if job.options.continuous_usage:
+                        chunk["usage"] = job.usage()
                     yield _sse(chunk)
             if job.options.include_usage and job.done:
                 obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
@@ -814,6 +830,11 @@ def _structured(body: protocol._SamplingFields) -> tuple[StructuredOutputs | Non
 
 def _include_usage(body: protocol._SamplingFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def _continuous_usage(body: protocol._SamplingFields) -> bool:
+    return _include_usage(body) and bool(
+        body.stream_options and body.stream_options.continuous_usage_stats)
 
 
 def _as_prompts(prompt: Any) -> list[str | list[int]]:
