@@ -18,18 +18,17 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from prefixcache.engine.outputs import best_of
-from prefixcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
+from prefixcache.engine.sampling_params import SamplingParams, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
 from prefixcache.server.async_engine import AsyncEngine, EngineFailure, EngineOverloaded
 from prefixcache.server.errors import ApiError
+from prefixcache.server.jobs import Choice, Job, PromptState, RenderOptions, finish_reason_of
 from prefixcache.server.logprobs import (
     TokenText,
     chat_logprobs,
@@ -46,9 +45,19 @@ from prefixcache.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
+from prefixcache.server.request_params import (
+    as_prompts,
+    check_logprobs,
+    continuous_usage,
+    include_usage,
+    message_dict,
+    response_messages,
+    response_status,
+    structured_of,
+    tool_choice_of,
+)
 from prefixcache.server.tenancy import Tenant, TenantRegistry
 from prefixcache.server.tools import (
-    ToolCallStream,
     parse_tool_calls,
     render_messages,
     tool_grammar,
@@ -60,125 +69,6 @@ logger = logging.getLogger("prefixcache.server")
 
 _DISCONNECT_POLL_S = 0.5
 _FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-
-
-@dataclass(slots=True)
-class _Choice:
-    """What one choice has produced so far."""
-
-    text: str = ""
-    reason: str | None = None
-    num_output: int = 0
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    started: bool = False  # its first stream chunk (role, echoed prompt) went out
-    text_offset: int = 0  # completions logprobs: where its next token starts in the text
-    tool_stream: ToolCallStream = field(default_factory=ToolCallStream)
-    stop_reason: str | None = None  # vLLM's field: why it stopped, beyond finish_reason
-
-
-@dataclass(slots=True)
-class _Prompt:
-    """One engine request: a prompt and its choices (``best_of`` of them, if given)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str | None  # the prompt's text, for echo (decoded from ids where given as ids)
-    choices: list[_Choice]
-    num_cached: int = 0
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
-    done: bool = False
-
-
-@dataclass(slots=True)
-class _Options:
-    """How outputs are rendered: echo, logprobs, usage, choice count."""
-
-    n: int = 1
-    echo: bool = False
-    echo_only: bool = False  # max_tokens 0 with echo: the prompt (and its logprobs) alone
-    logprobs: int | None = None  # completions: top-N per token; chat: top_logprobs
-    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
-    include_usage: bool = False
-    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
-    tools: bool = False  # chat: the answer may hold tool calls, parsed out of its text
-
-
-@dataclass(slots=True)
-class _Job:
-    """One accepted HTTP request on its way through the engine."""
-
-    kind: str  # "completion" | "chat" | "response"
-    public_id: str
-    model: str
-    created: int
-    tenant: Tenant
-    queue: asyncio.Queue[Any]
-    prompts: list[_Prompt]
-    options: _Options
-    start: float
-    by_id: dict[str, int] = field(default_factory=dict)
-    first_token_time: float | None = None
-    num_added: int = 0  # engine requests accepted (each released once, by `_finish`)
-    released: bool = False
-
-    def __post_init__(self) -> None:
-        self.by_id = {p.request_id: i for i, p in enumerate(self.prompts)}
-
-    @property
-    def done(self) -> bool:
-        return all(p.done for p in self.prompts[: self.num_added])
-
-    def add(self, output: Any) -> tuple[int, _Choice]:
-        i = self.by_id[output.request_id]
-        prompt = self.prompts[i]
-        choice = prompt.choices[output.index]
-        choice.text += output.text
-        choice.num_output = output.num_output_tokens
-        choice.logprobs.extend(output.new_logprobs)
-        if output.cumulative_logprob is not None:
-            choice.cumulative_logprob = output.cumulative_logprob
-        if output.prompt_logprobs is not None:
-            prompt.prompt_logprobs = output.prompt_logprobs
-        if output.index == 0:
-            prompt.num_cached = output.num_cached_tokens
-        if output.finished:
-            choice.reason = _finish_reason(output.finish_reason)
-            choice.stop_reason = output.stop_reason
-        if self.first_token_time is None and output.new_token_ids:
-            self.first_token_time = time.monotonic()
-        if output.request_finished:
-            prompt.done = True
-        return i, choice
-
-    def ranked(self, prompt: _Prompt) -> list[_Choice]:
-        """The choices to return: all, or the n best of ``best_of``."""
-        if len(prompt.choices) == self.options.n:
-            return prompt.choices
-        order = best_of([c.cumulative_logprob for c in prompt.choices], self.options.n)
-        return [prompt.choices[i] for i in order]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
-
-    @property
-    def num_output_tokens(self) -> int:
-        if self.options.echo_only:
-            return 0
-        return sum(c.num_output for p in self.prompts for c in p.choices)
-
-    def usage(self) -> dict[str, Any]:
-        cached = sum(p.num_cached for p in self.prompts)
-        return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached)
-
-    @property
-    def first_reason(self) -> str | None:
-        return self.prompts[0].choices[0].reason
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    return "stop" if reason == "abort" else reason
 
 
 class OpenAIServing:
@@ -218,13 +108,13 @@ class OpenAIServing:
         if body.suffix:
             raise ApiError(400, "'suffix' (insertion) is not supported", param="suffix")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        options = _Options(n=body.n, echo=body.echo, echo_only=body.echo and max_tokens == 0,
+        options = RenderOptions(n=body.n, echo=body.echo, echo_only=body.echo and max_tokens == 0,
                            logprobs=body.logprobs,
                            prompt_logprobs=body.prompt_logprobs is not None)
         if max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
-        _check_logprobs(body.logprobs, "logprobs")
-        prompts = _as_prompts(body.prompt)
+        check_logprobs(body.logprobs, "logprobs")
+        prompts = as_prompts(body.prompt)
         limit = self.engine.max_pending_per_domain
         if len(prompts) > limit:
             raise ApiError(400, f"{len(prompts)} prompts in one request: at most {limit}",
@@ -236,22 +126,22 @@ class OpenAIServing:
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
-        structured, param = _structured(body)
+        structured, param = structured_of(body)
         params = self._params(body, max(1, max_tokens), logprobs=body.logprobs,
                               prompt_logprobs=prompt_logprobs, best_of=body.best_of,
                               structured=structured)
         await self._compile(params, param)
-        options.include_usage = _include_usage(body)
-        options.continuous_usage = _continuous_usage(body)
+        options.include_usage = include_usage(body)
+        options.continuous_usage = continuous_usage(body)
         if body.stream and params.ranks_choices:
             raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
         return await self._serve("completion", body, encoded, params, options, tenant, http)
 
     async def chat(self, body: ChatCompletionRequest, tenant: Tenant, http: Request) -> Any:
         self._check_common(body)
-        tools, choice = _tool_choice(body)
+        tools, choice = tool_choice_of(body)
         if body.top_logprobs is not None:
-            _check_logprobs(body.top_logprobs, "top_logprobs")
+            check_logprobs(body.top_logprobs, "top_logprobs")
             if not body.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self._check_prompt_bytes(sum(_text_bytes(m.text()) for m in body.messages), "messages")
@@ -264,7 +154,7 @@ class OpenAIServing:
             max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         forced = choice not in ("none", "auto")
-        structured, param = _structured(body)
+        structured, param = structured_of(body)
         if forced:
             if structured is not None:
                 raise ApiError(400, "a required or named tool_choice already constrains the "
@@ -274,10 +164,10 @@ class OpenAIServing:
         params = self._params(body, max_tokens, logprobs=num_top,
                               prompt_logprobs=body.prompt_logprobs, structured=structured)
         await self._compile(params, param)
-        options = _Options(n=body.n, logprobs=num_top,
+        options = RenderOptions(n=body.n, logprobs=num_top,
                            prompt_logprobs=body.prompt_logprobs is not None,
-                           include_usage=_include_usage(body),
-                           continuous_usage=_continuous_usage(body), tools=choice != "none")
+                           include_usage=include_usage(body),
+                           continuous_usage=continuous_usage(body), tools=choice != "none")
         prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
         return await self._serve("chat", body, prompts, params, options, tenant, http)
 
@@ -291,7 +181,7 @@ class OpenAIServing:
         if body.tools:
             raise ApiError(400, "tools (built-in or function) are not supported on "
                            "/v1/responses", param="tools")
-        messages = _response_messages(body)
+        messages = response_messages(body)
         self._check_prompt_bytes(sum(_text_bytes(m.text()) for m in messages), "input")
         token_ids = await self._off_loop(self._render_messages, (messages, "input", True, None))
         max_tokens = body.max_output_tokens
@@ -313,7 +203,7 @@ class OpenAIServing:
         )
         await self._compile(params, "text.format")
         prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
-        return await self._serve("response", body, prompts, params, _Options(), tenant, http)
+        return await self._serve("response", body, prompts, params, RenderOptions(), tenant, http)
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self._check_ignored(body)
@@ -393,7 +283,7 @@ class OpenAIServing:
         if not 1 <= body.n <= self.max_n:
             raise ApiError(400, f"n must be between 1 and {self.max_n}, got {body.n}", param="n")
         if body.prompt_logprobs is not None:
-            _check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+            check_logprobs(body.prompt_logprobs, "prompt_logprobs")
 
     def _completion_prompts(
         self, prompts: list[str | list[int]]
@@ -422,7 +312,7 @@ class OpenAIServing:
         self, arg: tuple[list[ChatMessage], str, bool, list[dict[str, Any]] | None]
     ) -> list[int]:
         messages_in, param, add_generation_prompt, tools = arg
-        messages = [_message_dict(m) for m in messages_in]
+        messages = [message_dict(m) for m in messages_in]
         if not any(m["content"] or m.get("tool_calls") for m in messages):
             raise ApiError(400, f"the {param} are empty" if param == "messages" else
                            f"the {param} is empty", param=param)
@@ -484,17 +374,17 @@ class OpenAIServing:
 
     async def _serve(
         self, kind: str, body: Any, prompts: list[tuple[list[int], str | None]],
-        params: SamplingParams, options: _Options, tenant: Tenant, http: Request,
+        params: SamplingParams, options: RenderOptions, tenant: Tenant, http: Request,
     ) -> Any:
         start = time.monotonic()
         scope = self.tenants.scope(tenant, body.cache_salt)
         public_id = protocol.new_id({"completion": "cmpl", "chat": "chatcmpl",
                                      "response": "resp"}[kind])
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        job = _Job(kind, public_id, body.model, protocol.now(), tenant, queue, [
-            _Prompt(public_id if len(prompts) == 1 else f"{public_id}-{i}", ids,
+        job = Job(kind, public_id, body.model, protocol.now(), tenant, queue, [
+            PromptState(public_id if len(prompts) == 1 else f"{public_id}-{i}", ids,
                     text if text is not None or not options.echo else self.tokenizer.decode(ids),
-                    [_Choice() for _ in range(params.num_choices)])
+                    [Choice() for _ in range(params.num_choices)])
             for i, (ids, text) in enumerate(prompts)
         ], options, start)
         try:
@@ -522,7 +412,7 @@ class OpenAIServing:
 
     # ---- engine -> response ---------------------------------------------------------------------
 
-    async def _next(self, job: _Job) -> tuple[Any, int, _Choice]:
+    async def _next(self, job: Job) -> tuple[Any, int, Choice]:
         had_first = job.first_token_time is not None
         output = await job.queue.get()
         if isinstance(output, EngineFailure):
@@ -535,11 +425,11 @@ class OpenAIServing:
                                              job.prompts[i].num_cached)
         return output, i, choice
 
-    async def _drain(self, job: _Job) -> None:
+    async def _drain(self, job: Job) -> None:
         while not job.done:
             await self._next(job)
 
-    async def _collect(self, job: _Job, http: Request) -> None:
+    async def _collect(self, job: Job, http: Request) -> None:
         drain = asyncio.ensure_future(self._drain(job))
         watch = asyncio.ensure_future(_wait_disconnect(http))
         try:
@@ -553,7 +443,7 @@ class OpenAIServing:
             raise ApiError(499, "client disconnected")
         drain.result()
 
-    def _final_body(self, job: _Job) -> dict[str, Any]:
+    def _final_body(self, job: Job) -> dict[str, Any]:
         choices = []
         for i, prompt in enumerate(job.prompts):
             for j, choice in enumerate(job.ranked(prompt)):
@@ -583,7 +473,7 @@ class OpenAIServing:
         return body
 
     def _completion_text(
-        self, job: _Job, prompt: _Prompt, choice: _Choice, *, first: bool,
+        self, job: Job, prompt: PromptState, choice: Choice, *, first: bool,
         new_text: str | None = None, new_logprobs: list[dict[str, Any]] | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
         """A completions choice's text and logprobs: the whole choice, or (``new_*``) one
@@ -606,18 +496,18 @@ class OpenAIServing:
         return text, logprobs
 
     def _chat_logprobs(
-        self, job: _Job, entries: list[dict[str, Any]]
+        self, job: Job, entries: list[dict[str, Any]]
     ) -> dict[str, Any] | None:
         if job.options.logprobs is None:
             return None
         return chat_logprobs(entries, job.options.logprobs, self.token_text)
 
-    def _vllm_prompt_logprobs(self, prompt: _Prompt) -> list[Any] | None:
+    def _vllm_prompt_logprobs(self, prompt: PromptState) -> list[Any] | None:
         if prompt.prompt_logprobs is None:
             return None
         return vllm_prompt_logprobs(prompt.prompt_logprobs, self.token_text)
 
-    async def _stream(self, job: _Job) -> AsyncIterator[str]:
+    async def _stream(self, job: Job) -> AsyncIterator[str]:
         try:
             if job.kind == "chat":
                 for j in range(job.options.n):
@@ -643,8 +533,8 @@ class OpenAIServing:
         finally:
             self._finish(job)
 
-    def _chunk(self, job: _Job, output: Any, i: int, choice: _Choice) -> dict[str, Any] | None:
-        reason = _finish_reason(output.finish_reason) if output.finished else None
+    def _chunk(self, job: Job, output: Any, i: int, choice: Choice) -> dict[str, Any] | None:
+        reason = finish_reason_of(output.finish_reason) if output.finished else None
         first = not choice.started
         if not (output.text or output.new_token_ids or reason or (first and job.options.echo)):
             return None  # nothing new: no token, no text, no finish
@@ -678,16 +568,16 @@ class OpenAIServing:
 
     # ---- the Responses API ----------------------------------------------------------------------
 
-    def _response_body(self, job: _Job, body: ResponsesRequest) -> dict[str, Any]:
+    def _response_body(self, job: Job, body: ResponsesRequest) -> dict[str, Any]:
         choice = job.prompts[0].choices[0]
-        status, incomplete = _response_status(choice.reason)
+        status, incomplete = response_status(choice.reason)
         message = protocol.response_message(f"msg_{job.public_id[5:]}", choice.text, "completed")
         use = protocol.response_usage(job.num_prompt_tokens, job.num_output_tokens,
                                       job.prompts[0].num_cached)
         return protocol.response_object(job.public_id, body, job.created, status=status,
                                         output=[message], use=use, incomplete_reason=incomplete)
 
-    async def _stream_response(self, job: _Job, body: ResponsesRequest) -> AsyncIterator[str]:
+    async def _stream_response(self, job: Job, body: ResponsesRequest) -> AsyncIterator[str]:
         """The event sequence of a streamed response, each event with its ``sequence_number``."""
         sequence = 0
         item_id = f"msg_{job.public_id[5:]}"
@@ -727,7 +617,7 @@ class OpenAIServing:
                         part=protocol.output_text(choice.text))
             message = protocol.response_message(item_id, choice.text, "completed")
             yield event("response.output_item.done", output_index=0, item=message)
-            status, incomplete = _response_status(choice.reason)
+            status, incomplete = response_status(choice.reason)
             use = protocol.response_usage(job.num_prompt_tokens, job.num_output_tokens,
                                           job.prompts[0].num_cached)
             # "response.completed" even when cut at max_output_tokens (as vLLM): clients wait
@@ -739,7 +629,7 @@ class OpenAIServing:
 
     # ---- bookkeeping ----------------------------------------------------------------------------
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         """Release the job's slots; abort in the engine what the client left unfinished."""
         if job.released:
             return
@@ -755,114 +645,6 @@ class OpenAIServing:
         if job.done:
             self.metrics.observe_finished(job.tenant.domain, time.monotonic() - job.start,
                                           job.first_reason)
-
-
-def _check_logprobs(value: int | None, param: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise ApiError(400, f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}",
-                       param=param)
-
-
-def _tool_choice(
-    body: ChatCompletionRequest,
-) -> tuple[list[dict[str, Any]], str | dict[str, Any]]:
-    """The request's tools (as plain dicts) and its tool_choice, checked against each other."""
-    tools = [t.model_dump(exclude_none=True, exclude_unset=False) for t in body.tools or []]
-    for tool in tools:
-        for key in list(tool):
-            if key not in ("type", "function"):
-                del tool[key]
-    names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        raise ApiError(400, "two tools have the same name", param="tools")
-    choice: str | dict[str, Any] = (
-        body.tool_choice.model_dump() if isinstance(body.tool_choice, protocol.NamedToolChoice)
-        else body.tool_choice or ("auto" if tools else "none"))
-    if choice != "none" and not tools:
-        raise ApiError(400, f"tool_choice {choice if isinstance(choice, str) else 'function'!r} "
-                       "needs tools", param="tool_choice")
-    if isinstance(choice, dict):
-        name = choice["function"]["name"]
-        if name not in names:
-            raise ApiError(400, f"tool_choice names the function {name!r}, which is not in "
-                           "tools", param="tool_choice")
-        choice = {"type": "function", "function": {"name": name}}
-    return tools, choice
-
-
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.tool_calls:
-        out["tool_calls"] = message.tool_calls
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        out["name"] = message.name
-    return out
-
-
-def _structured(body: protocol._SamplingFields) -> tuple[StructuredOutputs | None, str]:
-    """The output constraint a request asks for (``response_format`` or vLLM's
-    ``structured_outputs``), and the field it came from."""
-    fmt = body.response_format
-    wanted = fmt is not None and fmt.type != "text"
-    if wanted and body.structured_outputs is not None:
-        raise ApiError(400, "give response_format or structured_outputs, not both",
-                       param="structured_outputs")
-    try:
-        if fmt is not None and fmt.type == "json_object":
-            return StructuredOutputs.of(json_object=True), "response_format"
-        if fmt is not None and fmt.type == "json_schema":
-            if fmt.json_schema is None:
-                raise ApiError(400, "response_format json_schema needs 'json_schema': "
-                               "{'name', 'schema'}", param="response_format")
-            return StructuredOutputs.of(json=fmt.json_schema.schema_), "response_format"
-        so = body.structured_outputs
-        if so is None:
-            return None, ""
-        return StructuredOutputs.of(json=so.json_, regex=so.regex, choice=so.choice,
-                                    grammar=so.grammar,
-                                    json_object=bool(so.json_object)), "structured_outputs"
-    except InvalidParam as exc:
-        param = "response_format" if wanted else "structured_outputs"
-        raise ApiError(400, str(exc), param=param) from None
-
-
-def _include_usage(body: protocol._SamplingFields) -> bool:
-    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
-
-
-def _continuous_usage(body: protocol._SamplingFields) -> bool:
-    return _include_usage(body) and bool(
-        body.stream_options and body.stream_options.continuous_usage_stats)
-
-
-def _as_prompts(prompt: Any) -> list[str | list[int]]:
-    """A completions prompt as a list of prompts: a string, token ids, or a list of either."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    if isinstance(prompt[0], (str, list)):
-        return list(prompt)
-    return [prompt]
-
-
-def _response_messages(body: ResponsesRequest) -> list[ChatMessage]:
-    messages: list[ChatMessage] = []
-    if body.instructions:
-        messages.append(ChatMessage(role="system", content=body.instructions))
-    if isinstance(body.input, str):
-        messages.append(ChatMessage(role="user", content=body.input))
-    else:
-        messages.extend(body.input)
-    return messages
-
-
-def _response_status(reason: str | None) -> tuple[str, str | None]:
-    if reason == "length":
-        return "incomplete", "max_output_tokens"
-    return "completed", None
 
 
 async def _wait_disconnect(http: Request) -> None:

@@ -1,0 +1,139 @@
+"""What one HTTP request has produced so far: per prompt (one engine request each) and per choice.
+
+`Job` gathers the engine's incremental outputs for one API call (several prompts of a batched
+completions request share it), ranks ``best_of`` choices, sums usage, and carries the render
+options (echo, logprobs, tools). Plain data; `serving` fills it and renders it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixcache.engine.outputs import best_of
+from prefixcache.server import protocol
+from prefixcache.server.tenancy import Tenant
+from prefixcache.server.tools import ToolCallStream
+
+__all__ = ["Choice", "Job", "PromptState", "RenderOptions", "finish_reason_of"]
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one choice has produced so far."""
+
+    text: str = ""
+    reason: str | None = None
+    num_output: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    started: bool = False  # its first stream chunk (role, echoed prompt) went out
+    text_offset: int = 0  # completions logprobs: where its next token starts in the text
+    tool_stream: ToolCallStream = field(default_factory=ToolCallStream)
+    stop_reason: str | None = None  # vLLM's field: why it stopped, beyond finish_reason
+
+
+@dataclass(slots=True)
+class PromptState:
+    """One engine request: a prompt and its choices (``best_of`` of them, if given)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None  # the prompt's text, for echo (decoded from ids where given as ids)
+    choices: list[Choice]
+    num_cached: int = 0
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class RenderOptions:
+    """How outputs are rendered: echo, logprobs, usage, choice count."""
+
+    n: int = 1
+    echo: bool = False
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt (and its logprobs) alone
+    logprobs: int | None = None  # completions: top-N per token; chat: top_logprobs
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
+    include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
+    tools: bool = False  # chat: the answer may hold tool calls, parsed out of its text
+
+
+@dataclass(slots=True)
+class Job:
+    """One accepted HTTP request on its way through the engine."""
+
+    kind: str  # "completion" | "chat" | "response"
+    public_id: str
+    model: str
+    created: int
+    tenant: Tenant
+    queue: asyncio.Queue[Any]
+    prompts: list[PromptState]
+    options: RenderOptions
+    start: float
+    by_id: dict[str, int] = field(default_factory=dict)
+    first_token_time: float | None = None
+    num_added: int = 0  # engine requests accepted (each released once, by `_finish`)
+    released: bool = False
+
+    def __post_init__(self) -> None:
+        self.by_id = {p.request_id: i for i, p in enumerate(self.prompts)}
+
+    @property
+    def done(self) -> bool:
+        return all(p.done for p in self.prompts[: self.num_added])
+
+    def add(self, output: Any) -> tuple[int, Choice]:
+        i = self.by_id[output.request_id]
+        prompt = self.prompts[i]
+        choice = prompt.choices[output.index]
+        choice.text += output.text
+        choice.num_output = output.num_output_tokens
+        choice.logprobs.extend(output.new_logprobs)
+        if output.cumulative_logprob is not None:
+            choice.cumulative_logprob = output.cumulative_logprob
+        if output.prompt_logprobs is not None:
+            prompt.prompt_logprobs = output.prompt_logprobs
+        if output.index == 0:
+            prompt.num_cached = output.num_cached_tokens
+        if output.finished:
+            choice.reason = finish_reason_of(output.finish_reason)
+            choice.stop_reason = output.stop_reason
+        if self.first_token_time is None and output.new_token_ids:
+            self.first_token_time = time.monotonic()
+        if output.request_finished:
+            prompt.done = True
+        return i, choice
+
+    def ranked(self, prompt: PromptState) -> list[Choice]:
+        """The choices to return: all, or the n best of ``best_of``."""
+        if len(prompt.choices) == self.options.n:
+            return prompt.choices
+        order = best_of([c.cumulative_logprob for c in prompt.choices], self.options.n)
+        return [prompt.choices[i] for i in order]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        if self.options.echo_only:
+            return 0
+        return sum(c.num_output for p in self.prompts for c in p.choices)
+
+    def usage(self) -> dict[str, Any]:
+        cached = sum(p.num_cached for p in self.prompts)
+        return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached)
+
+    @property
+    def first_reason(self) -> str | None:
+        return self.prompts[0].choices[0].reason
+
+
+def finish_reason_of(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
