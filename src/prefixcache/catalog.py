@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "DTYPE_CHOICES",
     "DTYPE_NAMES",
     "GENERATED_MODELS",
     "PACKAGED_MODELS",
@@ -18,6 +19,9 @@ __all__ = [
 ]
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `prefixcache.model.DTYPES`, named without torch
+# what --dtype accepts: a dtype, or "auto" (the checkpoint's, where this CPU computes it natively;
+# `prefixcache.model.loader.resolve_dtype`)
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 
 @dataclass(frozen=True, slots=True)

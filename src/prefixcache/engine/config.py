@@ -18,7 +18,7 @@ from prefixcache.cache import CacheConfig
 from prefixcache.cache.block_hash import HASH_ALGOS
 from prefixcache.cache.config import CACHE_KINDS
 from prefixcache.cache.radix_index import EVICTION_POLICIES
-from prefixcache.catalog import DTYPE_NAMES, model_help
+from prefixcache.catalog import DTYPE_CHOICES, model_help
 from prefixcache.engine.sampling_params import LOGPROBS_MODES
 from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
@@ -71,8 +71,8 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"unknown logprobs_mode {self.logprobs_mode!r}; choose one of "
                              f"{list(LOGPROBS_MODES)}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPE_NAMES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPE_CHOICES)}")
         if self.kv_memory_bytes < 1:
             raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
 
@@ -144,8 +144,9 @@ class EngineConfig:
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
     """The engine's flags, shared by every command that builds one."""
     parser.add_argument("--model", default=default_model, help=model_help(default_model))
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
-                        help="weights and KV dtype")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                        help="weights and KV dtype (auto: the checkpoint's bfloat16 where the CPU "
+                             "has native bf16 dot products, else float32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-cache", choices=CACHE_KINDS, default="hash")
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")

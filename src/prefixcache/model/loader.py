@@ -35,8 +35,10 @@ __all__ = [
     "Checkpoint",
     "LoadedModel",
     "ModelLoadError",
+    "cpu_has_native_bf16",
     "load_model",
     "open_checkpoint",
+    "resolve_dtype",
     "resolve_model_path",
 ]
 
@@ -139,9 +141,11 @@ def load_model(
     layout (`prefixcache.model.packed_gemm`): faster steps for about the projections' size
     again in memory.
     """
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    if dtype not in DTYPES and dtype != "auto":
+        raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: auto, {', '.join(DTYPES)})")
     checkpoint = open_checkpoint(name_or_path)
+    if dtype == "auto":
+        dtype = resolve_dtype(checkpoint.config.torch_dtype)
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
     model = _build(checkpoint, torch_dtype, torch_device, pack_weights)
     return LoadedModel(
@@ -153,6 +157,29 @@ def load_model(
         torch_dtype,
         torch_device,
     )
+
+
+def resolve_dtype(checkpoint_dtype: str | None) -> str:
+    """``--dtype auto``: a bfloat16 (or float16) checkpoint runs in bfloat16 where this CPU has
+    native bf16 dot products (AVX512_BF16 or AMX), as vLLM's CPU backend does; everything else,
+    and any CPU without them, in float32."""
+    name = (checkpoint_dtype or "").replace("torch.", "")
+    if name in ("bfloat16", "float16") and cpu_has_native_bf16():
+        return "bfloat16"
+    return "float32"
+
+
+def cpu_has_native_bf16() -> bool:
+    """The CPU advertises AVX512_BF16 or AMX-BF16 (Linux's /proc/cpuinfo; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def _build(

@@ -294,10 +294,12 @@ def _token_cell(index: int, token_id: int, tokenizer: Any, mark: bool) -> str:
 
 def load_model_view(name: str, dtype: str = "float32") -> ModelView:
     """The model's cache identity (as the engine computes it) and tokenizer, without weights."""
-    from prefixcache.model.loader import open_checkpoint
+    from prefixcache.model.loader import open_checkpoint, resolve_dtype
 
     try:
         checkpoint = open_checkpoint(name)
+        if dtype == "auto":
+            dtype = resolve_dtype(checkpoint.config.torch_dtype)
         return ModelView(checkpoint.identity(dtype), checkpoint.tokenizer())
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot load model {name!r}: {exc}") from None
