@@ -47,10 +47,13 @@ def prompts(vocab: int, num: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(num)]
 
 
-def decode_step_time(engine: LLMEngine, batch: list[list[int]], fields: dict[str, Any],
-                     steps: int) -> float:
-    """Median seconds of one decode step of ``len(batch)`` sequences under ``fields``."""
-    params = SamplingParams(max_tokens=steps + 2, **fields)
+def decode_step_time(
+    engine: LLMEngine, batch: list[list[int]], fields: dict[str, Any] | SamplingParams, steps: int
+) -> float:
+    """Median seconds of one decode step of ``len(batch)`` sequences under ``fields`` (or
+    ready parameters, which must allow ``steps + 2`` tokens)."""
+    params = (fields if isinstance(fields, SamplingParams)
+              else SamplingParams(max_tokens=steps + 2, **fields))
     for i, p in enumerate(batch):
         engine.add_request(f"d{i}", prompt_token_ids=p, sampling_params=params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
@@ -62,6 +65,8 @@ def decode_step_time(engine: LLMEngine, batch: list[list[int]], fields: dict[str
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    for i in range(len(batch)):  # the rest is not measured
+        engine.abort(f"d{i}")
     while engine.has_unfinished():
         engine.step()
     return statistics.median(times)

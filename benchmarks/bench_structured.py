@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench_sampling import decode_step_time  # same directory: the same timed step
 from prefixcache.engine import LLMEngine, SamplingParams
 from prefixcache.engine.sampling_params import StructuredOutputs
 
@@ -45,26 +46,6 @@ def schema20() -> dict[str, Any]:
     props["score"] = {"type": "number", "minimum": 0}
     return {"type": "object", "properties": props, "required": list(props),
             "additionalProperties": False}
-
-
-def step_time(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-              steps: int) -> float:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"s{i}", prompt_token_ids=p, sampling_params=params)
-    while engine.scheduler.waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-        engine.step()
-    engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for i in range(len(prompts)):
-        engine.abort(f"s{i}")
-    while engine.has_unfinished():
-        engine.step()
-    return statistics.median(times)
 
 
 def engine_cases(args: argparse.Namespace) -> dict[str, Any]:
@@ -90,12 +71,12 @@ def engine_cases(args: argparse.Namespace) -> dict[str, Any]:
     rows = {}
     for num in args.seqs:
         prompts = [[rng.randrange(100, vocab - 100) for _ in range(64)] for _ in range(num)]
-        step_time(engine, prompts, free, 2)  # warm-up; caches the prompts
+        decode_step_time(engine, prompts, free, 2)  # warm-up; caches the prompts
         samples: dict[str, list[float]] = {"off": [], "on": []}
         for repeat in range(args.repeats):
             pair = [("off", free), ("on", constrained)]
             for which, params in pair if repeat % 2 == 0 else pair[::-1]:
-                samples[which].append(step_time(engine, prompts, params, args.steps))
+                samples[which].append(decode_step_time(engine, prompts, params, args.steps))
         off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
         rows[f"{num} sequences"] = {"off_ms": 1e3 * off, "on_ms": 1e3 * on, "added": on / off - 1}
         print(f"{num} sequences done", file=sys.stderr)

@@ -328,7 +328,7 @@ class LLMEngine:
         if not targets:
             return []
         rows = torch.tensor([row for _, row in targets], dtype=torch.long)
-        sampled = self._sample_rows(logits.index_select(0, rows), [r for r, _ in targets])
+        sampled = self._sample_rows(logits, rows, [r for r, _ in targets])
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for (request, _), token in zip(targets, sampled, strict=True):
@@ -345,13 +345,17 @@ class LLMEngine:
                 outputs.extend(self._fail_request(request, exc, now))
         return outputs
 
-    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[Any]:
-        """Logits processors, then one batched sample; if either raises, row by row so only the
-        failing rows fail. ``logits`` is the step's own copy of these rows."""
+    def _sample_rows(
+        self, step_logits: torch.Tensor, rows: torch.Tensor, requests: list[Request]
+    ) -> list[Any]:
+        """Grammar masks and logits processors, then one batched sample, over a copy of the
+        step's ``rows``; if any of it raises, row by row (each from the step's untouched logits)
+        so only the failing rows fail."""
         params = [r.params for r in requests]
         generators = [r.generator for r in requests]
         eos = self.tokenizer.eos_token_ids
         try:
+            logits = step_logits.index_select(0, rows)
             raw = _raw_copy(logits, params)
             dead = _mask_grammars(logits, requests)
             processed = apply_logits_processors(logits, requests, eos)
@@ -364,7 +368,7 @@ class LLMEngine:
         out = []
         for i in range(len(requests)):
             try:
-                row = logits[i : i + 1].clone()
+                row = step_logits.index_select(0, rows[i : i + 1])
                 raw = _raw_copy(row, params[i : i + 1])
                 if _mask_grammars(row, requests[i : i + 1]):
                     out.append(_NoTokenAllowed())

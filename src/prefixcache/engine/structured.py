@@ -74,7 +74,7 @@ class GrammarCompiler:
         return grammar
 
     def lltokenizer(self) -> Any:
-        """llguidance's view of the tokenizer, built once (a few hundred ms on a 49k vocab)."""
+        """llguidance's view of the tokenizer, built once per engine, on first use."""
         with self._lock:
             if self._lltokenizer is None:
                 import llguidance

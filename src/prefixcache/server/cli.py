@@ -223,14 +223,14 @@ def build_app(args: argparse.Namespace) -> Any:
                 "compiled CPU kernel" if native_attention.available() else "torch",
                 "compiled" if native_layers.available() else "torch")
     app = create_app(engine, model_name=args.served_model_name or args.model, tenants=tenants,
-                      max_queue_len=args.max_queue_len,
-                      default_max_tokens=args.default_max_tokens,
-                      log_interval_s=args.log_interval,
-                      max_request_bytes=args.max_request_bytes,
-                      trust_content_markers=args.trust_special_tokens_in_content,
-                      metrics_key=args.metrics_key,
-                      metrics_domain_labels=args.metrics_domain_labels,
-                      strict_api=args.strict_api)
+                     max_queue_len=args.max_queue_len,
+                     default_max_tokens=args.default_max_tokens,
+                     log_interval_s=args.log_interval,
+                     max_request_bytes=args.max_request_bytes,
+                     trust_content_markers=args.trust_special_tokens_in_content,
+                     metrics_key=args.metrics_key,
+                     metrics_domain_labels=args.metrics_domain_labels,
+                     strict_api=args.strict_api)
     if events_config is not None:
         from prefixcache.server.kv_events import ZmqEventPublisher
 

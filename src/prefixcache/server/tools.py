@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.engine.sampling_params import StructuredOutputs
@@ -168,7 +168,6 @@ class ToolCallStream:
     text: str = ""
     emitted: int = 0  # characters of `text` handled (sent as content, or parsed as calls)
     num_calls: int = 0
-    pending: list[dict[str, Any]] = field(default_factory=list)
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """Content safe to send now, and the calls completed now (each with its ``index``)."""
