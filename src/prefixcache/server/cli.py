@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict-api", action="store_true",
                         help="reject request fields this server does not know (400) instead of "
                              "ignoring them with a warning naming them")
+    from prefixcache.cluster.launch import add_cluster_arguments
+
+    add_cluster_arguments(parser)
     parser.add_argument("--no-retain-freed-memory", action="store_true",
                         help="keep glibc's malloc defaults (by default the server keeps freed "
                              "tensor memory mapped, avoiding page-fault churn in prefills)")
@@ -104,12 +107,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError("--header-timeout and --timeout-keep-alive must be > 0")
 
 
-def _tenants(args: argparse.Namespace) -> Any:
+def _tenants(args: argparse.Namespace, secret: bytes | None = None) -> Any:
+    """The tenants registry; ``secret`` given (a cluster's replicas share one) or loaded."""
     from prefixcache.server.tenancy import TenancyError, TenantRegistry, load_secret, load_tenants
 
     try:
         by_key = load_tenants(args.tenants) if args.tenants else None
-        secret, source = load_secret(args.secret_file)
+        secret, source = (secret, "the cluster") if secret else load_secret(args.secret_file)
     except TenancyError as exc:
         raise CliError(str(exc)) from None
     registry = TenantRegistry(by_key, secret)
@@ -179,12 +183,17 @@ def _engine(args: argparse.Namespace, tenants: Any = None, events: bool = False,
         raise CliError(f"cannot start the engine: {exc}") from None
 
 
-def _record_trace(engine: LLMEngine, path: str) -> None:
-    """Record every finished request (counts and prompt block digests) for the simulator."""
+def _record_trace(engine: LLMEngine, path: str, epoch: float | None = None) -> None:
+    """Record every finished request (counts and prompt block digests) for the simulator;
+    ``epoch``: times count from this wall-clock instant (a cluster's replicas share one)."""
+    import time
+
     from prefixcache.sim.record import TraceRecorder
 
+    clock = time.time if epoch is not None else time.monotonic
     try:
-        recorder = TraceRecorder(path, engine.block_size, engine.engine_config.cache.hash_algo)
+        recorder = TraceRecorder(path, engine.block_size, engine.engine_config.cache.hash_algo,
+                                 clock=clock, start=epoch)
     except OSError as exc:
         raise CliError(f"cannot write --record-trace {path}: {exc.strerror}") from None
     def record(request: Any) -> None:
@@ -196,8 +205,9 @@ def _record_trace(engine: LLMEngine, path: str) -> None:
     logger.info("recording finished requests (counts and block digests only) to %s", path)
 
 
-def build_app(args: argparse.Namespace) -> Any:
-    """The app for parsed ``serve`` arguments (tests use this without uvicorn's CLI)."""
+def build_app(args: argparse.Namespace, secret: bytes | None = None) -> Any:
+    """The app for parsed ``serve`` arguments (tests use this without uvicorn's CLI); ``secret``
+    overrides ``--secret-file`` (cluster replicas share the launcher's)."""
     from prefixcache.server.app import create_app
 
     _check_args(args)
@@ -205,14 +215,14 @@ def build_app(args: argparse.Namespace) -> Any:
         from prefixcache.model.host_memory import retain_freed_memory
 
         retain_freed_memory()  # this process is a server: see prefixcache.model.host_memory
-    tenants = _tenants(args)
+    tenants = _tenants(args, secret)
     events_config, event_tokens = _kv_events(args, tenants)
     engine = _engine(args, tenants, events_config is not None, event_tokens)
     from prefixcache.tools.cachelog import configure_from_env
 
     configure_from_env(engine)  # PREFIXCACHE_LOG=json: JSON logs + cache decisions (no text)
     if args.record_trace:
-        _record_trace(engine, args.record_trace)
+        _record_trace(engine, args.record_trace, getattr(args, "trace_epoch", None))
     from prefixcache.attention import native_attention
     from prefixcache.model import native_layers
 
@@ -258,6 +268,10 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas > 1 or args.ray_address:
+        from prefixcache.cluster.launch import run as run_cluster
+
+        return run_cluster(args)
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(),

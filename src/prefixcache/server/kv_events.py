@@ -37,7 +37,7 @@ import msgspec
 from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixcache.errors import CliError
 
-__all__ = ["KVEventsConfig", "ZmqEventPublisher", "encode_batch"]
+__all__ = ["KVEventsConfig", "ZmqEventPublisher", "decode_batch", "encode_batch"]
 
 logger = logging.getLogger("prefixcache.server")
 
@@ -92,6 +92,22 @@ def _wire(event: Any, with_tokens: bool) -> _BlockStored | _BlockRemoved | _AllB
 def encode_batch(events: list[Any], ts: float, with_tokens: bool, rank: int | None = None) -> bytes:
     """One ``KVEventBatch`` as vLLM's msgpack bytes."""
     return msgspec.msgpack.encode(_Batch(ts, [_wire(e, with_tokens) for e in events], rank))
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[Any]]:
+    """A ``KVEventBatch``'s timestamp and events (as `prefixcache.cache` events); raises
+    ``msgspec.DecodeError`` (a ValueError) for bytes that are not one."""
+    batch = msgspec.msgpack.decode(payload, type=_Batch)
+    events: list[Any] = []
+    for event in batch.events:
+        if isinstance(event, _BlockStored):
+            events.append(BlockStored(list(event.block_hashes), event.parent_block_hash or b"",
+                                      list(event.token_ids), event.block_size))
+        elif isinstance(event, _BlockRemoved):
+            events.append(BlockRemoved(list(event.block_hashes)))
+        else:
+            events.append(AllBlocksCleared())
+    return batch.ts, events
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -165,12 +181,16 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
+        self.replay_endpoint: str | None = None
         try:
             self._pub.bind(config.endpoint)
+            # where it is bound ("tcp://host:*" picks a free port)
+            self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if config.replay_endpoint:
                 self._replay = self._context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(config.replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self.close()
             raise CliError(f"--kv-events-config: cannot bind {exc}") from None
@@ -178,7 +198,7 @@ class ZmqEventPublisher:
                                         daemon=True)
         self._thread.start()
         logger.info("KV events: publishing on %s (replay %s), topic %r, token ids %s",
-                    config.endpoint, config.replay_endpoint or "off", config.topic,
+                    self.endpoint, self.replay_endpoint or "off", config.topic,
                     "included" if with_tokens else "left out")
 
     def publish(self, events: list[Any]) -> None:

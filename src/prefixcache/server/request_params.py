@@ -4,13 +4,22 @@ Each failure is an `ApiError` (400) naming the field. No engine calls here."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.engine.sampling_params import MAX_LOGPROBS, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
-from prefixcache.server.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest
+from prefixcache.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ResponsesRequest,
+)
+from prefixcache.server.tools import render_messages
+
+if TYPE_CHECKING:
+    from prefixcache.model.tokenizer import Tokenizer
 
 __all__ = [
     "as_prompts",
@@ -18,6 +27,8 @@ __all__ = [
     "continuous_usage",
     "include_usage",
     "message_dict",
+    "prompt_token_ids",
+    "render_chat",
     "response_messages",
     "response_status",
     "structured_of",
@@ -131,3 +142,45 @@ def response_status(reason: str | None) -> tuple[str, str | None]:
     if reason == "length":
         return "incomplete", "max_output_tokens"
     return "completed", None
+
+
+def render_chat(
+    tokenizer: Tokenizer, messages_in: list[ChatMessage], param: str,
+    add_generation_prompt: bool, tools: list[dict[str, Any]] | None, literal_content: bool,
+) -> list[int]:
+    """The token ids of a conversation through the model's chat template (``literal_content``:
+    marker strings inside message content stay text)."""
+    messages = [message_dict(m) for m in messages_in]
+    if not any(m["content"] or m.get("tool_calls") for m in messages):
+        raise ApiError(400, f"the {param} are empty" if param == "messages" else
+                       f"the {param} is empty", param=param)
+    messages, extra = render_messages(messages, tools, tokenizer.chat_template)
+    try:
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                    literal_content=literal_content, **extra)
+    except ValueError as exc:
+        raise ApiError(400, f"cannot apply the chat template: {exc}", param=param) from None
+    return list(ids)
+
+
+def prompt_token_ids(
+    path: str, body: Any, tokenizer: Tokenizer, literal_content: bool
+) -> tuple[list[int], str | None] | None:
+    """The first prompt's token ids and the client's ``cache_salt`` for a request body to
+    ``path``, as the endpoint will compute them; None for a path without a prompt. Raises
+    `ApiError` or pydantic's ValidationError for a body the endpoint would reject."""
+    if path == "/v1/completions":
+        completion = CompletionRequest.model_validate(body)
+        prompt = as_prompts(completion.prompt)[0]
+        ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        return ids, completion.cache_salt
+    if path == "/v1/chat/completions":
+        chat = ChatCompletionRequest.model_validate(body)
+        tools, choice = tool_choice_of(chat)
+        return render_chat(tokenizer, chat.messages, "messages", chat.add_generation_prompt,
+                           tools if choice != "none" else None, literal_content), chat.cache_salt
+    if path == "/v1/responses":
+        response = ResponsesRequest.model_validate(body)
+        return (render_chat(tokenizer, response_messages(response), "input", True, None,
+                            literal_content), response.cache_salt)
+    return None

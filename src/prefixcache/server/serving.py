@@ -50,18 +50,14 @@ from prefixcache.server.request_params import (
     check_logprobs,
     continuous_usage,
     include_usage,
-    message_dict,
+    render_chat,
     response_messages,
     response_status,
     structured_of,
     tool_choice_of,
 )
 from prefixcache.server.tenancy import Tenant, TenantRegistry
-from prefixcache.server.tools import (
-    parse_tool_calls,
-    render_messages,
-    tool_grammar,
-)
+from prefixcache.server.tools import parse_tool_calls, tool_grammar
 
 __all__ = ["OpenAIServing"]
 
@@ -311,19 +307,9 @@ class OpenAIServing:
     def _render_messages(
         self, arg: tuple[list[ChatMessage], str, bool, list[dict[str, Any]] | None]
     ) -> list[int]:
-        messages_in, param, add_generation_prompt, tools = arg
-        messages = [message_dict(m) for m in messages_in]
-        if not any(m["content"] or m.get("tool_calls") for m in messages):
-            raise ApiError(400, f"the {param} are empty" if param == "messages" else
-                           f"the {param} is empty", param=param)
-        messages, extra = render_messages(messages, tools, self.tokenizer.chat_template)
-        try:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                             literal_content=not self.trust_content_markers,
-                                             **extra)
-        except ValueError as exc:
-            raise ApiError(400, f"cannot apply the chat template: {exc}", param=param) from None
-        return list(ids)
+        messages, param, add_generation_prompt, tools = arg
+        return render_chat(self.tokenizer, messages, param, add_generation_prompt, tools,
+                           literal_content=not self.trust_content_markers)
 
     def _params(
         self, body: protocol._SamplingFields, max_tokens: int, *, logprobs: int | None,

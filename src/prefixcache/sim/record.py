@@ -39,12 +39,15 @@ class TraceRecorder:
         block_size: int,
         hash_algo: str = "sha256",
         clock: Callable[[], float] = time.monotonic,
+        start: float | None = None,
     ) -> None:
+        """``start``: the clock reading that is ``t = 0`` (default: now); several recorders
+        given one wall-clock ``start`` (``clock=time.time``) write comparable times."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.path = Path(path)
         self._clock = clock
-        self._start = clock()
+        self._start = clock() if start is None else start
         self._lock = threading.Lock()
         self._file: TextIO | None = self.path.open("w", encoding="utf-8")
         header = {
@@ -100,6 +103,24 @@ class TraceRecorder:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def merge_records(parts: Sequence[str | Path], path: str | Path) -> int:
+    """Write the requests of several recorded traces (one per cluster replica, same block size)
+    into one trace at ``path``, in time order; returns the number of requests."""
+    header, lines = None, []
+    for part in parts:
+        text = Path(part).read_text(encoding="utf-8").splitlines()
+        if not text:
+            continue
+        _header_block_size(text[0], f"{part}:1")
+        if header is not None and json.loads(text[0]) != json.loads(header):
+            raise TraceFormatError(f"{part}: a different header than {parts[0]}")
+        header = text[0]
+        lines.extend(line for line in text[1:] if line.strip())
+    lines.sort(key=lambda line: float(json.loads(line)["t"]))
+    Path(path).write_text("\n".join([header or "", *lines]) + "\n", encoding="utf-8")
+    return len(lines)
 
 
 def read_record(path: str | Path, limit: int | None = None) -> Trace:

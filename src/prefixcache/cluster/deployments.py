@@ -1,0 +1,254 @@
+"""The cluster as two Ray Serve deployments: `EngineReplica` (N of them) behind one `Ingress`.
+
+``EngineReplica`` is a whole `prefixcache serve` process in a Serve replica: its own engine,
+cache, tenancy and metrics, and the same FastAPI app, which it runs in-process for each
+`ForwardedRequest` (`cluster.asgi`). With the cache-aware router it publishes its KV events on a
+free port of its node and reports the endpoint in its routing stats.
+
+``Ingress`` answers every HTTP path on Serve's proxy. For the prompt endpoints it computes the
+prompt's block digests (`cluster.digests`) and calls the replicas' handle, whose request router
+(`cluster.routing.PrefixCacheRouter`) picks the replica from the digests. A request that fails
+because its replica died before answering is sent again (to another replica, the dead one being
+gone from the router); once a response has started, a failure ends it. ``/metrics`` gathers every
+replica's page (`cluster.metrics`), ``/cluster/routing`` shows the router's decisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from prefixcache.cluster.asgi import ForwardedRequest, ResponseHead, run_asgi
+
+__all__ = ["EngineReplica", "Ingress"]
+
+logger = logging.getLogger("prefixcache.cluster")
+
+_HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
+_PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+class EngineReplica:
+    """One engine and its OpenAI app (``args``: parsed ``prefixcache serve`` flags)."""
+
+    def __init__(self, args: argparse.Namespace, secret: bytes, threads: int,
+                 publish_events: bool) -> None:
+        import torch
+
+        from prefixcache.server.cli import build_app
+
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        torch.set_num_threads(threads)
+        self.topic = serve.get_replica_context().replica_id.unique_id
+        if publish_events:
+            args = _with_event_endpoint(args, self.topic)
+        if args.record_trace:  # one part per replica, merged by the launcher at exit
+            args = argparse.Namespace(**vars(args))
+            args.record_trace = f"{args.record_trace}.{self.topic}.part"
+        self.app = build_app(args, secret)
+        self.async_engine = self.app.state.async_engine
+        self.async_engine.start()
+        engine = self.async_engine.engine
+        self.identity = {"model_id": engine.cache.model_id, "block_size": engine.block_size,
+                         "hash_algo": engine.engine_config.cache.hash_algo}
+        publisher = getattr(self.app.state, "kv_event_publisher", None)
+        self.events = None if publisher is None else {
+            "kv_events_endpoint": publisher.endpoint,
+            "kv_events_replay_endpoint": publisher.replay_endpoint,
+            "kv_events_topic": self.topic,
+        }
+
+    async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
+        async for item in run_asgi(self.app, request):
+            yield item
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.identity, "replica": self.topic}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return {**(self.events or {}), "num_pending": self.async_engine.num_pending}
+
+    def check_health(self) -> None:
+        if not self.async_engine.is_alive:
+            raise RuntimeError("the engine thread has stopped")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "async_engine", None)
+        if engine is not None:
+            engine.stop()
+
+
+def _with_event_endpoint(args: argparse.Namespace, topic: str) -> argparse.Namespace:
+    """``args`` publishing KV events on free ports of this node, under this replica's topic."""
+    import ray
+
+    host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    config = json.loads(args.kv_events_config) if args.kv_events_config else {}
+    config.update(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://{host}:*",
+                  replay_endpoint=f"tcp://{host}:*", topic=topic)
+    out = argparse.Namespace(**vars(args))
+    out.kv_events_config = json.dumps(config)
+    return out
+
+
+class Ingress:
+    """The HTTP front: digests for the router, forwarding with retry, merged /metrics."""
+
+    def __init__(self, args: argparse.Namespace, secret: bytes, replicas: Any,
+                 num_replicas: int) -> None:
+        from prefixcache.model.loader import open_checkpoint
+        from prefixcache.server.cli import _tenants
+
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.replicas = replicas
+        self.num_replicas = num_replicas
+        self.max_attempts = num_replicas + 1
+        self.max_request_bytes = args.max_request_bytes
+        self.tokenizer = open_checkpoint(args.model).tokenizer()
+        self.tenants = _tenants(args, secret)
+        self.literal_content = not args.trust_special_tokens_in_content
+        self._digester: Any = None
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/metrics":
+            return await self._metrics(request)
+        if path == "/cluster/routing":
+            from prefixcache.cluster.registry import router_stats
+
+            return JSONResponse(router_stats("EngineReplica") or {"policy": None})
+        body = await request.body()
+        if len(body) > self.max_request_bytes:
+            return _error(413, f"the request body is larger than {self.max_request_bytes} bytes")
+        forwarded = _forwarded(request, body)
+        if request.method == "POST" and path in _PROMPT_PATHS:
+            forwarded.block_digests = await self._digests(request, path, body)
+        return await self._forward(forwarded)
+
+    async def _digests(self, request: Request, path: str, body: bytes) -> list[bytes]:
+        digester = await self._get_digester()
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else None
+        return await asyncio.to_thread(digester.digests, path, key or None, body)
+
+    async def _get_digester(self) -> Any:
+        if self._digester is None:
+            from prefixcache.cluster.digests import CacheIdentity, PromptDigester
+
+            info = await self.replicas.describe.remote()
+            identity = CacheIdentity(info["model_id"], info["block_size"], info["hash_algo"])
+            self._digester = PromptDigester(self.tokenizer, self.tenants, identity,
+                                            self.literal_content)
+        return self._digester
+
+    async def _forward(self, forwarded: ForwardedRequest) -> Response:
+        last: Exception | None = None
+        for attempt in range(self.max_attempts):
+            forwarded.attempt = attempt
+            stream = self.replicas.options(stream=True).handle.remote(forwarded)
+            try:
+                head = await stream.__anext__()
+            except (RayActorError, ActorUnavailableError) as exc:
+                last = exc
+                logger.warning("a replica failed before answering (attempt %d of %d): %s",
+                               attempt + 1, self.max_attempts, type(exc).__name__)
+                continue
+            except StopAsyncIteration:
+                return _error(502, "the replica closed the response without answering")
+            assert isinstance(head, ResponseHead)
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers
+                       if k.lower() not in _HOP_HEADERS}
+            return StreamingResponse(_body(stream), status_code=head.status, headers=headers)
+        return _error(503, f"no replica could answer ({type(last).__name__}); retry later",
+                      code="replica_unavailable")
+
+    async def _metrics(self, request: Request) -> Response:
+        from prefixcache.cluster.metrics import merge_replica_metrics
+        from prefixcache.cluster.registry import router_stats
+
+        stats = router_stats("EngineReplica")
+        if stats is None:  # no request yet: the handle's router does not exist before one
+            await self.replicas.describe.remote()
+            stats = router_stats("EngineReplica") or {"replicas": {}}
+        pages: dict[str, str] = {}
+        for replica in stats["replicas"]:
+            forwarded = _forwarded(request, b"")
+            forwarded.pin = replica
+            status, text = await self._collect(forwarded)
+            if status != 200:
+                return Response(text, status_code=status, media_type="application/json")
+            pages[replica] = text
+        from prefixcache.server.metrics import CONTENT_TYPE
+
+        return Response(merge_replica_metrics(pages), media_type=CONTENT_TYPE)
+
+    async def _collect(self, forwarded: ForwardedRequest) -> tuple[int, str]:
+        status, chunks = 502, []
+        async for item in self.replicas.options(stream=True).handle.remote(forwarded):
+            if isinstance(item, ResponseHead):
+                status = item.status
+            else:
+                chunks.append(item)
+        return status, b"".join(chunks).decode()
+
+
+async def _body(stream: Any) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    except (RayActorError, ActorUnavailableError) as exc:
+        logger.warning("a replica failed mid-response (%s): the response ends here",
+                       type(exc).__name__)
+    finally:
+        stream.cancel()  # a client that went away aborts the replica's request
+
+
+def _forwarded(request: Request, body: bytes) -> ForwardedRequest:
+    return ForwardedRequest(request.method, request.url.path, request.url.query.encode(),
+                            list(request.headers.raw), body)
+
+
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error"
+                                   if status < 500 else "server_error",
+                                   "param": None, "code": code}}, status_code=status)
+
+
+def replica_options(args: argparse.Namespace, num_replicas: int) -> dict[str, Any]:
+    """Serve options of the engine deployment for the parsed flags."""
+    return {
+        "num_replicas": num_replicas,
+        "ray_actor_options": {"num_cpus": args.cpus_per_replica,
+                              "runtime_env": {"env_vars": {
+                                  "OMP_NUM_THREADS": str(args.threads_per_replica)}}},
+        "max_ongoing_requests": args.max_num_seqs + args.max_queue_len,
+        "health_check_period_s": 2.0,
+        "request_router_config": {
+            "request_router_class": "prefixcache.cluster.routing.PrefixCacheRouter",
+            "request_router_kwargs": {"policy": args.router, "num_replicas": num_replicas,
+                                      "affinity_blocks": args.affinity_blocks},
+            "request_routing_stats_period_s": 0.5,
+        },
+    }
+
+
+def build(args: argparse.Namespace, secret: bytes) -> Any:
+    """The Serve application for parsed ``serve --replicas N`` flags."""
+    n = args.replicas
+    engine = serve.deployment(name="EngineReplica", **replica_options(args, n))(EngineReplica)
+    replicas = engine.bind(args, secret, args.threads_per_replica, args.router == "cache-aware")
+    ingress = serve.deployment(name="Ingress", num_replicas=1,
+                               ray_actor_options={"num_cpus": 0})(Ingress)
+    return ingress.bind(args, secret, replicas, n)

@@ -1,0 +1,54 @@
+"""One /metrics page for the cluster: every replica's series labelled ``replica``, plus the sum
+over replicas (``replica="all"``) of each counter, histogram and gauge (a ratio gauge takes the
+mean, ``model_info`` one value), parsed and re-rendered with ``prometheus_client``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["merge_replica_metrics"]
+
+
+def merge_replica_metrics(pages: dict[str, str]) -> bytes:
+    """``pages``: replica name -> its /metrics text. Returns the merged exposition."""
+    families: dict[str, Metric] = {}
+    totals: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], list[float]]] = {}
+    for replica, text in sorted(pages.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation,
+                                                        family.type, family.unit)
+                totals[family.name] = {}
+            for sample in family.samples:
+                merged.add_sample(sample.name, {**sample.labels, "replica": replica},
+                                  sample.value)
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                totals[family.name].setdefault(key, []).append(sample.value)
+    for name, merged in families.items():
+        for (sample_name, labels), values in totals[name].items():
+            merged.add_sample(sample_name, {**dict(labels), "replica": "all"},
+                              _combine(name, merged.type, values))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+def _combine(name: str, kind: str, values: list[float]) -> float:
+    if name.endswith("model_info"):
+        return max(values)
+    if kind == "gauge" and name.endswith("_perc"):
+        return sum(values) / len(values)
+    return sum(values)
+
+
+class _Fixed:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
