@@ -119,6 +119,7 @@ class Ingress:
         self.tenants = _tenants(args, secret)
         self.literal_content = not args.trust_special_tokens_in_content
         self._digester: Any = None
+        self.num_retries = 0  # requests sent again after their replica died before answering
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -127,7 +128,8 @@ class Ingress:
         if path == "/cluster/routing":
             from prefixcache.cluster.registry import router_stats
 
-            return JSONResponse(router_stats("EngineReplica") or {"policy": None})
+            stats = router_stats("EngineReplica") or {"policy": None}
+            return JSONResponse({**stats, "retries": self.num_retries})
         body = await request.body()
         if len(body) > self.max_request_bytes:
             return _error(413, f"the request body is larger than {self.max_request_bytes} bytes")
@@ -162,6 +164,7 @@ class Ingress:
                 head = await stream.__anext__()
             except (RayActorError, ActorUnavailableError) as exc:
                 last = exc
+                self.num_retries += 1
                 logger.warning("a replica failed before answering (attempt %d of %d): %s",
                                attempt + 1, self.max_attempts, type(exc).__name__)
                 continue

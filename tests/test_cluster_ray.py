@@ -1,0 +1,146 @@
+"""`prefixcache serve --replicas 2` on Ray Serve, as a user runs it: a subprocess that joins the
+Ray instance in $RAY_ADDRESS (CI starts one) or starts its own. Checks that the cache-aware router
+keeps each prefix on one replica (so ``cached_tokens`` covers the prefix from its second request
+on), that every replica shows in the merged /metrics, that streaming works through Serve's proxy
+with the openai client, and that a replica killed mid-load costs no request and comes back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+PREFIXES = [f"System prompt {i}: answer briefly and precisely, citing the manual. " * 4
+            for i in range(3)]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    port = _port()
+    log = tmp_path_factory.mktemp("cluster") / "serve.log"
+    cmd = [sys.executable, "-m", "prefixcache", "serve", "--model", "tiny", "--replicas", "2",
+           "--router", "cache-aware", "--port", str(port), "--cpus-per-replica", "1",
+           "--threads-per-replica", "1", "--num-kv-blocks", "256"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _replicas(base) == 2, 180, proc, log)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _replicas(base: str) -> int:
+    try:
+        if httpx.get(base + "/health", timeout=5).status_code != 200:
+            return 0
+        routing = httpx.get(base + "/cluster/routing", timeout=5).json()
+    except httpx.HTTPError:
+        return 0
+    return sum(1 for r in (routing.get("replicas") or {}).values() if r["slot"] is not None)
+
+
+def _wait(check, timeout_s: float, proc=None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out" + (f":\n{log.read_text()[-4000:]}" if log else ""))
+        time.sleep(0.5)
+
+
+def _complete(base: str, prompt: str) -> dict:
+    response = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]
+
+
+def test_cache_aware_routing_keeps_each_prefix_on_one_replica(cluster) -> None:
+    cached = {}
+    for i, prefix in enumerate(PREFIXES):
+        for j in range(4):
+            cached[i, j] = _complete(cluster, f"{prefix} Question {j}?")["prompt_tokens_details"][
+                "cached_tokens"]
+            time.sleep(0.3)  # the replica's KV events reach the router's index
+    prefix_blocks = [len(p) // BLOCK // 2 for p in PREFIXES]  # well under the prefix's blocks
+    for i in range(len(PREFIXES)):
+        assert cached[i, 0] == 0
+        for j in range(1, 4):  # a miss on the other replica would be 0
+            assert cached[i, j] >= prefix_blocks[i] * BLOCK, (i, j, cached)
+    routing = httpx.get(cluster + "/cluster/routing").json()
+    assert routing["policy"] == "cache-aware"
+    assert all(n > 0 for n in routing["routed_per_slot"])  # the prefixes were spread
+    text = httpx.get(cluster + "/metrics").text
+    for name in routing["replicas"]:
+        assert f'replica="{name}"' in text
+    assert 'prefixcache:prefix_cache_hits_total{replica="all"}' in text
+
+
+def test_streaming_through_serve_with_the_openai_client(cluster) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster + "/v1", api_key="none")
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PREFIXES[0]}], max_tokens=5,
+        stream=True, stream_options={"include_usage": True}, temperature=0))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None) >= 1
+    bad = httpx.post(cluster + "/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
+def test_a_replica_killed_mid_load_costs_no_request_and_is_restarted(cluster) -> None:
+    pids = subprocess.run(["pgrep", "-f", "ServeReplica:prefixcache:EngineReplica"],
+                          capture_output=True, text=True).stdout.split()
+    assert len(pids) == 2, pids
+    before = set(httpx.get(cluster + "/cluster/routing").json()["replicas"])
+    results: list[int] = []
+
+    def ask(j: int) -> None:
+        response = httpx.post(cluster + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": f"{PREFIXES[j % 3]} Under load {j}?", "max_tokens": 600,
+            "ignore_eos": True})
+        results.append(response.json()["usage"]["completion_tokens"]
+                       if response.status_code == 200 else response.status_code)
+
+    threads = [threading.Thread(target=ask, args=(j,)) for j in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # every request is queued or running on a replica
+    os.kill(int(pids[0]), signal.SIGKILL)
+    for thread in threads:
+        thread.join(180)
+    assert results == [600] * 8  # none lost: those on the dead replica were sent again
+    routing = httpx.get(cluster + "/cluster/routing").json()
+    assert routing["retries"] >= 1
+    _wait(lambda: _replicas(cluster) == 2, 120)
+    after = set(httpx.get(cluster + "/cluster/routing").json()["replicas"])
+    assert len(after - before) == 1  # a new replica took the dead one's slot
+    assert _complete(cluster, PREFIXES[1] + " Back to two?")["completion_tokens"] == 2
