@@ -13,14 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import zmq
 
 from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixcache.cluster.asgi import ForwardedRequest, ResponseHead, run_asgi
 from prefixcache.cluster.digests import CacheIdentity, PromptDigester
 from prefixcache.cluster.feed import EventFeed
 from prefixcache.cluster.metrics import merge_replica_metrics
-from prefixcache.server.cli import _tenants, add_arguments
+from prefixcache.server.cli import add_arguments, tenant_registry
 from prefixcache.server.kv_events import KVEventsConfig, ZmqEventPublisher
 from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
 from prefixcache.sim.record import TraceRecorder, merge_records, read_record
@@ -49,7 +48,7 @@ def _digester(server: RunningServer, argv: list[str]) -> PromptDigester:
     engine = server.engine
     identity = CacheIdentity(engine.cache.model_id, engine.block_size,
                              engine.engine_config.cache.hash_algo)
-    return PromptDigester(engine.tokenizer, _tenants(parser.parse_args(argv)), identity)
+    return PromptDigester(engine.tokenizer, tenant_registry(parser.parse_args(argv)), identity)
 
 
 def _cached(server: RunningServer) -> set[bytes]:
@@ -145,7 +144,7 @@ def test_a_caller_that_stops_reading_aborts_the_replica_request(tenanted) -> Non
     wait_idle(server)  # aborted, not left running its 400 tokens
 
 
-# ---- the KV event feed ----------------------------------------------------------------------------
+# ---- the KV event feed ---------------------------------------------------------------------
 
 
 def _stored(i: int) -> BlockStored:
@@ -215,7 +214,7 @@ def test_event_feed_reports_a_gap_the_replay_buffer_no_longer_holds() -> None:
         publisher.close()
 
 
-# ---- metrics and traces --------------------------------------------------------------------------
+# ---- metrics and traces --------------------------------------------------------------------
 
 
 def test_merged_metrics_label_each_replica_and_sum_them() -> None:

@@ -19,7 +19,7 @@ __all__ = ["COMMANDS", "CliError", "build_parser", "main"]
 
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("prefixcache.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
+    "serve": ("prefixcache.cluster.cli", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("prefixcache.engine.cli", "generate completions offline"),
     "lab": ("prefixcache.tools.lab", "the specification's hash-chain lab, on the real code"),
     "simulate": ("prefixcache.sim.cli", "replay traces through the real caches"),

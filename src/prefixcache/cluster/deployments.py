@@ -107,7 +107,7 @@ class Ingress:
     def __init__(self, args: argparse.Namespace, secret: bytes, replicas: Any,
                  num_replicas: int) -> None:
         from prefixcache.model.loader import open_checkpoint
-        from prefixcache.server.cli import _tenants
+        from prefixcache.server.cli import tenant_registry
 
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -116,7 +116,7 @@ class Ingress:
         self.max_attempts = num_replicas + 1
         self.max_request_bytes = args.max_request_bytes
         self.tokenizer = open_checkpoint(args.model).tokenizer()
-        self.tenants = _tenants(args, secret)
+        self.tenants = tenant_registry(args, secret)
         self.literal_content = not args.trust_special_tokens_in_content
         self._digester: Any = None
         self.num_retries = 0  # requests sent again after their replica died before answering

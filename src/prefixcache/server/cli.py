@@ -17,7 +17,8 @@ from prefixcache.errors import CliError
 if TYPE_CHECKING:
     from prefixcache.engine.llm_engine import LLMEngine
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_arguments", "build_app", "run", "uvicorn_options"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_arguments", "build_app", "run", "tenant_registry",
+           "uvicorn_options"]
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
@@ -77,9 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict-api", action="store_true",
                         help="reject request fields this server does not know (400) instead of "
                              "ignoring them with a warning naming them")
-    from prefixcache.cluster.launch import add_cluster_arguments
-
-    add_cluster_arguments(parser)
     parser.add_argument("--no-retain-freed-memory", action="store_true",
                         help="keep glibc's malloc defaults (by default the server keeps freed "
                              "tensor memory mapped, avoiding page-fault churn in prefills)")
@@ -107,7 +105,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError("--header-timeout and --timeout-keep-alive must be > 0")
 
 
-def _tenants(args: argparse.Namespace, secret: bytes | None = None) -> Any:
+def tenant_registry(args: argparse.Namespace, secret: bytes | None = None) -> Any:
     """The tenants registry; ``secret`` given (a cluster's replicas share one) or loaded."""
     from prefixcache.server.tenancy import TenancyError, TenantRegistry, load_secret, load_tenants
 
@@ -215,7 +213,7 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> Any:
         from prefixcache.model.host_memory import retain_freed_memory
 
         retain_freed_memory()  # this process is a server: see prefixcache.model.host_memory
-    tenants = _tenants(args, secret)
+    tenants = tenant_registry(args, secret)
     events_config, event_tokens = _kv_events(args, tenants)
     engine = _engine(args, tenants, events_config is not None, event_tokens)
     from prefixcache.tools.cachelog import configure_from_env
@@ -268,10 +266,6 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.replicas > 1 or args.ray_address:
-        from prefixcache.cluster.launch import run as run_cluster
-
-        return run_cluster(args)
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(),
