@@ -225,3 +225,28 @@ def test_timed_lpm_admits_the_longest_cached_prefix_first() -> None:
     assert fcfs.tally.num_hit_tokens == lpm.tally.num_hit_tokens == 6 * bs
     # under lpm the warm request goes first: its time to first token is the shorter one
     assert lpm.tally.ttft_s[1] < fcfs.tally.ttft_s[2]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "timed"])
+def test_prefix_affinity_replays_a_recorded_trace_with_its_own_digests(mode, tmp_path) -> None:
+    """The hash ring reads digest bytes: a recorded trace's digests (what the serving router
+    saw), not the replay's own, decide the slot, so the replay routes as the real run did."""
+    import hashlib
+
+    from prefixcache.sim.record import TraceRecorder, read_record
+    from prefixcache.sim.router import PrefixAffinity
+
+    with TraceRecorder(tmp_path / "t.jsonl", 16) as recorder:
+        for i in range(24):
+            digests = [hashlib.sha256(f"prefix {i % 8} block {b}".encode()).digest()
+                       for b in range(3)]
+            recorder.record(48, 2, digests, arrival_s=i * 0.1)
+    trace = read_record(tmp_path / "t.jsonl")
+    ring = PrefixAffinity(2)
+    expected = [0, 0]
+    for request in trace.requests:
+        expected[ring.choose(request.recorded_digests, [0, 0])] += 1
+    spec = RunSpec("hash", "lru", 200, 2, "prefix-affinity")
+    result = replay_sequential(trace, [spec])[0] if mode == "sequential" else replay_timed(
+        trace, spec)
+    assert result.replica_requests == expected

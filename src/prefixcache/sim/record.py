@@ -176,6 +176,7 @@ def _parse(line: str, ids: dict[str, int], where: str) -> TraceRequest:
             int(obj["input_length"]),
             int(obj["output_length"]),
             hash_ids,
+            recorded_digests=[bytes.fromhex(d) for d in digests],
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceFormatError(f"{where}: bad request record ({exc})") from exc

@@ -19,6 +19,8 @@ class Router:
     """Base: ``choose`` a replica index; ``observe`` a replica's KV events (ignored here)."""
 
     name = "base"
+    # the rule reads the digests' bytes, not only their equality with the replicas' events
+    reads_digest_bytes = False
 
     def __init__(self, num_replicas: int, seed: int = 0) -> None:
         if num_replicas < 1:
@@ -28,6 +30,12 @@ class Router:
 
     def choose(self, digests: list[bytes], loads: list[int]) -> int:
         raise NotImplementedError
+
+    def choose_for(self, digests: list[bytes], recorded: list[bytes], loads: list[int]) -> int:
+        """``choose`` in a replay: a rule that reads digest bytes gets the ones a recorded trace
+        kept (``recorded``: what the serving router saw), so it decides as that router did;
+        the others get the replay's own, which the replicas' events name."""
+        return self.choose(recorded if recorded and self.reads_digest_bytes else digests, loads)
 
     def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
         """Replica ``replica`` published ``events``."""
@@ -75,6 +83,7 @@ class PrefixAffinity(Router):
     """Consistent hashing on the digest of the first ``k`` blocks (which chains all of them)."""
 
     name = "prefix-affinity"
+    reads_digest_bytes = True
 
     def __init__(self, num_replicas: int, seed: int = 0, k: int = 4, vnodes: int = 64) -> None:
         super().__init__(num_replicas, seed)

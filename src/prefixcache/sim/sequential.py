@@ -65,7 +65,8 @@ class SequentialRun:
         started = time.perf_counter()
         now = request.arrival_s
         loads = [replica.load(now) for replica in self.replicas]
-        index = self.router.choose(digests, loads) if len(self.replicas) > 1 else 0
+        index = (self.router.choose_for(digests, request.recorded_digests, loads)
+                 if len(self.replicas) > 1 else 0)
         replica = self.replicas[index]
         num_hit = self._serve(replica, request, seq.fork(seq.seq_id))
         events = replica.cache.take_events()

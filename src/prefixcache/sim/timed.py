@@ -237,7 +237,9 @@ def replay_timed(
         _advance(replicas, router, request.arrival_s)
         seq = Sequence(request.request_id, source.prompt(request), copy=False)
         digests = seq.digests(hasher, model_id)
-        index = router.choose(digests, [r.load for r in replicas]) if len(replicas) > 1 else 0
+        loads = [r.load for r in replicas]
+        index = (router.choose_for(digests, request.recorded_digests, loads)
+                 if len(replicas) > 1 else 0)
         replicas[index].add(request, seq)
         if progress is not None:
             progress(1)

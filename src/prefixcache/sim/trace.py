@@ -21,6 +21,8 @@ class TraceRequest:
     output_length: int
     hash_ids: list[int]
     group: str = ""  # conversation / session the request belongs to (informational)
+    # a recorded trace's block digests, as the serving router saw them (see Router.choose_for)
+    recorded_digests: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.input_length < 1:
