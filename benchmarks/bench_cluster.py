@@ -205,24 +205,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=8.0, help="requests/s (Poisson)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument("--repeats", type=int, default=1, help="runs per router (medians reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_cluster.json")
     return p.parse_args(argv)
 
 
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per metric, the median over repeats (and the range, for the table's notes)."""
+    row = dict(runs[0])
+    for key in ("hit_ratio", "simulated_hit_ratio", "ttft_p50_ms", "ttft_p90_ms",
+                "throughput_rps", "output_tok_s"):
+        values = sorted(r[key] for r in runs)
+        row[key] = float(np.median(values))
+        row[key + "_range"] = [values[0], values[-1]]
+    row["completed"] = sum(r["completed"] for r in runs)
+    row["failed"] = sum(r["failed"] for r in runs)
+    row["repeats"] = len(runs)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     requests = workload(args)
-    rows = []
+    routers = args.routers.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {r: [] for r in routers}
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         work = Path(tmp)
         single = run_one(args, None, requests, work)
-        for router in args.routers.split(","):
-            rows.append(run_one(args, router, requests, work))
-            print(json.dumps(rows[-1]), flush=True)
-    rows.insert(0, single)
+        for repeat in range(args.repeats):  # alternate the order: no router always goes first
+            order = routers if repeat % 2 == 0 else routers[::-1]
+            for router in order:
+                runs[router].append(run_one(args, router, requests, work))
+                print(json.dumps(runs[router][-1]), flush=True)
+    rows = [single, *(_median_row(runs[r]) for r in routers)]
     print_table(rows, single["hit_ratio"])
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "runs": runs},
+                                         indent=2))
     return 0
 
 
