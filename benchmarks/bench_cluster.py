@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import MODEL_ID, _free_port, _percentiles  # noqa: E402
 
 ROUTERS = ("round-robin", "prefix-affinity", "cache-aware")
+METRICS_KEY = "bench-cluster-metrics-key"
 
 
 def workload(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
@@ -107,7 +108,8 @@ def serve(args: argparse.Namespace, router: str | None, trace: Path, tenants: Pa
     blocks = args.blocks_per_replica * args.replicas // replicas
     cmd = [sys.executable, "-m", "prefixcache", "serve", "--model", args.model, "--port",
            str(port), "--served-model-name", MODEL_ID, "--num-kv-blocks", str(blocks),
-           "--tenants", str(tenants), "--record-trace", str(trace), "--log-interval", "60",
+           "--tenants", str(tenants), "--metrics-key", METRICS_KEY, "--record-trace", str(trace),
+           "--log-interval", "60",
            "--max-num-seqs", str(args.max_num_seqs)]
     if router is not None:
         cmd += ["--replicas", str(replicas), "--router", router, "--cpus-per-replica", "1",
@@ -125,7 +127,8 @@ def serve(args: argparse.Namespace, router: str | None, trace: Path, tenants: Pa
         try:
             ready = httpx.get(base + "/health", timeout=2).status_code == 200
             if ready and router is not None:  # every replica up
-                routing = httpx.get(base + "/cluster/routing", timeout=2).json()
+                routing = httpx.get(base + "/cluster/routing", timeout=2, headers={
+                    "Authorization": f"Bearer {METRICS_KEY}"}).json()
                 ready = len(routing.get("replicas") or {}) == replicas
             if ready:
                 return proc, base

@@ -1,8 +1,10 @@
-"""`prefixcache serve --replicas 2` on Ray Serve, as a user runs it: a subprocess that joins the
-Ray instance in $RAY_ADDRESS (CI starts one) or starts its own. Checks that the cache-aware router
-keeps each prefix on one replica (so ``cached_tokens`` covers the prefix from its second request
-on), that every replica shows in the merged /metrics, that streaming works through Serve's proxy
-with the openai client, and that a replica killed mid-load costs no request and comes back."""
+"""`prefixcache serve --replicas 2 --tenants ...` on Ray Serve, as a user runs it: a subprocess
+that joins the Ray instance in $RAY_ADDRESS (CI starts one) or starts its own. Checks that the
+cache-aware router keeps each prefix on one replica (so ``cached_tokens`` covers the prefix from
+its second request on: the ingress names blocks as the replicas' caches do, tenant namespace
+included), that tenants stay apart, that /metrics and /cluster/routing need the metrics key and
+show every replica, that streaming works through Serve's proxy with the openai client, and that a
+replica killed mid-load costs no request and comes back."""
 
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
 BLOCK = 16
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tenants.toml"
+KEY = {"Authorization": "Bearer sk-acme-example-key-1"}
+OTHER = {"Authorization": "Bearer sk-globex-example-key"}
+METRICS = {"Authorization": "Bearer cluster-metrics-key"}
 PREFIXES = [f"System prompt {i}: answer briefly and precisely, citing the manual. " * 4
             for i in range(3)]
 
@@ -38,7 +44,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("cluster") / "serve.log"
     cmd = [sys.executable, "-m", "prefixcache", "serve", "--model", "tiny", "--replicas", "2",
            "--router", "cache-aware", "--port", str(port), "--cpus-per-replica", "1",
-           "--threads-per-replica", "1", "--num-kv-blocks", "256"]
+           "--threads-per-replica", "1", "--num-kv-blocks", "256", "--tenants", str(EXAMPLE),
+           "--metrics-key", "cluster-metrics-key"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -59,7 +66,7 @@ def _replicas(base: str) -> int:
     try:
         if httpx.get(base + "/health", timeout=5).status_code != 200:
             return 0
-        routing = httpx.get(base + "/cluster/routing", timeout=5).json()
+        routing = httpx.get(base + "/cluster/routing", timeout=5, headers=METRICS).json()
     except httpx.HTTPError:
         return 0
     return sum(1 for r in (routing.get("replicas") or {}).values() if r["slot"] is not None)
@@ -75,8 +82,8 @@ def _wait(check, timeout_s: float, proc=None, log: Path | None = None) -> None:
         time.sleep(0.5)
 
 
-def _complete(base: str, prompt: str) -> dict:
-    response = httpx.post(base + "/v1/completions", timeout=60, json={
+def _complete(base: str, prompt: str, headers: dict = KEY) -> dict:
+    response = httpx.post(base + "/v1/completions", timeout=60, headers=headers, json={
         "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
     assert response.status_code == 200, response.text
     return response.json()["usage"]
@@ -94,10 +101,16 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica(cluster) -> None:
         assert cached[i, 0] == 0
         for j in range(1, 4):  # a miss on the other replica would be 0
             assert cached[i, j] >= prefix_blocks[i] * BLOCK, (i, j, cached)
-    routing = httpx.get(cluster + "/cluster/routing").json()
+    # another tenant, same text: another namespace, so nothing cached for it (the ingress and
+    # every replica derive the same salts from the launcher's one secret)
+    assert _complete(cluster, f"{PREFIXES[0]} Question 1?", OTHER)["prompt_tokens_details"][
+        "cached_tokens"] == 0
+    routing = httpx.get(cluster + "/cluster/routing", headers=METRICS).json()
     assert routing["policy"] == "cache-aware"
     assert all(n > 0 for n in routing["routed_per_slot"])  # the prefixes were spread
-    text = httpx.get(cluster + "/metrics").text
+    assert httpx.get(cluster + "/cluster/routing", headers=KEY).status_code == 403
+    assert httpx.get(cluster + "/metrics", headers=KEY).status_code == 403
+    text = httpx.get(cluster + "/metrics", headers=METRICS).text
     for name in routing["replicas"]:
         assert f'replica="{name}"' in text
     assert 'prefixcache:prefix_cache_hits_total{replica="all"}' in text
@@ -106,25 +119,28 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica(cluster) -> None:
 def test_streaming_through_serve_with_the_openai_client(cluster) -> None:
     from openai import OpenAI
 
-    client = OpenAI(base_url=cluster + "/v1", api_key="none")
+    client = OpenAI(base_url=cluster + "/v1", api_key="sk-acme-example-key-1")
     chunks = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": PREFIXES[0]}], max_tokens=5,
         stream=True, stream_options={"include_usage": True}, temperature=0))
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None) >= 1
-    bad = httpx.post(cluster + "/v1/chat/completions", json={"model": "tiny", "messages": []})
+    bad = httpx.post(cluster + "/v1/chat/completions", headers=KEY,
+                     json={"model": "tiny", "messages": []})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    assert httpx.post(cluster + "/v1/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "user", "content": "hi"}]}).status_code == 401  # the replica authenticates
 
 
 def test_a_replica_killed_mid_load_costs_no_request_and_is_restarted(cluster) -> None:
     pids = subprocess.run(["pgrep", "-f", "ServeReplica:prefixcache:EngineReplica"],
                           capture_output=True, text=True).stdout.split()
     assert len(pids) == 2, pids
-    before = set(httpx.get(cluster + "/cluster/routing").json()["replicas"])
+    before = set(httpx.get(cluster + "/cluster/routing", headers=METRICS).json()["replicas"])
     results: list[int] = []
 
     def ask(j: int) -> None:
-        response = httpx.post(cluster + "/v1/completions", timeout=120, json={
+        response = httpx.post(cluster + "/v1/completions", timeout=120, headers=KEY, json={
             "model": "tiny", "prompt": f"{PREFIXES[j % 3]} Under load {j}?", "max_tokens": 600,
             "ignore_eos": True})
         results.append(response.json()["usage"]["completion_tokens"]
@@ -138,9 +154,9 @@ def test_a_replica_killed_mid_load_costs_no_request_and_is_restarted(cluster) ->
     for thread in threads:
         thread.join(180)
     assert results == [600] * 8  # none lost: those on the dead replica were sent again
-    routing = httpx.get(cluster + "/cluster/routing").json()
+    routing = httpx.get(cluster + "/cluster/routing", headers=METRICS).json()
     assert routing["retries"] >= 1
     _wait(lambda: _replicas(cluster) == 2, 120)
-    after = set(httpx.get(cluster + "/cluster/routing").json()["replicas"])
+    after = set(httpx.get(cluster + "/cluster/routing", headers=METRICS).json()["replicas"])
     assert len(after - before) == 1  # a new replica took the dead one's slot
     assert _complete(cluster, PREFIXES[1] + " Back to two?")["completion_tokens"] == 2

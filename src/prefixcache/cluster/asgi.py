@@ -34,7 +34,6 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     block_digests: list[bytes] = field(default_factory=list)
-    attempt: int = 0
     pin: str | None = None  # a replica's id: this request goes to that replica (/metrics)
 
 

@@ -98,6 +98,8 @@ def _with_event_endpoint(args: argparse.Namespace, topic: str) -> argparse.Names
                   replay_endpoint=f"tcp://{host}:*", topic=topic)
     out = argparse.Namespace(**vars(args))
     out.kv_events_config = json.dumps(config)
+    if out.kv_events_token_ids == "auto":  # the router reads digests only
+        out.kv_events_token_ids = "off"
     return out
 
 
@@ -117,6 +119,9 @@ class Ingress:
         self.max_request_bytes = args.max_request_bytes
         self.tokenizer = open_checkpoint(args.model).tokenizer()
         self.tenants = tenant_registry(args, secret)
+        from prefixcache.server.app import metrics_authorization
+
+        self._metrics_auth = metrics_authorization(self.tenants, args.metrics_key)
         self.literal_content = not args.trust_special_tokens_in_content
         self._digester: Any = None
         self.num_retries = 0  # requests sent again after their replica died before answering
@@ -126,10 +131,7 @@ class Ingress:
         if path == "/metrics":
             return await self._metrics(request)
         if path == "/cluster/routing":
-            from prefixcache.cluster.registry import router_stats
-
-            stats = router_stats("EngineReplica") or {"policy": None}
-            return JSONResponse({**stats, "retries": self.num_retries})
+            return self._routing(request)
         body = await request.body()
         if len(body) > self.max_request_bytes:
             return _error(413, f"the request body is larger than {self.max_request_bytes} bytes")
@@ -137,6 +139,18 @@ class Ingress:
         if request.method == "POST" and path in _PROMPT_PATHS:
             forwarded.block_digests = await self._digests(request, path, body)
         return await self._forward(forwarded)
+
+    def _routing(self, request: Request) -> Response:
+        """The router's state; with tenants, for an admin or the metrics key (as /metrics)."""
+        from prefixcache.cluster.registry import router_stats
+        from prefixcache.server.errors import ApiError
+
+        try:
+            self._metrics_auth(request)
+        except ApiError as exc:
+            return exc.response()
+        stats = router_stats("EngineReplica") or {"policy": None}
+        return JSONResponse({**stats, "retries": self.num_retries})
 
     async def _digests(self, request: Request, path: str, body: bytes) -> list[bytes]:
         digester = await self._get_digester()
@@ -158,7 +172,6 @@ class Ingress:
     async def _forward(self, forwarded: ForwardedRequest) -> Response:
         last: Exception | None = None
         for attempt in range(self.max_attempts):
-            forwarded.attempt = attempt
             stream = self.replicas.options(stream=True).handle.remote(forwarded)
             try:
                 head = await stream.__anext__()
@@ -180,7 +193,12 @@ class Ingress:
     async def _metrics(self, request: Request) -> Response:
         from prefixcache.cluster.metrics import merge_replica_metrics
         from prefixcache.cluster.registry import router_stats
+        from prefixcache.server.errors import ApiError
 
+        try:
+            self._metrics_auth(request)  # the replicas check again on their own pages
+        except ApiError as exc:
+            return exc.response()
         stats = router_stats("EngineReplica")
         if stats is None:  # no request yet: the handle's router does not exist before one
             await self.replicas.describe.remote()
@@ -199,11 +217,14 @@ class Ingress:
 
     async def _collect(self, forwarded: ForwardedRequest) -> tuple[int, str]:
         status, chunks = 502, []
-        async for item in self.replicas.options(stream=True).handle.remote(forwarded):
-            if isinstance(item, ResponseHead):
-                status = item.status
-            else:
-                chunks.append(item)
+        try:
+            async for item in self.replicas.options(stream=True).handle.remote(forwarded):
+                if isinstance(item, ResponseHead):
+                    status = item.status
+                else:
+                    chunks.append(item)
+        except (RayActorError, ActorUnavailableError):
+            return 200, ""  # died since the router listed it: no page from it this time
         return status, b"".join(chunks).decode()
 
 

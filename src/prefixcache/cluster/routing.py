@@ -49,7 +49,6 @@ class PrefixCacheRouter(RequestRouter):
         self._lock = threading.Lock()  # the event feed's thread updates the mirrors
         self._slot_of: dict[ReplicaID, int] = {}
         self._in_flight: dict[ReplicaID, int] = {}
-        self._routed_to: dict[str, ReplicaID] = {}
         self._feed_of: dict[ReplicaID, str] = {}  # replica -> its event endpoint being read
         self.num_routed = [0] * num_replicas
         self.num_with_digests = 0
@@ -166,7 +165,6 @@ class PrefixCacheRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
-        self._routed_to[pending_request.metadata.internal_request_id] = replica_id
         slot = self._slot_of.get(replica_id)
         if slot is not None:
             self.num_routed[slot] += 1
@@ -174,7 +172,6 @@ class PrefixCacheRouter(RequestRouter):
             self.num_with_digests += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._routed_to.pop(internal_request_id, None)
         if self._in_flight.get(replica_id, 0) > 0:
             self._in_flight[replica_id] -= 1
 
@@ -182,7 +179,7 @@ class PrefixCacheRouter(RequestRouter):
         replicas = {r.replica_id.unique_id: {"slot": self._slot_of.get(r.replica_id),
                                              "in_flight": self._in_flight.get(r.replica_id, 0),
                                              "routing_stats": dict(r.routing_stats or {})}
-                    for r in self._replicas.values()}
+                    for r in self.curr_replicas.values()}
         return {"policy": self.policy, "routed_per_slot": list(self.num_routed),
                 "routed_with_digests": self.num_with_digests, "replicas": replicas,
                 "event_replays": getattr(self._feed, "num_replays", 0),

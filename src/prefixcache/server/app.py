@@ -35,7 +35,7 @@ from prefixcache.server.tenancy import Tenant, TenantRegistry
 if TYPE_CHECKING:
     from prefixcache.engine.llm_engine import LLMEngine
 
-__all__ = ["block_bytes", "create_app"]
+__all__ = ["block_bytes", "create_app", "metrics_authorization"]
 
 logger = logging.getLogger("prefixcache.server")
 
@@ -114,7 +114,7 @@ def _auth_dependency(tenants: TenantRegistry) -> Any:
     return authenticate
 
 
-def _metrics_auth(tenants: TenantRegistry, metrics_key: str | None) -> Any:
+def metrics_authorization(tenants: TenantRegistry, metrics_key: str | None) -> Any:
     """/metrics names tenants and their traffic: behind an admin or metrics key when tenanted."""
     key_digest = hashlib.sha256(metrics_key.encode()).digest() if metrics_key else None
 
@@ -140,7 +140,7 @@ def _add_routes(
     app: FastAPI, serving: OpenAIServing, tenants: TenantRegistry, metrics_key: str | None
 ) -> None:
     auth = _auth_dependency(tenants)
-    metrics_auth = _metrics_auth(tenants, metrics_key)
+    metrics_auth = metrics_authorization(tenants, metrics_key)
     async_engine = serving.engine
 
     @app.post("/v1/completions")
