@@ -250,3 +250,31 @@ def test_prefix_affinity_replays_a_recorded_trace_with_its_own_digests(mode, tmp
     result = replay_sequential(trace, [spec])[0] if mode == "sequential" else replay_timed(
         trace, spec)
     assert result.replica_requests == expected
+
+
+def test_cache_aware_follows_requests_it_routed_before_their_events_arrive() -> None:
+    """A burst sharing a new prefix stays on one replica although no event has named it yet;
+    new prefixes go to the replica with the fewest blocks; events settle what was expected."""
+    from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored
+    from prefixcache.sim.router import CacheAware
+
+    def chain(name: str, n: int = 4) -> list[bytes]:
+        return [f"{name}-{i}".encode().ljust(32, b"\0") for i in range(n)]
+
+    router = CacheAware(2, max_expected=6)
+    a, b = chain("a"), chain("b")
+    first = router.choose(a, [0, 0])
+    assert [router.choose(a + chain(f"q{j}", 1), [1, 0]) for j in range(3)] == [first] * 3
+    other = router.choose(b, [3, 0])  # no match: the less loaded replica gets the new prefix
+    assert other != first
+    router.observe(first, [BlockStored(a, b"\0" * 32, [], 16)])
+    assert not set(a) & set(router.expected[first]) and set(a) <= router.mirrors[first]
+    router.observe(first, [BlockRemoved(a[2:])])
+    assert router.choose(a, [0, 0]) == first  # half the prefix is still cached there
+    router.observe(other, [AllBlocksCleared()])
+    assert not router.expected[other] and not router.mirrors[other]
+    for j in range(10):  # a replica expects at most max_expected digests, the newest
+        router.choose(chain(f"c{j}", 2), [0, 5])
+    assert all(len(e) <= 6 for e in router.expected)
+    router.forget(first)
+    assert not router.mirrors[first] and not router.expected[first]

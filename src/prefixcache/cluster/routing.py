@@ -99,9 +99,7 @@ class PrefixCacheRouter(RequestRouter):
             self._feed.forget(topic)
 
     def _clear_mirror(self, slot: int) -> None:
-        mirrors = getattr(self.rule, "mirrors", None)
-        if mirrors is not None:
-            mirrors[slot].clear()
+        self.rule.forget(slot)
 
     def _watch(self, replica: RunningReplica) -> None:
         """Read the replica's KV events once it has reported where it publishes them."""

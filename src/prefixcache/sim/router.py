@@ -40,6 +40,9 @@ class Router:
     def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
         """Replica ``replica`` published ``events``."""
 
+    def forget(self, replica: int) -> None:
+        """Replica ``replica`` was replaced by an empty one (its cache is gone)."""
+
     @property
     def wants_events(self) -> bool:
         return False
@@ -111,7 +114,14 @@ class CacheAware(Router):
 
     Like SGLang's router: when ``max_load - min_load > abs_threshold`` and ``max_load >
     rel_threshold * min_load`` the request goes to the least-loaded replica; otherwise to the
-    replica holding the longest prefix (no match at all: least-loaded, then fewest cached blocks).
+    replica holding the longest prefix (no match at all: least-loaded, then fewest blocks cached
+    or expected).
+
+    A replica's blocks are what its events stored, plus what it was just sent: a routed
+    request's digests are *expected* there until the replica's events store or remove them, so
+    requests that share a prefix and arrive before the first one's blocks are committed follow it
+    (as SGLang's router inserts at routing time). At most ``max_expected`` digests are expected per
+    replica, the oldest forgotten first (a request that never committed cannot pin a prefix).
     """
 
     name = "cache-aware"
@@ -122,43 +132,66 @@ class CacheAware(Router):
         seed: int = 0,
         abs_threshold: int = 16,
         rel_threshold: float = 1.5,
+        max_expected: int = 4096,
     ) -> None:
         super().__init__(num_replicas, seed)
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
+        self.max_expected = max_expected
         self.mirrors: list[set[bytes]] = [set() for _ in range(num_replicas)]
+        self.expected: list[dict[bytes, None]] = [{} for _ in range(num_replicas)]
 
     @property
     def wants_events(self) -> bool:
         return True
 
     def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
-        mirror = self.mirrors[replica]
+        mirror, expected = self.mirrors[replica], self.expected[replica]
         for event in events:
-            if isinstance(event, BlockStored):
-                mirror.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                mirror.difference_update(event.block_hashes)
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                for digest in event.block_hashes:
+                    expected.pop(digest, None)
+                if isinstance(event, BlockStored):
+                    mirror.update(event.block_hashes)
+                else:
+                    mirror.difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 mirror.clear()
+                expected.clear()
+
+    def forget(self, replica: int) -> None:
+        self.mirrors[replica].clear()
+        self.expected[replica].clear()
 
     def choose(self, digests: list[bytes], loads: list[int]) -> int:
+        chosen = self._choose(digests, loads)
+        expected = self.expected[chosen]
+        for digest in digests:
+            if digest not in self.mirrors[chosen]:
+                expected.pop(digest, None)
+                expected[digest] = None  # newest last
+        while len(expected) > self.max_expected:
+            del expected[next(iter(expected))]
+        return chosen
+
+    def _choose(self, digests: list[bytes], loads: list[int]) -> int:
         low, high = min(loads), max(loads)
         if high - low > self.abs_threshold and high > self.rel_threshold * low:
             return self.least_loaded(loads)
-        matched = [self._matched(mirror, digests) for mirror in self.mirrors]
+        matched = [self._matched(i, digests) for i in range(self.num_replicas)]
         best = max(matched)
         if best == 0:
-            return min(range(self.num_replicas), key=lambda i: (loads[i], len(self.mirrors[i])))
+            return min(range(self.num_replicas),
+                       key=lambda i: (loads[i], len(self.mirrors[i]) + len(self.expected[i])))
         return min(
             (i for i in range(self.num_replicas) if matched[i] == best), key=lambda i: loads[i]
         )
 
-    @staticmethod
-    def _matched(mirror: set[bytes], digests: list[bytes]) -> int:
+    def _matched(self, replica: int, digests: list[bytes]) -> int:
+        mirror, expected = self.mirrors[replica], self.expected[replica]
         n = 0
         for digest in digests:
-            if digest not in mirror:
+            if digest not in mirror and digest not in expected:
                 break
             n += 1
         return n
