@@ -35,7 +35,13 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import MODEL_ID, _free_port, _percentiles  # noqa: E402
+from bench_serve import (  # noqa: E402
+    MODEL_ID,
+    RequestResult,
+    _free_port,
+    _percentiles,
+    send_one,
+)
 
 ROUTERS = ("round-robin", "prefix-affinity", "cache-aware")
 METRICS_KEY = "bench-cluster-metrics-key"
@@ -63,39 +69,16 @@ def tenants_file(path: Path, n: int) -> Path:
     return path
 
 
-async def one(client: httpx.AsyncClient, key: str, prompt: list[int], output_len: int
-              ) -> dict[str, Any]:
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, usage = None, None
-    async with client.stream("POST", "/v1/completions", json=body,
-                             headers={"Authorization": f"Bearer {key}"}) as response:
-        if response.status_code != 200:
-            return {"ok": False, "error": f"HTTP {response.status_code}"}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - start
-            usage = chunk.get("usage") or usage
-    if ttft is None or usage is None:
-        return {"ok": False, "error": "no tokens or no usage"}
-    return {"ok": True, "ttft": ttft, "prompt": usage["prompt_tokens"],
-            "cached": usage["prompt_tokens_details"]["cached_tokens"],
-            "output": usage["completion_tokens"]}
-
-
 async def load(base: str, requests: list[tuple[str, list[int]]], args: argparse.Namespace
-               ) -> tuple[list[dict[str, Any]], float]:
+               ) -> tuple[list[RequestResult], float]:
     rng = np.random.default_rng(args.seed)
     async with httpx.AsyncClient(base_url=base, timeout=600,
                                  limits=httpx.Limits(max_connections=256)) as client:
         start = time.perf_counter()
         tasks = []
         for key, prompt in requests:
-            tasks.append(asyncio.create_task(one(client, key, prompt, args.output_len)))
+            tasks.append(asyncio.create_task(send_one(
+                client, prompt, args.output_len, {"Authorization": f"Bearer {key}"})))
             await asyncio.sleep(rng.exponential(1.0 / args.rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
@@ -171,16 +154,17 @@ def run_one(args: argparse.Namespace, router: str | None, requests: list[tuple[s
         results, duration = asyncio.run(load(base, requests, args))
     finally:
         stop(proc)
-    ok = [r for r in results if r["ok"]]
-    measured = sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok))
+    ok = [r for r in results if r.ok]
+    prompt_tokens = args.prefix_len + args.question_len
+    measured = sum(r.num_cached for r in ok) / max(1, prompt_tokens * len(ok))
     simulated = simulate(trace, router, args, work / f"{name}.sim")
-    ttft = _percentiles([r["ttft"] for r in ok])
+    ttft = _percentiles([r.ttft_s for r in ok])
     return {"router": name, "completed": len(ok), "failed": len(results) - len(ok),
             "hit_ratio": measured, "simulated_hit_ratio": simulated,
             "ttft_p50_ms": ttft["p50"], "ttft_p90_ms": ttft["p90"],
             "throughput_rps": len(ok) / duration,
-            "output_tok_s": sum(r["output"] for r in ok) / duration,
-            "errors": sorted({r["error"] for r in results if not r["ok"]})}
+            "output_tok_s": sum(r.num_output for r in ok) / duration,
+            "errors": sorted({r.error for r in results if not r.ok})}
 
 
 def print_table(rows: list[dict[str, Any]], single: float) -> None:

@@ -71,12 +71,13 @@ class RequestResult:
     error: str = ""
 
 
-async def send_one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
+async def send_one(client: httpx.AsyncClient, prompt: list[int], output_len: int,
+                   headers: dict[str, str] | None = None) -> RequestResult:
     body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, usage = None, None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
             return RequestResult(False, error=f"HTTP {response.status_code}")
         async for line in response.aiter_lines():
