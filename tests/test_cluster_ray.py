@@ -38,28 +38,42 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+class Cluster(str):
+    """The base URL, with the process and its recorded trace."""
+
+    proc: subprocess.Popen
+    trace: Path
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     port = _port()
-    log = tmp_path_factory.mktemp("cluster") / "serve.log"
+    work = tmp_path_factory.mktemp("cluster")
+    log = work / "serve.log"
     cmd = [sys.executable, "-m", "prefixcache", "serve", "--model", "tiny", "--replicas", "2",
            "--router", "cache-aware", "--port", str(port), "--cpus-per-replica", "1",
            "--threads-per-replica", "1", "--num-kv-blocks", "256", "--tenants", str(EXAMPLE),
-           "--metrics-key", "cluster-metrics-key"]
+           "--metrics-key", "cluster-metrics-key", "--record-trace", str(work / "trace.jsonl")]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    base = Cluster(f"http://127.0.0.1:{port}")
+    base.proc, base.trace = proc, work / "trace.jsonl"
     try:
         _wait(lambda: _replicas(base) == 2, 180, proc, log)
         yield base
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        if proc.poll() is None:
+            _stop(proc)
 
 
 def _replicas(base: str) -> int:
@@ -160,3 +174,22 @@ def test_a_replica_killed_mid_load_costs_no_request_and_is_restarted(cluster) ->
     after = set(httpx.get(cluster + "/cluster/routing", headers=METRICS).json()["replicas"])
     assert len(after - before) == 1  # a new replica took the dead one's slot
     assert _complete(cluster, PREFIXES[1] + " Back to two?")["completion_tokens"] == 2
+
+
+def test_the_recorded_trace_merges_every_replica_at_exit(cluster) -> None:
+    """Run last: stops the cluster. Each replica (the killed one and its successor too) wrote
+    its part; the launcher merged them into one trace the simulator reads."""
+    from prefixcache.sim.record import read_record
+
+    _stop(cluster.proc)
+    assert cluster.proc.returncode == 0
+    trace = read_record(cluster.trace)
+    assert len(trace.requests) >= 12 + 1 + 8  # every request that finished on a live replica
+    assert not list(cluster.trace.parent.glob("trace.jsonl.*.part"))
+    arrivals = [r.arrival_s for r in trace.requests]
+    assert arrivals == sorted(arrivals)
+    out = subprocess.run([sys.executable, "-m", "prefixcache", "simulate", str(cluster.trace),
+                          "--replicas", "2", "--router", "cache-aware", "--no-plots",
+                          "--no-progress", "--out", str(cluster.trace.parent / "sim")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     secret = _secret(args)
-    if args.record_trace:
+    if args.record_trace:  # replicas may run elsewhere than this directory
+        args.record_trace = str(Path(args.record_trace).resolve())
         args.trace_epoch = time.time()
     started = _connect(args)
     stop = threading.Event()

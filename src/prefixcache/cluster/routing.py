@@ -89,12 +89,12 @@ class PrefixCacheRouter(RequestRouter):
             self._clear_mirror(free[0])
 
     def _release(self, replica_id: ReplicaID) -> None:
-        with self._lock:
+        with self._lock:  # the feed's thread reads _slot_of and _feed_of
             slot = self._slot_of.pop(replica_id, None)
             if slot is not None:
                 self._clear_mirror(slot)
+            topic = self._feed_of.pop(replica_id, None)
         self._in_flight.pop(replica_id, None)
-        topic = self._feed_of.pop(replica_id, None)
         if topic is not None and self._feed is not None:
             self._feed.forget(topic)
 
@@ -110,7 +110,8 @@ class PrefixCacheRouter(RequestRouter):
         if not endpoint:
             return
         topic = stats.get("kv_events_topic") or replica.replica_id.unique_id
-        self._feed_of[replica.replica_id] = topic
+        with self._lock:
+            self._feed_of[replica.replica_id] = topic
         self._feed.watch(topic, endpoint, stats.get("kv_events_replay_endpoint"))
 
     # ---- events --------------------------------------------------------------------------------
