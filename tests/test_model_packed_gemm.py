@@ -70,8 +70,22 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     return loaded.model(torch.tensor(ids), meta.positions, cache, meta)[0]
 
 
+@pytest.fixture
+def gemm_library(monkeypatch: pytest.MonkeyPatch):
+    """Force the start-up choice between MKL's packed GEMM and oneDNN's (per test)."""
+    from prefixcache.model import onednn_gemm
+
+    def force(name: str) -> None:
+        monkeypatch.setenv("PREFIXCACHE_ONEDNN_LINEAR", "1" if name == "onednn" else "0")
+        onednn_gemm.prefer_onednn.cache_clear()
+
+    yield force
+    onednn_gemm.prefer_onednn.cache_clear()
+
+
 @needs_mkl
-def test_loaded_projections_are_packed_and_agree_with_unpacked() -> None:
+def test_loaded_projections_are_packed_and_agree_with_unpacked(gemm_library) -> None:
+    gemm_library("mkl")
     packed, plain = load_model("tiny"), load_model("tiny", pack_weights=False)
     assert all(p.packed is not None for p in [*packed.model.projections(), packed.model.lm_head])
     assert all(p.packed is None for p in [*plain.model.projections(), plain.model.lm_head])
@@ -80,8 +94,40 @@ def test_loaded_projections_are_packed_and_agree_with_unpacked() -> None:
     assert not any(p.packed is not None for p in load_model("tiny", "bfloat16").model.projections())
 
 
+def test_onednn_prepacked_projections_agree_with_unpacked(gemm_library) -> None:
+    from prefixcache.model import onednn_gemm
+
+    if not onednn_gemm.available():
+        pytest.skip("oneDNN's prepacked linear does not run here")
+    gemm_library("onednn")
+    packed, plain = load_model("tiny"), load_model("tiny", pack_weights=False)
+    projections = [*packed.model.projections(), packed.model.lm_head]
+    assert all(p.onednn is not None and p.packed is None for p in projections)
+    ids = list(range(40, 240))
+    torch.testing.assert_close(_logits(packed, ids), _logits(plain, ids), rtol=0, atol=1e-4)
+    proj = packed.model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, proj.in_features)
+    with torch.no_grad():
+        proj.weight.mul_(2.0)  # in place: the prepacked copy is stale and must not be used
+    torch.testing.assert_close(proj(x), F.linear(x, proj.weight), rtol=1e-5, atol=1e-5)
+    assert proj.onednn is None
+
+
+def test_the_gemm_choice_is_measured_unless_forced(gemm_library, monkeypatch) -> None:
+    from prefixcache.model import onednn_gemm
+
+    gemm_library("mkl")
+    assert onednn_gemm.prefer_onednn(64, 128) is False
+    gemm_library("onednn")
+    assert onednn_gemm.prefer_onednn(64, 128) is onednn_gemm.available()
+    monkeypatch.delenv("PREFIXCACHE_ONEDNN_LINEAR")
+    onednn_gemm.prefer_onednn.cache_clear()
+    assert isinstance(onednn_gemm.prefer_onednn(64, 128), bool)  # timed here, either way
+
+
 @needs_mkl
-def test_a_changed_weight_is_never_served_from_a_stale_packed_copy() -> None:
+def test_a_changed_weight_is_never_served_from_a_stale_packed_copy(gemm_library) -> None:
+    gemm_library("mkl")
     loaded = load_model("tiny")
     proj = loaded.model.model.layers[0].mlp.down_proj
     x = torch.randn(3, proj.in_features)

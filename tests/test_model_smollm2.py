@@ -124,7 +124,11 @@ def test_logits_match_transformers(ours, theirs, chunks):
         ids = ours.tokenizer.encode(prompt)
         with torch.no_grad():
             expected = theirs(torch.tensor([ids])).logits[0].float()
-        assert (_all_logits(ours, ids, chunks) - expected).abs().max() < TOL
+        # float32 rounding of another GEMM's summation order (oneDNN where it is faster,
+        # `model/onednn_gemm.py`; transformers uses MKL) through 30 layers: within 1e-4, or
+        # 1e-5 of the largest logit where that is larger (about 2.5e-4 here)
+        tol = max(TOL, 1e-5 * float(expected.abs().max()))
+        assert (_all_logits(ours, ids, chunks) - expected).abs().max() < tol
 
 
 def test_greedy_text_identical_to_transformers(llm, theirs):

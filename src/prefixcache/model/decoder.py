@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
-from prefixcache.model import native_layers, packed_gemm, tuning
+from prefixcache.model import native_layers, onednn_gemm, packed_gemm, tuning
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.fused_layers import FusedLayers
+from prefixcache.model.onednn_gemm import OneDnnWeight
 from prefixcache.model.packed_gemm import PackedWeight
 from prefixcache.model.rope import RotaryEmbedding, apply_rotary
 
@@ -75,35 +76,42 @@ class Projection(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed: PackedWeight | None = None
+        self.onednn: OneDnnWeight | None = None
         self._packed_from = (0, -1)  # (data_ptr, version) of the weight that was packed
 
-    def pack(self, enable: bool = True) -> bool:
-        """Keep a packed copy of the current weight (or drop it); False where packed GEMM does
-        not apply: no MKL, or not a float32 CPU weight."""
-        self.packed = None
+    def pack(self, enable: bool = True, onednn: bool = False) -> bool:
+        """Keep a packed copy of the current weight (or drop it): MKL's, or with ``onednn``
+        oneDNN's (`onednn_gemm`); False where neither applies (not a float32 CPU weight)."""
+        self.packed = self.onednn = None
         weight = self.weight
         if not enable or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return False
-        if not packed_gemm.available():
+        if onednn and onednn_gemm.available():
+            self.onednn = OneDnnWeight.pack(weight)
+        elif packed_gemm.available():
+            self.packed = PackedWeight.pack(weight)
+        else:
             return False
-        self.packed = PackedWeight.pack(weight)
         self._packed_from = (weight.data_ptr(), weight._version)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.current_packed()
-        if packed is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        return packed.matmul(x, self.bias)
+        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+            packed = self.current_packed()
+            if packed is not None:
+                return packed.matmul(x, self.bias)
+            if self.onednn is not None and self._is_current():
+                return self.onednn.matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def current_packed(self) -> PackedWeight | None:
-        """The packed copy if it still holds the current weight, else None (and dropped)."""
-        if self.packed is not None and self._packed_from != (
-            self.weight.data_ptr(),
-            self.weight._version,
-        ):
-            self.packed = None  # the weight changed since packing: never use a stale copy
+        """The MKL-packed copy if it still holds the current weight, else None (and dropped)."""
+        if not self._is_current():
+            self.packed = self.onednn = None  # the weight changed: never use a stale copy
         return self.packed
+
+    def _is_current(self) -> bool:
+        return self._packed_from == (self.weight.data_ptr(), self.weight._version)
 
 
 class Attention(nn.Module):
@@ -247,14 +255,18 @@ class CausalLM(nn.Module):
         ``pack``, each also keeps an MKL-packed copy (`Projection.pack`), which is faster still;
         so does the LM head (its weight left as it is: it may be the embedding's).
         """
+        mlp = self.model.layers[0].mlp.gate_up_proj if self.model.layers else None
+        onednn = (pack and mlp is not None and mlp.weight.device.type == "cpu"
+                  and mlp.weight.dtype == torch.float32
+                  and onednn_gemm.prefer_onednn(mlp.in_features, mlp.out_features))
         for linear in self.projections():
             weight = linear.weight
             if weight.device.type != "cpu" or weight.dtype != torch.float32:
                 continue
             if weight.is_contiguous():
                 weight.data = weight.data.t().contiguous().t()
-            linear.pack(pack)
-        self.lm_head.pack(pack)
+            linear.pack(pack, onednn)
+        self.lm_head.pack(pack, onednn)
 
     def init_rotary(self) -> None:
         """Build rotary tables on the parameters' device (call after weights are in place)."""

@@ -1,0 +1,120 @@
+"""Projection weights prepacked for oneDNN's GEMM (CPU, float32), and the choice between it and
+MKL's packed GEMM, measured at start-up on the model's own projection shape.
+
+Which library multiplies fastest depends on the CPU, not the model: the MKL inside torch picks
+its kernels by vendor, and on AMD's full-width AVX-512 cores (Zen 5) its float32 GEMM runs at
+about half the rate oneDNN reaches (docs/performance.md, 2026-12-01: 104 vs 425 GFLOP/s at 16
+rows, 204 vs 465 at 2,048), while on Intel cores MKL's packed GEMM, which the compiled layer
+steps call from C (`fused_layers`), is as fast or faster. `prefer_onednn` therefore times both on
+one projection of the model (a few milliseconds, once per shape and process) and takes oneDNN
+only where it is clearly faster. ``PREFIXCACHE_ONEDNN_LINEAR=1`` or ``=0`` forces the choice.
+
+oneDNN's prepacked weight is an opaque tensor (``torch.ops.mkldnn._reorder_linear_weight``) that
+``torch.ops.mkldnn._linear_pointwise`` multiplies for any row count; a one-time probe against
+``F.linear`` guards the path (`available`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefixcache.model import packed_gemm
+
+__all__ = ["OneDnnWeight", "available", "prefer_onednn"]
+
+# The row count the reorder is told to expect (as MKL's PACK_ROWS_HINT): any row count computes.
+PACK_ROWS_HINT = 128
+# oneDNN must beat MKL's packed GEMM by this factor to be chosen (timing noise, and MKL's path
+# also enables the compiled whole-layer steps, which oneDNN's cannot enter).
+MIN_SPEEDUP = 1.25
+
+
+@dataclass(slots=True, eq=False)
+class OneDnnWeight:
+    """A float32 linear weight [out, in] prepacked for oneDNN; ``matmul(x, bias)`` equals
+    ``F.linear(x, weight, bias)`` up to float rounding, for 2-D ``x`` of any row count."""
+
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> OneDnnWeight:
+        out_features, in_features = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        return cls(packed, out_features, in_features)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"expected x [rows, {self.in_features}], got {tuple(x.shape)}")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [],
+                                                  "")
+
+
+@functools.cache
+def available() -> bool:
+    """True when oneDNN's prepacked linear runs here and matches ``F.linear`` (probed once)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(67, 45, generator=gen)
+        bias = torch.randn(67, generator=gen)
+        packed = OneDnnWeight.pack(weight)
+        for rows in (1, 3, 64, 130):
+            x = torch.randn(rows, 45, generator=gen)
+            if not torch.allclose(packed.matmul(x, bias), F.linear(x, weight, bias),
+                                  rtol=1e-4, atol=1e-4):
+                return False
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _forced() -> bool | None:
+    value = os.environ.get("PREFIXCACHE_ONEDNN_LINEAR", "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+@functools.cache
+def prefer_onednn(in_features: int, out_features: int) -> bool:
+    """Whether this process should multiply float32 projections of this shape through oneDNN
+    rather than MKL's packed GEMM: forced by the environment, else measured (median of 5 at 16
+    and 128 rows; oneDNN must be `MIN_SPEEDUP` times faster at both)."""
+    forced = _forced()
+    if forced is not None:
+        return forced and available()
+    if not available():
+        return False
+    if not packed_gemm.available():
+        return True
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    mkl, dnnl = packed_gemm.PackedWeight.pack(weight), OneDnnWeight.pack(weight)
+    for rows in (16, 128):
+        x = torch.randn(rows, in_features, generator=gen)
+        if _median_s(dnnl.matmul, x) * MIN_SPEEDUP > _median_s(mkl.matmul, x):
+            return False
+    return True
+
+
+def _median_s(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+    for _ in range(2):
+        matmul(x)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        matmul(x)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2]
