@@ -114,8 +114,7 @@ class Ingress:
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.replicas = replicas
-        self.num_replicas = num_replicas
-        self.max_attempts = num_replicas + 1
+        self.max_attempts = num_replicas + 1  # each live replica once, and one more
         self.max_request_bytes = args.max_request_bytes
         self.tokenizer = open_checkpoint(args.model).tokenizer()
         self.tenants = tenant_registry(args, secret)

@@ -97,10 +97,10 @@ class Projection(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-            packed = self.current_packed()
+            packed = self.current_packed()  # also drops a stale oneDNN copy
             if packed is not None:
                 return packed.matmul(x, self.bias)
-            if self.onednn is not None and self._is_current():
+            if self.onednn is not None:
                 return self.onednn.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 

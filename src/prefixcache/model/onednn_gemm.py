@@ -3,11 +3,11 @@ MKL's packed GEMM, measured at start-up on the model's own projection shape.
 
 Which library multiplies fastest depends on the CPU, not the model: the MKL inside torch picks
 its kernels by vendor, and on AMD's full-width AVX-512 cores (Zen 5) its float32 GEMM runs at
-about half the rate oneDNN reaches (docs/performance.md, 2026-12-01: 104 vs 425 GFLOP/s at 16
-rows, 204 vs 465 at 2,048), while on Intel cores MKL's packed GEMM, which the compiled layer
-steps call from C (`fused_layers`), is as fast or faster. `prefer_onednn` therefore times both on
-one projection of the model (a few milliseconds, once per shape and process) and takes oneDNN
-only where it is clearly faster. ``PREFIXCACHE_ONEDNN_LINEAR=1`` or ``=0`` forces the choice.
+about half the rate oneDNN reaches (figures in docs/performance.md). Where MKL is not slower,
+its packed GEMM also lets the compiled whole-layer steps run (they call it from C,
+`fused_layers`). `prefer_onednn` therefore times both on one projection of the model (a few
+milliseconds, once per shape and process) and takes oneDNN only where it is clearly faster.
+``PREFIXCACHE_ONEDNN_LINEAR=1`` or ``=0`` forces the choice.
 
 oneDNN's prepacked weight is an opaque tensor (``torch.ops.mkldnn._reorder_linear_weight``) that
 ``torch.ops.mkldnn._linear_pointwise`` multiplies for any row count; a one-time probe against
