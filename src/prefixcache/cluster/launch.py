@@ -89,8 +89,11 @@ def _connect(args: argparse.Namespace) -> bool:
                  include_dashboard=False)
         return True
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise CliError(f"cannot {'join Ray at ' + address if address else 'start Ray'}: "
-                       f"{exc}") from None
+        if not address:
+            raise CliError(f"cannot start Ray: {exc}") from None
+        raise CliError(f"cannot join Ray at {address}: {exc} (a cluster with token "
+                       "authentication needs its token here: ~/.ray/auth_token, "
+                       "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)") from None
 
 
 def run(args: argparse.Namespace) -> int:
