@@ -41,3 +41,18 @@ def native_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(native_attention, "available", lambda: False)
         monkeypatch.setattr(native_layers, "available", lambda: False)
     return str(request.param)
+
+
+@pytest.fixture
+def gemm_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Force the start-up choice between MKL's packed GEMM and oneDNN's (per test): a model
+    loaded after ``gemm_library("mkl")`` or ``("onednn")`` packs its projections that way. The
+    choice is otherwise a timing, which on a tiny shape may go either way."""
+    from prefixcache.model import onednn_gemm
+
+    def force(name: str) -> None:
+        monkeypatch.setenv("PREFIXCACHE_ONEDNN_LINEAR", "1" if name == "onednn" else "0")
+        onednn_gemm.prefer_onednn.cache_clear()
+
+    yield force
+    onednn_gemm.prefer_onednn.cache_clear()

@@ -18,10 +18,11 @@ BLOCK = 16
 
 
 @pytest.fixture(autouse=True)
-def _native() -> None:
+def _native(gemm_library) -> None:  # noqa: ANN001 - conftest's fixture
     require_native_layers()
     if not packed_gemm.available():
         pytest.skip("packed GEMM (MKL) is not available here")
+    gemm_library("mkl")  # the fused steps run over MKL-packed weights
 
 
 def _model(qkv_bias: bool, qk_norm: bool = False) -> decoder.CausalLM:

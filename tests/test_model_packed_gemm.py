@@ -70,19 +70,6 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     return loaded.model(torch.tensor(ids), meta.positions, cache, meta)[0]
 
 
-@pytest.fixture
-def gemm_library(monkeypatch: pytest.MonkeyPatch):
-    """Force the start-up choice between MKL's packed GEMM and oneDNN's (per test)."""
-    from prefixcache.model import onednn_gemm
-
-    def force(name: str) -> None:
-        monkeypatch.setenv("PREFIXCACHE_ONEDNN_LINEAR", "1" if name == "onednn" else "0")
-        onednn_gemm.prefer_onednn.cache_clear()
-
-    yield force
-    onednn_gemm.prefer_onednn.cache_clear()
-
-
 @needs_mkl
 def test_loaded_projections_are_packed_and_agree_with_unpacked(gemm_library) -> None:
     gemm_library("mkl")
