@@ -1,6 +1,6 @@
 """The compiled CPU attention kernel: builds where a compiler and MKL exist, equals a float64
-reference for any shape, thread count and slot order, and refuses input it would misread. (Its
-build and switch: tests/test_native_build.py.)"""
+reference for any shape, thread count and slot order, over float32 and bfloat16 caches, and
+refuses input it would misread. (Its build and switch: tests/test_native_build.py.)"""
 
 from __future__ import annotations
 
@@ -32,6 +32,21 @@ def _reference(q, k_flat, v_flat, slots, scale) -> torch.Tensor:  # noqa: ANN001
     return torch.einsum("hts,shd->thd", probs, values)
 
 
+# how the kernel's result may differ from the float64 reference: float32 rounding; with
+# bfloat16 queries the output is rounded to bfloat16 (half a unit in the last place: 2^-9)
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, tolerance: float = 1e-5) -> None:
+    if out.dtype == torch.bfloat16:
+        torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=tolerance)
+    else:
+        torch.testing.assert_close(out.double(), ref, rtol=tolerance, atol=tolerance)
+
+
+# (queries and outputs, caches): float32 throughout; float32 queries over bfloat16 caches; a
+# bfloat16 model's (everything bfloat16)
+DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+          (torch.bfloat16, torch.bfloat16)]  # fmt: skip
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     kv_heads=st.sampled_from([1, 2, 4]),
@@ -41,21 +56,22 @@ def _reference(q, k_flat, v_flat, slots, scale) -> torch.Tensor:  # noqa: ANN001
     new=st.integers(1, 100),
     threads=st.sampled_from([1, 2, 3]),
     strided_q=st.booleans(),
+    dtypes=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
 def test_kernel_equals_reference(
-    kv_heads, group, head_dim, context, new, threads, strided_q, seed
+    kv_heads, group, head_dim, context, new, threads, strided_q, dtypes, seed
 ) -> None:  # noqa: ANN001
     gen = torch.Generator().manual_seed(seed)
     heads, seq_len = kv_heads * group, context + new
     num_slots = seq_len + 37
-    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
-    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
+    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
     slots = torch.randperm(num_slots, generator=gen)[:seq_len]  # any physical order
     # the model hands q over as a column slice of the fused qkv output (strided rows)
-    fused = torch.randn(new, heads + 2 * kv_heads, head_dim, generator=gen) * 3
+    fused = (torch.randn(new, heads + 2 * kv_heads, head_dim, generator=gen) * 3).to(dtypes[0])
     q = fused[:, :heads] if strided_q else fused[:, :heads].contiguous()
-    out = torch.full((new, heads, head_dim), float("nan"))
+    out = torch.full((new, heads, head_dim), float("nan"), dtype=dtypes[0])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -64,7 +80,7 @@ def test_kernel_equals_reference(
         torch.set_num_threads(before)
     ref = _reference(q, k_flat, v_flat, slots, head_dim**-0.5)
     # float32 rounding: torch's own SDPA in float32 is up to 7.8e-6 off on these cases
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    _assert_close(out, ref)
 
 
 def _cpu_has_avx512() -> bool:
@@ -73,47 +89,51 @@ def _cpu_has_avx512() -> bool:
 
 @settings(max_examples=30, deadline=None)
 @given(
-    kv_heads=st.sampled_from([2, 4]),
+    kv_heads=st.sampled_from([2, 3, 4]),
     group=st.sampled_from([1, 2, 3, 5, 8, 9]),
     new=st.integers(1, 200),
     extra_context=st.integers(0, 150),
     threads=st.sampled_from([1, 2]),
     magnitude=st.sampled_from([1.0, 3.0, 30.0]),
+    dtypes=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
 def test_cache_hit_path_equals_reference(
-    kv_heads, group, new, extra_context, threads, magnitude, seed
+    kv_heads, group, new, extra_context, threads, magnitude, dtypes, seed
 ) -> None:  # noqa: ANN001
-    # After a cache hit (context >= new tokens) with whole kv heads per thread and head_dim 64,
-    # an AVX-512 build reads K and V straight from the cache (no gather) for up to 256 rows per
-    # tile (group <= 8): 32-key blocks with an online softmax, shared by up to 4 tiles (more new
-    # tokens: several groups of tiles), register tiles of 8 keys x 48 rows and 6 rows x 64
-    # dims, a masked tail. Row counts, key counts and tiles that do not divide evenly, maxima
-    # that grow from block to block, and scores large enough to need the max subtraction.
+    # After a cache hit (context >= new tokens) with head_dim 64, an AVX-512 build reads K and V
+    # straight from the cache (no gather; a bfloat16 cache widened per 32-key block) for up to
+    # 256 rows per tile (group <= 8): 32-key blocks with an online softmax, shared by up to 4
+    # tiles of a work item (a kv head's tiles split into items that spread evenly over the
+    # threads, e.g. 3 kv heads on 2), register tiles of 8 keys x 48 rows and 6 rows x 64 dims,
+    # a masked tail. Row counts, key counts and tiles that do not divide evenly, maxima that
+    # grow from block to block, and scores large enough to need the max subtraction.
     gen = torch.Generator().manual_seed(seed)
     heads, head_dim = kv_heads * group, 64
     context = new + extra_context
     seq_len = context + new
     num_slots = seq_len + 50
-    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
-    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
+    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
     slots = torch.randperm(num_slots, generator=gen)[:seq_len]
-    q = torch.randn(new, heads, head_dim, generator=gen) * magnitude
-    out = torch.full((new, heads, head_dim), float("nan"))
+    q = (torch.randn(new, heads, head_dim, generator=gen) * magnitude).to(dtypes[0])
+    out = torch.full((new, heads, head_dim), float("nan"), dtype=dtypes[0])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        path = native_attention.prefill_path(new, seq_len, heads, kv_heads, head_dim)
+        path = native_attention.prefill_path(
+            new, seq_len, heads, kv_heads, head_dim, k_flat.dtype
+        )
         native_attention.attend(q, k_flat, v_flat, slots, head_dim**-0.5, out)
     finally:
         torch.set_num_threads(before)
     direct = _cpu_has_avx512() and group * native_attention.TILE_TOKENS <= 256
-    assert path == ("direct per kv head" if direct else "gather per kv head")
+    per_head = "gather per kv head" if kv_heads % threads == 0 else "shared gather"
+    assert path == ("direct per kv head" if direct else per_head)
     ref = _reference(q, k_flat, v_flat, slots, head_dim**-0.5)
     # float32 rounding of the scores grows with them: torch's float32 SDPA is as far off
     # (2e-5 at magnitude 30 where it is 3e-6 at 3)
-    tolerance = 1e-5 * max(1.0, magnitude / 3)
-    torch.testing.assert_close(out.double(), ref, rtol=tolerance, atol=tolerance)
+    _assert_close(out, ref, 1e-5 * max(1.0, magnitude / 3))
 
 
 def test_prefill_path_choice() -> None:
@@ -125,8 +145,22 @@ def test_prefill_path_choice() -> None:
         assert native_attention.prefill_path(128, 2048, 12, 4, 128) == "gather per kv head"
         hit = native_attention.prefill_path(128, 2048, 12, 4, 64)
         assert hit == ("direct per kv head" if _cpu_has_avx512() else "gather per kv head")
+        # SmolLM2's 3 kv heads on 2 threads: the direct path splits heads' tiles between them
+        for dtype in (torch.float32, torch.bfloat16):
+            hit = native_attention.prefill_path(128, 2048, 9, 3, 64, dtype)
+            assert hit == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
     finally:
         torch.set_num_threads(before)
+
+
+def test_decode_work_items_spread_evenly_over_the_threads() -> None:
+    # kv heads x chunks of sequences: the chunk size that leaves the busiest thread the fewest
+    # rows, the larger one on a tie
+    assert native_attention.decode_chunk(16, 4, 2) == 16  # 4 items: 2 per thread
+    assert native_attention.decode_chunk(16, 3, 2) == 8  # 6 items, not 3 (2 on one thread)
+    assert native_attention.decode_chunk(16, 1, 2) == 8  # MQA: 2 items, not 1
+    assert native_attention.decode_chunk(3, 2, 2) == 16  # few sequences: one chunk per head
+    assert native_attention.decode_chunk(16, 3, 1) == 16  # one thread: the largest GEMMs
 
 
 def test_large_scores_do_not_overflow() -> None:
@@ -149,6 +183,10 @@ def test_rejects_input_it_would_misread() -> None:
     q, out, slots = torch.randn(4, 4, 16), torch.empty(4, 4, 16), torch.arange(10)
     with pytest.raises(ValueError, match="unsupported"):
         native_attention.attend(q.double(), k_flat, v_flat, slots, 0.25, out)
+    with pytest.raises(ValueError, match="unsupported"):  # bfloat16 queries, float32 caches
+        native_attention.attend(q.bfloat16(), k_flat, v_flat, slots, 0.25, out.bfloat16())
+    with pytest.raises(ValueError, match="unsupported"):  # the caches' dtypes differ
+        native_attention.attend(q, k_flat.bfloat16(), v_flat, slots, 0.25, out)
     with pytest.raises(ValueError, match="unsupported"):
         native_attention.attend(q, k_flat, v_flat, slots.int(), 0.25, out)
     with pytest.raises(ValueError, match="unsupported"):  # more new tokens than positions
@@ -168,22 +206,23 @@ def test_rejects_input_it_would_misread() -> None:
     shared=st.integers(0, 200),
     max_tail=st.integers(1, 50),
     threads=st.sampled_from([1, 2, 3]),
+    dtypes=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
 def test_decode_equals_reference(
-    kv_heads, group, head_dim, num_seqs, shared, max_tail, threads, seed
+    kv_heads, group, head_dim, num_seqs, shared, max_tail, threads, dtypes, seed
 ) -> None:  # noqa: ANN001
     gen = torch.Generator().manual_seed(seed)
     heads, num_slots = kv_heads * group, shared + num_seqs * max_tail + 11
-    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
-    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
+    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
     order = torch.randperm(num_slots, generator=gen)
     shared_slots = order[:shared].contiguous()
     tail_slots = order[shared : shared + num_seqs * max_tail].view(num_seqs, max_tail).contiguous()
     tail_lens = torch.randint(1, max_tail + 1, (num_seqs,), generator=gen, dtype=torch.int32)
     fused = torch.randn(num_seqs, heads + 2 * kv_heads, head_dim, generator=gen) * 3
-    q = fused[:, :heads]  # strided rows, as the model hands it over
-    out = torch.full((num_seqs, heads, head_dim), float("nan"))
+    q = fused[:, :heads].to(dtypes[0])  # strided rows, as the model hands it over
+    out = torch.full((num_seqs, heads, head_dim), float("nan"), dtype=dtypes[0])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -195,7 +234,7 @@ def test_decode_equals_reference(
     for b in range(num_seqs):  # one query at the last position sees every key
         slots = torch.cat([shared_slots, tail_slots[b, : tail_lens[b]]])
         ref = _reference(q[b : b + 1], k_flat, v_flat, slots, head_dim**-0.5)
-        torch.testing.assert_close(out[b : b + 1].double(), ref, rtol=1e-5, atol=1e-5)
+        _assert_close(out[b : b + 1], ref)
 
 
 def test_decode_rejects_input_it_would_misread() -> None:

@@ -100,6 +100,28 @@ def test_onednn_prepacked_projections_agree_with_unpacked(gemm_library) -> None:
     assert proj.onednn is None
 
 
+def test_bfloat16_projections_are_prepacked_and_give_the_same_bits() -> None:
+    # no MKL path in bfloat16: oneDNN's prepacked weight always, the same products F.linear
+    # computes (it calls oneDNN too), so the logits are bit for bit those of the plain model
+    from prefixcache.model import onednn_gemm
+
+    if not onednn_gemm.available(torch.bfloat16):
+        pytest.skip("oneDNN's prepacked bfloat16 linear does not run here")
+    packed = load_model("tiny", "bfloat16")
+    plain = load_model("tiny", "bfloat16", pack_weights=False)
+    projections = [*packed.model.projections(), packed.model.lm_head]
+    assert all(p.onednn is not None and p.packed is None for p in projections)
+    assert all(p.onednn is None for p in [*plain.model.projections(), plain.model.lm_head])
+    ids = list(range(40, 240))
+    assert torch.equal(_logits(packed, ids), _logits(plain, ids))
+    proj = packed.model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, proj.in_features).bfloat16()
+    with torch.no_grad():
+        proj.weight.mul_(2.0)  # in place: the prepacked copy is stale and must not be used
+    assert torch.equal(proj(x), F.linear(x, proj.weight))
+    assert proj.onednn is None
+
+
 def test_the_gemm_choice_is_measured_unless_forced(gemm_library, monkeypatch) -> None:
     from prefixcache.model import onednn_gemm
 

@@ -1,4 +1,5 @@
-"""A compiled CPU kernel for the prefill attention of one sequence over paged K/V (float32).
+"""A compiled CPU kernel for the prefill attention of one sequence over paged K/V, and for
+decode steps (float32 arithmetic over float32 or bfloat16 caches).
 
 `prefixcache/native/attention.c` is built with the system C compiler (``$CC``, else ``cc``;
 ``-O3 -march=native -fopenmp``; `prefixcache.native`) at first use into the user cache dir and
@@ -11,6 +12,11 @@ hit (more context than new tokens), where each thread gets whole kv heads, each 
 the K/V of the head it works on, so its tiles read them from L2. With AVX-512 and head_dim 64,
 that per-head split skips the gather: register-tiled loops read K and V straight from the cache
 (`prefill_path` says which split a call takes). Figures: docs/performance.md.
+
+A bfloat16 cache is widened to float32 as its rows are gathered (exact: a bfloat16 is the high
+half of a float), so a bfloat16 model's attention runs at float32 precision while reading half
+the bytes; its bfloat16 queries are widened before the call and the outputs rounded back after
+it (round to nearest even, as torch rounds). The direct path reads float32 caches only.
 
 `available()` is False, and callers keep the torch paths, when there is no compiler, no MKL in
 libtorch (ARM, macOS), the build or load fails, a one-time probe disagrees with the torch
@@ -47,9 +53,9 @@ log = logging.getLogger(__name__)
 # ~5,000 keys at G = 3). Set on `small` (G = 3, head_dim 64), 2 threads.
 TILE_TOKENS = 32
 _MAX_TILE_ROWS = 4096  # MAX_TILE_ROWS in attention.c: stacked query rows of one work item
-# Decode sequences per work item: their G query heads stack into one GEMM over the shared keys;
-# more per item means larger GEMMs, fewer items to spread over threads. Set on `small`, 2 threads.
-_DECODE_CHUNK = 16
+# Most decode sequences per work item: their G query heads stack into one GEMM over the shared
+# keys; more per item means larger GEMMs, fewer items to spread over threads (`decode_chunk`).
+MAX_DECODE_CHUNK = 16
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -72,13 +78,17 @@ def _bind(
 
 class _Kernel:
     def __init__(self, library: ctypes.CDLL, sgemm: int, set_threads: int) -> None:
-        self.attention = _bind(library, "pc_attention", None, [_P, _I64] + [_P] * 5 + [_I] * 5)
-        self.attention.argtypes += [ctypes.c_float, _I, _I, _P, _P]
+        attention = [_P, _I64] + [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I, _I, _P, _P]
+        decode = [_P, _I64, _P, _P, _P, _I, _P, _P, _I, _P, _P] + [_I] * 4
+        decode += [ctypes.c_float, _I, _I, _P, _P]
+        # by the caches' dtype: float32, bfloat16 (widened as gathered)
+        self.attention = _bind(library, "pc_attention", None, attention)
+        self.attention_kv16 = _bind(library, "pc_attention_kv16", None, attention)
+        self.decode = _bind(library, "pc_decode", None, decode)
+        self.decode_kv16 = _bind(library, "pc_decode_kv16", None, decode)
         self.scratch_floats = _bind(library, "pc_scratch_floats", _I64, [_I] * 6)
-        self.decode = _bind(library, "pc_decode", None, [_P, _I64, _P, _P, _P, _I, _P, _P, _I])
-        self.decode.argtypes += [_P, _P] + [_I] * 4 + [ctypes.c_float, _I, _I, _P, _P]
         self.decode_scratch_floats = _bind(library, "pc_decode_scratch_floats", _I64, [_I] * 7)
-        self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 7)
+        self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 8)
         self.sgemm, self.set_threads = sgemm, set_threads
         self.attention_address = ctypes.cast(self.attention, _P).value
 
@@ -103,12 +113,17 @@ def _kernel() -> _Kernel | None:
     return _Kernel(library, sgemm, set_threads)
 
 
+_KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the attention paths hand this step to the kernel: `enabled()`, float32 CPU
-    queries [T, heads, head_dim] with contiguous heads (rows may be strided), contiguous caches."""
+    """Whether the attention paths hand this step to the kernel: `enabled()`, CPU queries
+    [T, heads, head_dim] with contiguous heads (rows may be strided) and contiguous caches, all
+    float32 or all bfloat16."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
+        and q.dtype in _KV_DTYPES
+        and q.dtype == k_cache.dtype == v_cache.dtype
         and q.stride(2) == 1
         and q.stride(1) == q.shape[2]
         and k_cache.is_contiguous()
@@ -138,7 +153,9 @@ def _check(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_flat.shape[1]
     if not (
-        q.dtype == k_flat.dtype == v_flat.dtype == out.dtype == torch.float32
+        q.dtype == out.dtype in _KV_DTYPES
+        and k_flat.dtype == v_flat.dtype in _KV_DTYPES
+        and (q.dtype == torch.float32 or k_flat.dtype == torch.bfloat16)
         and q.stride(2) == 1
         and q.stride(1) == head_dim
         and out.is_contiguous()
@@ -162,17 +179,22 @@ PREFILL_PATHS = ("shared gather", "gather per kv head", "direct per kv head")
 
 
 def prefill_path(
-    num_tokens: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int
+    num_tokens: int,
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> str:
     """How `attend` splits a prefill of these sizes at the current thread count: one of
     `PREFILL_PATHS` (all kv heads gathered once for the team; after a cache hit, each thread
     gathering the head it works on, or reading it straight from the cache in key blocks: an
-    AVX-512 build, head_dim 64, at most 256 query rows per tile, i.e. 8 query heads per kv
-    head)."""
+    AVX-512 build, a float32 cache, head_dim 64, at most 256 query rows per tile, i.e. 8 query
+    heads per kv head)."""
     kernel = _kernel_or_raise()
     path = kernel.attention_path(
         num_tokens, seq_len, num_heads, num_kv_heads, head_dim, TILE_TOKENS,
-        torch.get_num_threads(),
+        torch.get_num_threads(), kv_dtype == torch.bfloat16,
     )  # fmt: skip
     return PREFILL_PATHS[path]
 
@@ -188,9 +210,10 @@ def attend(
 ) -> None:
     """One sequence's prefill attention into ``out``; requires `available()`.
 
-    q, out: [T, num_heads, head_dim] float32 CPU, the T new tokens (q's rows may be strided,
-    out contiguous); k_flat, v_flat: the paged cache flattened to [num_slots, num_kv_heads,
-    head_dim], already holding the new tokens' K/V; slots: [S] int64, the slot of every
+    q, out: [T, num_heads, head_dim] CPU, the T new tokens (q's rows may be strided, out
+    contiguous); k_flat, v_flat: the paged cache flattened to [num_slots, num_kv_heads,
+    head_dim], already holding the new tokens' K/V (float32 or bfloat16; bfloat16 queries need
+    a bfloat16 cache); slots: [S] int64, the slot of every
     position 0 .. S - 1 (S >= T: the cached context, then the new tokens). New token t sits at
     position S - T + t and attends positions 0 .. S - T + t. ``slot_range``: the slots' (min,
     max) when the caller already has them, else computed.
@@ -234,6 +257,10 @@ class PreparedAttend:
         self.scratch, self._slots = scratch, slots
         self._sizes = (num_tokens, seq_len, num_heads, num_kv_heads, head_dim)
         self._signature = self.signature(q, k_flat, v_flat, out)
+        kv16 = k_flat.dtype == torch.bfloat16
+        self._function = kernel.attention_kv16 if kv16 else kernel.attention
+        # bfloat16 queries: widened before each call, the float32 outputs rounded back after
+        self._out32 = torch.empty(q.shape) if q.dtype == torch.bfloat16 else None
 
     @staticmethod
     def signature(
@@ -247,6 +274,8 @@ class PreparedAttend:
         it was prepared with."""
         if self.signature(out, out, out, out)[3] != self._signature[3]:
             raise ValueError("native attention: output unlike the one it was prepared for")
+        if self._function is not self._kernel.attention or self._out32 is not None:
+            raise ValueError("native attention: compiled callers pass float32 tensors")
         kernel = self._kernel
         return (
             kernel.attention_address, self._slots.data_ptr(), self._sizes[1], TILE_TOKENS,
@@ -263,12 +292,17 @@ class PreparedAttend:
     ) -> None:
         if self.signature(q, k_flat, v_flat, out) != self._signature:
             raise ValueError("native attention: tensors unlike those it was prepared for")
-        kernel = self._kernel
-        kernel.attention(
+        kernel, out32 = self._kernel, self._out32
+        if out32 is not None:
+            q = q.float()
+        self._function(
             q.data_ptr(), q.stride(0), k_flat.data_ptr(), v_flat.data_ptr(),
-            self._slots.data_ptr(), out.data_ptr(), self.scratch.data_ptr(), *self._sizes,
-            scale, TILE_TOKENS, self._threads, kernel.sgemm, kernel.set_threads,
+            self._slots.data_ptr(), (out if out32 is None else out32).data_ptr(),
+            self.scratch.data_ptr(), *self._sizes, scale, TILE_TOKENS, self._threads,
+            kernel.sgemm, kernel.set_threads,
         )  # fmt: skip
+        if out32 is not None:
+            out.copy_(out32)
 
 
 def decode(
@@ -283,15 +317,17 @@ def decode(
 ) -> None:
     """Decode attention of B sequences (one query each) into ``out``; requires `available()`.
 
-    q, out: [B, num_heads, head_dim] float32 CPU (q's rows may be strided, out contiguous);
-    k_flat, v_flat: [num_slots, num_kv_heads, head_dim]; shared_slots: [P] int64, the keys every
-    sequence starts with (P may be 0); tail_slots: [B, max_tail] int64, then each sequence's own
-    keys, tail_lens[b] (int32, 1 .. max_tail) of them.
+    q, out: [B, num_heads, head_dim] CPU (q's rows may be strided, out contiguous); k_flat,
+    v_flat: [num_slots, num_kv_heads, head_dim] (dtypes as for `attend`); shared_slots: [P]
+    int64, the keys every sequence starts with (P may be 0); tail_slots: [B, max_tail] int64,
+    then each sequence's own keys, tail_lens[b] (int32, 1 .. max_tail) of them.
     """
     kernel = _kernel_or_raise()
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, max_tail = k_flat.shape[1], tail_slots.shape[1]
-    _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], _DECODE_CHUNK, "decode")
+    threads = torch.get_num_threads()
+    chunk = decode_chunk(num_seqs, num_kv_heads, threads)
+    _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], chunk, "decode")
     if not (
         tail_lens.dtype == torch.int32
         and tail_lens.is_contiguous()
@@ -301,25 +337,44 @@ def decode(
         raise ValueError("native decode: unsupported shapes, strides or dtypes")
     if int(tail_lens.min()) < 1 or int(tail_lens.max()) > max_tail:
         raise ValueError("native decode: tail lengths out of range")
-    threads = torch.get_num_threads()
     shared = shared_slots.shape[0]
     scratch = torch.empty(
         kernel.decode_scratch_floats(
-            shared, max_tail, num_heads, num_kv_heads, head_dim, _DECODE_CHUNK, threads
+            shared, max_tail, num_heads, num_kv_heads, head_dim, chunk, threads
         ),
         dtype=torch.float32,
     )
-    kernel.decode(
-        q.data_ptr(), q.stride(0), k_flat.data_ptr(), v_flat.data_ptr(), shared_slots.data_ptr(),
-        shared, tail_slots.data_ptr(), tail_lens.data_ptr(), max_tail, out.data_ptr(),
-        scratch.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, scale, _DECODE_CHUNK,
-        threads, kernel.sgemm, kernel.set_threads,
+    function = kernel.decode_kv16 if k_flat.dtype == torch.bfloat16 else kernel.decode
+    wide = q.dtype == torch.bfloat16  # widened here, the outputs rounded back after
+    q32, out32 = (q.float(), torch.empty(q.shape)) if wide else (q, out)
+    function(
+        q32.data_ptr(), q32.stride(0), k_flat.data_ptr(), v_flat.data_ptr(),
+        shared_slots.data_ptr(), shared, tail_slots.data_ptr(), tail_lens.data_ptr(), max_tail,
+        out32.data_ptr(), scratch.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, scale,
+        chunk, threads, kernel.sgemm, kernel.set_threads,
     )  # fmt: skip
+    if wide:
+        out.copy_(out32)
+
+
+def decode_chunk(num_seqs: int, num_kv_heads: int, threads: int) -> int:
+    """Sequences per decode work item (16, 8 or 4): the work items are kv heads x chunks of
+    sequences, and the busiest thread's rows should be fewest, e.g. 16 sequences over 3 kv heads
+    on 2 threads: chunks of 8 (6 items, 3 per thread; chunks of 16 leave one thread 2 of 3).
+    Ties go to the larger chunk (larger GEMMs)."""
+    best, best_rows = MAX_DECODE_CHUNK, -1
+    for chunk in (MAX_DECODE_CHUNK, MAX_DECODE_CHUNK // 2, MAX_DECODE_CHUNK // 4):
+        items = num_kv_heads * -(-num_seqs // chunk)
+        rows = -(-items // threads) * min(chunk, num_seqs)
+        if best_rows < 0 or rows < best_rows:
+            best, best_rows = chunk, rows
+    return best
 
 
 @functools.cache
 def available() -> bool:
-    """True when the kernel builds here and matches a float64 reference (checked once)."""
+    """True when the kernel builds here and matches a float64 reference, over float32 and
+    bfloat16 caches (checked once)."""
     if _kernel() is None:
         return False
     gen = torch.Generator().manual_seed(0)
@@ -328,15 +383,18 @@ def available() -> bool:
     v_flat = torch.randn(80, kv_heads, dim, generator=gen)
     slots = torch.randperm(80, generator=gen)[: context + new]
     q = torch.randn(new, heads, dim, generator=gen)
-    out = torch.empty_like(q)
-    attend(q, k_flat, v_flat, slots, dim**-0.5, out)
-    keys = k_flat[slots].double().repeat_interleave(heads // kv_heads, 1)  # [S, heads, dim]
-    values = v_flat[slots].double().repeat_interleave(heads // kv_heads, 1)
-    scores = torch.einsum("thd,shd->hts", q.double(), keys) * dim**-0.5
-    visible = torch.arange(context + new) <= (torch.arange(new) + context).unsqueeze(1)
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    ref = torch.einsum("hts,shd->thd", probs, values)
-    ok = torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    ok = True
+    for dtype in _KV_DTYPES:
+        k, v = k_flat.to(dtype), v_flat.to(dtype)
+        out = torch.empty_like(q)
+        attend(q, k, v, slots, dim**-0.5, out)
+        keys = k[slots].double().repeat_interleave(heads // kv_heads, 1)  # [S, heads, dim]
+        values = v[slots].double().repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("thd,shd->hts", q.double(), keys) * dim**-0.5
+        visible = torch.arange(context + new) <= (torch.arange(new) + context).unsqueeze(1)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        ref = torch.einsum("hts,shd->thd", probs, values)
+        ok = ok and torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
     if not ok:
         log.warning("native attention off: its probe disagrees with the reference")
     return ok

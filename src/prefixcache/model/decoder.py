@@ -65,10 +65,12 @@ class RMSNorm(nn.Module):
 
 
 class Projection(nn.Linear):
-    """``nn.Linear`` that can also multiply through an MKL-packed copy of its weight.
+    """``nn.Linear`` that can also multiply through a packed copy of its weight.
 
-    ``pack()`` (CPU float32 with MKL only) keeps a `PackedWeight` next to the parameter; forward
-    then uses it for 2-D float32 input of any row count. Same parameters and state dict as
+    ``pack()`` (CPU) keeps a packed copy next to the parameter: a float32 weight MKL's
+    `PackedWeight` or oneDNN's, a bfloat16 weight oneDNN's (bfloat16 products, float32
+    accumulation: the same bits as ``F.linear``, faster at every row count). Forward then uses
+    it for 2-D input of the weight's dtype and any row count. Same parameters and state dict as
     ``nn.Linear``; the packed copy is dropped, never used stale, once the weight is replaced or
     modified in place.
     """
@@ -80,14 +82,21 @@ class Projection(nn.Linear):
         self._packed_from = (0, -1)  # (data_ptr, version) of the weight that was packed
 
     def pack(self, enable: bool = True, onednn: bool = False) -> bool:
-        """Keep a packed copy of the current weight (or drop it): MKL's, or with ``onednn``
-        oneDNN's (`onednn_gemm`); False where neither applies (not a float32 CPU weight)."""
+        """Keep a packed copy of the current weight (or drop it): for float32 MKL's, or with
+        ``onednn`` oneDNN's (`onednn_gemm`); for bfloat16 always oneDNN's. False where none
+        applies (not a float32 or bfloat16 CPU weight, or the library is missing)."""
         self.packed = self.onednn = None
         weight = self.weight
-        if not enable or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if not enable or weight.device.type != "cpu":
             return False
-        if onednn and onednn_gemm.available():
+        if weight.dtype == torch.bfloat16:
+            onednn = True
+        elif weight.dtype != torch.float32:
+            return False
+        if onednn and onednn_gemm.available(weight.dtype):
             self.onednn = OneDnnWeight.pack(weight)
+        elif weight.dtype == torch.bfloat16:
+            return False
         elif packed_gemm.available():
             self.packed = PackedWeight.pack(weight)
         else:
@@ -96,7 +105,7 @@ class Projection(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+        if x.dim() == 2 and x.dtype == self.weight.dtype and x.device.type == "cpu":
             packed = self.current_packed()  # also drops a stale oneDNN copy
             if packed is not None:
                 return packed.matmul(x, self.bias)
@@ -247,13 +256,15 @@ class CausalLM(nn.Module):
         ]
 
     def prepare_cpu_projections(self, pack: bool = True) -> None:
-        """CPU float32 only: lay each projection weight out for MKL's sgemm (no-op elsewhere).
+        """CPU only: float32 weights laid out for MKL's sgemm, and with ``pack`` every
+        projection's packed copy (`Projection.pack`; no-op elsewhere).
 
-        Each weight [out, in] becomes a view of its contiguous transpose [in, out], so that
-        ``x @ W^T`` hands sgemm an untransposed right operand (same values, shapes and names);
-        that is the layout ``F.linear`` uses where packed GEMM is off or unavailable. With
-        ``pack``, each also keeps an MKL-packed copy (`Projection.pack`), which is faster still;
-        so does the LM head (its weight left as it is: it may be the embedding's).
+        Each float32 weight [out, in] becomes a view of its contiguous transpose [in, out], so
+        that ``x @ W^T`` hands sgemm an untransposed right operand (same values, shapes and
+        names); that is the layout ``F.linear`` uses where packed GEMM is off or unavailable.
+        With ``pack``, each also keeps a packed copy, which is faster still (float32: MKL's or,
+        where a start-up timing finds it faster, oneDNN's; bfloat16: oneDNN's); so does the LM
+        head (its weight left as it is: it may be the embedding's).
         """
         mlp = self.model.layers[0].mlp.gate_up_proj if self.model.layers else None
         onednn = (pack and mlp is not None and mlp.weight.device.type == "cpu"
@@ -261,9 +272,9 @@ class CausalLM(nn.Module):
                   and onednn_gemm.prefer_onednn(mlp.in_features, mlp.out_features))
         for linear in self.projections():
             weight = linear.weight
-            if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            if weight.device.type != "cpu":
                 continue
-            if weight.is_contiguous():
+            if weight.dtype == torch.float32 and weight.is_contiguous():
                 weight.data = weight.data.t().contiguous().t()
             linear.pack(pack, onednn)
         self.lm_head.pack(pack, onednn)

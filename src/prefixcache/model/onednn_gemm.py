@@ -1,5 +1,5 @@
-"""Projection weights prepacked for oneDNN's GEMM (CPU, float32), and the choice between it and
-MKL's packed GEMM, measured at start-up on the model's own projection shape.
+"""Projection weights prepacked for oneDNN's GEMM (CPU, float32 or bfloat16), and for float32
+the choice between it and MKL's packed GEMM, measured at start-up on the model's own shape.
 
 Which library multiplies fastest depends on the CPU, not the model: the MKL inside torch picks
 its kernels by vendor, and on AMD's full-width AVX-512 cores (Zen 5) its float32 GEMM runs at
@@ -7,7 +7,9 @@ about half the rate oneDNN reaches (figures in docs/performance.md). Where MKL i
 its packed GEMM also lets the compiled whole-layer steps run (they call it from C,
 `fused_layers`). `prefer_onednn` therefore times both on one projection of the model (a few
 milliseconds, once per shape and process) and takes oneDNN only where it is clearly faster.
-``PREFIXCACHE_ONEDNN_LINEAR=1`` or ``=0`` forces the choice.
+``PREFIXCACHE_ONEDNN_LINEAR=1`` or ``=0`` forces the choice. A bfloat16 weight has no MKL
+alternative: its prepacked copy gives the same bits as ``F.linear`` (which calls oneDNN too),
+without re-laying out the weight on every call, so it is always used where it runs.
 
 oneDNN's prepacked weight is an opaque tensor (``torch.ops.mkldnn._reorder_linear_weight``) that
 ``torch.ops.mkldnn._linear_pointwise`` multiplies for any row count; a one-time probe against
@@ -37,8 +39,9 @@ MIN_SPEEDUP = 1.25
 
 @dataclass(slots=True, eq=False)
 class OneDnnWeight:
-    """A float32 linear weight [out, in] prepacked for oneDNN; ``matmul(x, bias)`` equals
-    ``F.linear(x, weight, bias)`` up to float rounding, for 2-D ``x`` of any row count."""
+    """A linear weight [out, in] (float32 or bfloat16) prepacked for oneDNN; ``matmul(x, bias)``
+    equals ``F.linear(x, weight, bias)`` up to float rounding, for 2-D ``x`` of the weight's
+    dtype and any row count."""
 
     packed: torch.Tensor
     out_features: int
@@ -58,12 +61,15 @@ class OneDnnWeight:
 
 
 @functools.cache
-def available() -> bool:
-    """True when oneDNN's prepacked linear runs here and matches ``F.linear`` (probed once)."""
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when oneDNN's prepacked linear runs here for ``dtype`` and matches ``F.linear``
+    (probed once per dtype)."""
     if not torch.backends.mkldnn.is_available():
         return False
+    # bfloat16: the same products as F.linear; the tolerance covers a rounding step of 2^-8
+    tol = 1e-4 if dtype == torch.float32 else 2**-7
     try:
-        return packed_gemm.agrees_with_linear(OneDnnWeight.pack, 1e-4)
+        return packed_gemm.agrees_with_linear(OneDnnWeight.pack, tol, dtype)
     except (RuntimeError, AttributeError):  # an op missing from this torch build
         return False
 

@@ -146,16 +146,18 @@ def available() -> bool:
     return _cblas() is not None and agrees_with_linear(PackedWeight.pack, 1e-5)
 
 
-def agrees_with_linear(pack: Callable[[torch.Tensor], Any], tol: float) -> bool:
+def agrees_with_linear(
+    pack: Callable[[torch.Tensor], Any], tol: float, dtype: torch.dtype = torch.float32
+) -> bool:
     """A one-time probe: ``pack(weight).matmul(x, bias)`` equals ``F.linear`` within ``tol`` at
-    the row counts that take different kernel paths."""
+    the row counts that take different kernel paths (weights and inputs in ``dtype``)."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(67, 45, generator=gen)
-    bias = torch.randn(67, generator=gen)
+    weight = torch.randn(67, 45, generator=gen).to(dtype)
+    bias = torch.randn(67, generator=gen).to(dtype)
     packed = pack(weight)
     for rows in (1, 3, 64, 130):
-        x = torch.randn(rows, 45, generator=gen)
-        ref = F.linear(x, weight, bias)
-        if not torch.allclose(packed.matmul(x, bias), ref, rtol=tol, atol=tol):
+        x = torch.randn(rows, 45, generator=gen).to(dtype)
+        ref = F.linear(x, weight, bias).float()
+        if not torch.allclose(packed.matmul(x, bias).float(), ref, rtol=tol, atol=tol):
             return False
     return True

@@ -71,26 +71,38 @@ static float softmax_row(float *row, int visible, int width, float scale) {
     return 1.0f / sum;
 }
 
+/* D values of a cache row as floats: copied, or widened from bfloat16 (a bfloat16's bits are
+ * the high half of the float it stands for, so widening is exact; GCC vectorises the loop) */
+static inline void load_row(float *dst, const void *cache, int64_t index, int D, int bf16) {
+    if (!bf16) {
+        memcpy(dst, (const float *)cache + index, (size_t)D * sizeof(float));
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)cache + index;
+    uint32_t *bits = (uint32_t *)dst;
+    for (int d = 0; d < D; d++) bits[d] = (uint32_t)src[d] << 16;
+}
+
 /* Inside a parallel region: K and V of positions 0 .. n - 1 (slots[]) gathered head-major,
  * k_heads[h] and v_heads[h] each [n, D] in position order; ends with the team's barrier. */
-static void gather_heads(const float *k_cache, const float *v_cache, const int64_t *slots,
-                         int n, int KV, int D, float *k_heads, float *v_heads) {
+static void gather_heads(const void *k_cache, const void *v_cache, const int64_t *slots, int n,
+                         int KV, int D, int bf16, float *k_heads, float *v_heads) {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < (int64_t)KV * n; i++) {
         const int64_t h = i / n, j = i % n;
         const int64_t src = (slots[j] * KV + h) * D, dst = (h * n + j) * D;
-        memcpy(k_heads + dst, k_cache + src, D * sizeof(float));
-        memcpy(v_heads + dst, v_cache + src, D * sizeof(float));
+        load_row(k_heads + dst, k_cache, src, D, bf16);
+        load_row(v_heads + dst, v_cache, src, D, bf16);
     }
 }
 
 /* K and V of head h at positions 0 .. n - 1 (slots[]) into k_out, v_out, each [n, D]. */
-static void gather_head(const float *k_cache, const float *v_cache, const int64_t *slots, int n,
-                        int KV, int D, int h, float *k_out, float *v_out) {
+static void gather_head(const void *k_cache, const void *v_cache, const int64_t *slots, int n,
+                        int KV, int D, int bf16, int h, float *k_out, float *v_out) {
     for (int64_t j = 0; j < n; j++) {
         const int64_t src = (slots[j] * KV + h) * D;
-        memcpy(k_out + j * D, k_cache + src, D * sizeof(float));
-        memcpy(v_out + j * D, v_cache + src, D * sizeof(float));
+        load_row(k_out + j * D, k_cache, src, D, bf16);
+        load_row(v_out + j * D, v_cache, src, D, bf16);
     }
 }
 
@@ -175,7 +187,8 @@ static inline int64_t panel_floats(int rows) {
 /* Floats of per-thread scratch `direct_head` needs for tiles of tile_rows rows. */
 static int64_t direct_floats(int tile_rows) {
     const int64_t ld = (tile_rows + LANES - 1) / LANES * LANES;
-    return KEY_BLOCK * ld + GROUP_TILES * (panel_floats(tile_rows) + ld * DIRECT_HEAD_DIM);
+    return KEY_BLOCK * ld + GROUP_TILES * (panel_floats(tile_rows) + ld * DIRECT_HEAD_DIM) +
+           2 * KEY_BLOCK * DIRECT_HEAD_DIM; /* a bfloat16 cache's key block, widened */
 }
 
 static inline vfloat load_vec(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
@@ -357,21 +370,32 @@ static __attribute__((noinline)) void pv_block(const float *st, int ld, int rows
     for (; r0 < rows; r0++) pv_tile(st, ld, r0, 0, nk, v_rows, o, first, 1);
 }
 
-/* All of kv head h's new tokens, GROUP_TILES tiles at a time: each key block in turn through
- * every tile of the group. buf: direct_floats(G * tile_tokens). */
-static void direct_head(const float *q, int64_t q_row_stride, const float *k_cache,
-                        const float *v_cache, const int64_t *slots, float *out, int C, int T,
-                        int tile_tokens, int h, int H, int KV, int G, float scale, float *buf) {
+static const int64_t BLOCK_ROWS[KEY_BLOCK] = {
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+    16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+};
+
+/* New tokens g0 .. g1 - 1 of kv head h, `group` tiles (<= GROUP_TILES) at a time: each key
+ * block in turn through every tile of the group. buf: direct_floats(G * tile_tokens). A
+ * bfloat16 cache's key block is widened into buf first, once for the group's tiles (16 KB,
+ * in L1), and read from there. */
+static void direct_tiles(const float *q, int64_t q_row_stride, const void *k_cache,
+                         const void *v_cache, int bf16, const int64_t *slots, float *out, int C,
+                         int T, int g0_begin, int g1, int group, int tile_tokens, int h, int H,
+                         int KV, int G, float scale, float *buf) {
     enum { D = DIRECT_HEAD_DIM };
-    const struct head_rows hr = {k_cache + (int64_t)h * D, v_cache + (int64_t)h * D, slots, (int64_t)KV * D};
+    const struct head_rows hr = {(const float *)k_cache + (int64_t)h * D,
+                                 (const float *)v_cache + (int64_t)h * D, slots, (int64_t)KV * D};
     const int tile_rows = G * tile_tokens, tile_ld = (tile_rows + LANES - 1) / LANES * LANES;
     float *st = buf, *qts = st + (int64_t)KEY_BLOCK * tile_ld;
     float *os = qts + GROUP_TILES * panel_floats(tile_rows);
+    float *k_wide = os + (int64_t)GROUP_TILES * tile_ld * D, *v_wide = k_wide + KEY_BLOCK * D;
+    const struct head_rows wide = {k_wide, v_wide, BLOCK_ROWS, D};
     struct tile_state tiles[GROUP_TILES];
     const float *v_rows[KEY_BLOCK];
-    for (int g0 = 0; g0 < T; g0 += GROUP_TILES * tile_tokens) {
+    for (int g0 = g0_begin; g0 < g1; g0 += group * tile_tokens) {
         int nt = 0;
-        for (int t0 = g0; t0 < T && nt < GROUP_TILES; t0 += tile_tokens, nt++) {
+        for (int t0 = g0; t0 < g1 && nt < group; t0 += tile_tokens, nt++) {
             struct tile_state *ts = &tiles[nt];
             ts->m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
             ts->t0 = t0, ts->rows = G * ts->m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
@@ -398,15 +422,29 @@ static void direct_head(const float *q, int64_t q_row_stride, const float *k_cac
         const int keys = tiles[nt - 1].keys; /* the group's last tile sees the most */
         for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
             const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
-            for (int j = 0; j < block; j++) v_rows[j] = v_row(&hr, b0 + j);
+            if (bf16)
+                for (int j = 0; j < block; j++) {
+                    const int64_t src = (slots[b0 + j] * KV + h) * D;
+                    load_row(k_wide + j * D, k_cache, src, D, 1);
+                    load_row(v_wide + j * D, v_cache, src, D, 1);
+                    v_rows[j] = v_wide + j * D;
+                }
+            else
+                for (int j = 0; j < block; j++) v_rows[j] = v_row(&hr, b0 + j);
             for (int t = 0; t < nt; t++) {
                 struct tile_state *ts = &tiles[t];
                 if (b0 >= ts->keys) continue;
                 const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
                 const int next = b0 + KEY_BLOCK, next_n = t == 0 && next < keys ? (keys - next < KEY_BLOCK ? keys - next : KEY_BLOCK) : 0;
-                qk_block(&hr, b0, nk, ts->keys, ts->qt, ts->ld, st);
+                if (bf16)
+                    qk_block(&wide, 0, nk, nk, ts->qt, ts->ld, st);
+                else
+                    qk_block(&hr, b0, nk, ts->keys, ts->qt, ts->ld, st);
                 softmax_block(st, b0, nk, ts, scale);
-                pv_block(st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, &hr, next, next_n);
+                if (bf16)
+                    pv_block(st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, &wide, 0, 0);
+                else
+                    pv_block(st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, &hr, next, next_n);
             }
         }
         for (int t = 0; t < nt; t++) {
@@ -420,15 +458,34 @@ static void direct_head(const float *q, int64_t q_row_stride, const float *k_cac
     }
 }
 #else
+#define GROUP_TILES 1
 static inline int direct_applies(int D, int tile_rows) { (void)D; (void)tile_rows; return 0; }
 static int64_t direct_floats(int tile_rows) { (void)tile_rows; return 0; }
-static void direct_head(const float *q, int64_t q_row_stride, const float *k_cache,
-                        const float *v_cache, const int64_t *slots, float *out, int C, int T,
-                        int tile_tokens, int h, int H, int KV, int G, float scale, float *buf) {
-    (void)q, (void)q_row_stride, (void)k_cache, (void)v_cache, (void)slots, (void)out, (void)C;
-    (void)T, (void)tile_tokens, (void)h, (void)H, (void)KV, (void)G, (void)scale, (void)buf;
+static void direct_tiles(const float *q, int64_t q_row_stride, const void *k_cache,
+                         const void *v_cache, int bf16, const int64_t *slots, float *out, int C,
+                         int T, int g0_begin, int g1, int group, int tile_tokens, int h, int H,
+                         int KV, int G, float scale, float *buf) {
+    (void)q, (void)q_row_stride, (void)k_cache, (void)v_cache, (void)bf16, (void)slots;
+    (void)out, (void)C;
+    (void)T, (void)g0_begin, (void)g1, (void)group, (void)tile_tokens, (void)h, (void)H;
+    (void)KV, (void)G, (void)scale, (void)buf;
 }
 #endif
+
+/* Tiles per work item of the direct path: the most (up to GROUP_TILES, which share each key
+ * block's K/V rows) for which kv heads x items per head spread evenly over the threads. E.g.
+ * 3 kv heads of 4 tiles on 2 threads: items of 2 tiles (6 items, 3 per thread) rather than
+ * whole heads (2 heads on one thread, 1 on the other). */
+static int direct_group(int KV, int num_tiles, int nthreads) {
+    int best = 1;
+    int64_t best_cost = -1;
+    for (int group = 1; group <= GROUP_TILES && group <= num_tiles; group++) {
+        const int64_t items = (int64_t)KV * ((num_tiles + group - 1) / group);
+        const int64_t cost = (items + nthreads - 1) / nthreads * group; /* tiles on the busiest */
+        if (best_cost < 0 || cost <= best_cost) best = group, best_cost = cost;
+    }
+    return best;
+}
 
 /* Floats of scratch one thread of `pc_attention` works in: the stacked queries, outputs and
  * scores of one tile, or what `direct_head` needs, whichever is more. */
@@ -445,8 +502,7 @@ int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthr
            (int64_t)nthreads * per_thread_floats(S, H / KV, D, tile_tokens);
 }
 
-/* q: [T, H, D] with rows q_row_stride floats apart (heads and D contiguous); k_cache, v_cache:
- * [num_slots, KV, D]; slots: [S]; out: [T, H, D] contiguous; scratch: pc_scratch_floats.
+/* The prefill kernel; `bf16`: the caches hold bfloat16 (else float32).
  *
  * Two ways to split the work. In general the team gathers every head's K and V once, then work
  * item = (kv head, tile): many items of varying size (the causal triangle) for dynamic
@@ -457,17 +513,19 @@ int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthr
  * splitting a head's tiles between threads balanced worse than the shared gather (10-15% slower
  * at 2,048 over 4,096 keys), so those keep the shared one. Where `direct_applies` (AVX-512,
  * head_dim 64), that per-head split reads the cache directly instead of gathering. */
-void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
-                  const float *v_cache, const int64_t *slots, float *out, float *scratch, int T,
-                  int S, int H, int KV, int D, float scale, int tile_tokens, int nthreads,
-                  sgemm_fn sgemm, set_threads_fn set_threads) {
+static void attention(const float *q, int64_t q_row_stride, const void *k_cache,
+                      const void *v_cache, int bf16, const int64_t *slots, float *out,
+                      float *scratch, int T, int S, int H, int KV, int D, float scale,
+                      int tile_tokens, int nthreads, sgemm_fn sgemm, set_threads_fn set_threads) {
     const int G = H / KV, C = S - T;
     const int num_tiles = (T + tile_tokens - 1) / tile_tokens;
     const int64_t head_floats = (int64_t)S * D, tile_rows = (int64_t)G * tile_tokens;
     float *kv_buffers = scratch;
     float *per_thread = scratch + 2 * kv_copies(KV, nthreads) * head_floats;
     const int local = C >= T && local_heads(KV, nthreads);
-    const int direct = local && direct_applies(D, (int)tile_rows);
+    const int direct = C >= T && direct_applies(D, (int)tile_rows);
+    const int group = direct ? direct_group(KV, num_tiles, nthreads) : 1;
+    const int groups_per_head = (num_tiles + group - 1) / group;
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -478,14 +536,18 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
         float *scores = stacked_out + tile_rows * D;
         if (direct) {
 #pragma omp for schedule(dynamic, 1)
-            for (int h = 0; h < KV; h++)
-                direct_head(q, q_row_stride, k_cache, v_cache, slots, out, C, T, tile_tokens, h,
-                            H, KV, G, scale, stacked_q);
+            for (int item = 0; item < KV * groups_per_head; item++) {
+                const int h = item / groups_per_head, span = group * tile_tokens;
+                const int g0 = item % groups_per_head * span;
+                direct_tiles(q, q_row_stride, k_cache, v_cache, bf16, slots, out, C, T, g0,
+                             T - g0 < span ? T : g0 + span, group, tile_tokens, h, H, KV, G,
+                             scale, stacked_q);
+            }
         } else if (local) {
             float *k_h = kv_buffers + 2 * thread * head_floats, *v_h = k_h + head_floats;
 #pragma omp for schedule(dynamic, 1)
             for (int h = 0; h < KV; h++) {
-                gather_head(k_cache, v_cache, slots, S, KV, D, h, k_h, v_h);
+                gather_head(k_cache, v_cache, slots, S, KV, D, bf16, h, k_h, v_h);
                 for (int tile = 0; tile < num_tiles; tile++) {
                     const int t0 = tile * tile_tokens;
                     const int m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
@@ -495,7 +557,7 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
             }
         } else {
             float *k_heads = kv_buffers, *v_heads = kv_buffers + KV * head_floats;
-            gather_heads(k_cache, v_cache, slots, S, KV, D, k_heads, v_heads);
+            gather_heads(k_cache, v_cache, slots, S, KV, D, bf16, k_heads, v_heads);
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < KV * num_tiles; item++) {
                 const int h = item / num_tiles, t0 = (item % num_tiles) * tile_tokens;
@@ -509,11 +571,34 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
     }
 }
 
-/* Which split `pc_attention` uses for these sizes: 0 the shared gather, 1 a gather per kv head,
- * 2 per kv head straight from the cache. */
-int pc_attention_path(int T, int S, int H, int KV, int D, int tile_tokens, int nthreads) {
-    const int local = S - T >= T && local_heads(KV, nthreads);
-    return local ? 1 + direct_applies(D, (H / KV) * tile_tokens) : 0;
+/* q: [T, H, D] with rows q_row_stride floats apart (heads and D contiguous); k_cache, v_cache:
+ * [num_slots, KV, D] float32; slots: [S]; out: [T, H, D] contiguous; scratch:
+ * pc_scratch_floats. The queries, scores and outputs are float32 in both entry points. */
+void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
+                  const float *v_cache, const int64_t *slots, float *out, float *scratch, int T,
+                  int S, int H, int KV, int D, float scale, int tile_tokens, int nthreads,
+                  sgemm_fn sgemm, set_threads_fn set_threads) {
+    attention(q, q_row_stride, k_cache, v_cache, 0, slots, out, scratch, T, S, H, KV, D, scale,
+              tile_tokens, nthreads, sgemm, set_threads);
+}
+
+/* pc_attention over bfloat16 caches: K and V widened to float32 as they are gathered */
+void pc_attention_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_cache,
+                       const uint16_t *v_cache, const int64_t *slots, float *out,
+                       float *scratch, int T, int S, int H, int KV, int D, float scale,
+                       int tile_tokens, int nthreads, sgemm_fn sgemm,
+                       set_threads_fn set_threads) {
+    attention(q, q_row_stride, k_cache, v_cache, 1, slots, out, scratch, T, S, H, KV, D, scale,
+              tile_tokens, nthreads, sgemm, set_threads);
+}
+
+/* Which split the prefill kernel uses for these sizes: 0 the shared gather, 1 a gather per kv
+ * head, 2 per kv head straight from the cache (float32 caches only). */
+int pc_attention_path(int T, int S, int H, int KV, int D, int tile_tokens, int nthreads,
+                      int bf16) {
+    (void)bf16; /* both cache dtypes take the same splits */
+    if (S - T >= T && direct_applies(D, (H / KV) * tile_tokens)) return 2;
+    return S - T >= T && local_heads(KV, nthreads);
 }
 
 /* Floats of scratch `pc_decode` needs: shared K and V per kv head (or per thread, whichever is
@@ -529,8 +614,9 @@ int64_t pc_decode_scratch_floats(int shared, int max_tail, int H, int KV, int D,
 
 /* One work item of `pc_decode`: sequences b0 .. b0 + nb - 1, kv head h, whose shared keys are
  * k_h, v_h ([shared, D], gathered); per-thread buffers as pc_decode_scratch_floats lays out. */
-static void decode_item(const float *q, int64_t q_row_stride, const float *k_cache,
-                        const float *v_cache, const float *k_h, const float *v_h, int shared,
+static void decode_item(const float *q, int64_t q_row_stride, const void *k_cache,
+                        const void *v_cache, int bf16, const float *k_h, const float *v_h,
+                        int shared,
                         const int64_t *tail_slots, const int *tail_lens, int max_tail,
                         float *out, int b0, int nb, int h, int H, int KV, int G, int D,
                         float scale, float *stacked_q, float *stacked_out, float *scores,
@@ -550,7 +636,7 @@ static void decode_item(const float *q, int64_t q_row_stride, const float *k_cac
         const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
         for (int j = 0; j < len; j++) {
             const int64_t src = (slots[j] * KV + h) * D;
-            memcpy(k_tail + (int64_t)j * D, k_cache + src, D * sizeof(float));
+            load_row(k_tail + (int64_t)j * D, k_cache, src, D, bf16);
         }
         float *row0 = scores + (int64_t)b * G * width;
         sgemm("T", "N", &len, &g_rows, &ld, &one, k_tail, &ld, stacked_q + (int64_t)b * G * D,
@@ -568,7 +654,7 @@ static void decode_item(const float *q, int64_t q_row_stride, const float *k_cac
         const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
         for (int j = 0; j < len; j++) {
             const int64_t src = (slots[j] * KV + h) * D;
-            memcpy(v_tail + (int64_t)j * D, v_cache + src, D * sizeof(float));
+            load_row(v_tail + (int64_t)j * D, v_cache, src, D, bf16);
         }
         sgemm("N", "N", &ld, &g_rows, &len, &one, v_tail, &ld,
               scores + (int64_t)b * G * width + shared, &ldw, &one,
@@ -590,11 +676,11 @@ static void decode_item(const float *q, int64_t q_row_stride, const float *k_cac
  * As in pc_attention, where each thread gets whole kv heads, the thread gathers the shared keys
  * of the head it works on into its own buffer (read from L2 by that head's chunks); otherwise
  * the team gathers every head's once. */
-void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
-               const int64_t *shared_slots, int shared, const int64_t *tail_slots,
-               const int *tail_lens, int max_tail, float *out, float *scratch, int B, int H,
-               int KV, int D, float scale, int chunk, int nthreads, sgemm_fn sgemm,
-               set_threads_fn set_threads) {
+static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
+                   const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
+                   const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
+                   float *scratch, int B, int H, int KV, int D, float scale, int chunk,
+                   int nthreads, sgemm_fn sgemm, set_threads_fn set_threads) {
     const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
     const int64_t head_floats = (int64_t)shared * D, chunk_rows = (int64_t)G * chunk;
     const int width = shared + max_tail;
@@ -616,20 +702,20 @@ void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const
             float *k_h = kv_buffers + 2 * thread * head_floats, *v_h = k_h + head_floats;
 #pragma omp for schedule(dynamic, 1)
             for (int h = 0; h < KV; h++) {
-                gather_head(k_cache, v_cache, shared_slots, shared, KV, D, h, k_h, v_h);
+                gather_head(k_cache, v_cache, shared_slots, shared, KV, D, bf16, h, k_h, v_h);
                 for (int b0 = 0; b0 < B; b0 += chunk)
-                    decode_item(q, q_row_stride, k_cache, v_cache, k_h, v_h, shared, tail_slots,
+                    decode_item(q, q_row_stride, k_cache, v_cache, bf16, k_h, v_h, shared, tail_slots,
                                 tail_lens, max_tail, out, b0, B - b0 < chunk ? B - b0 : chunk,
                                 h, H, KV, G, D, scale, stacked_q, stacked_out, scores, k_tail,
                                 v_tail, sgemm);
             }
         } else {
             float *k_shared = kv_buffers, *v_shared = kv_buffers + KV * head_floats;
-            gather_heads(k_cache, v_cache, shared_slots, shared, KV, D, k_shared, v_shared);
+            gather_heads(k_cache, v_cache, shared_slots, shared, KV, D, bf16, k_shared, v_shared);
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < KV * num_chunks; item++) {
                 const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
-                decode_item(q, q_row_stride, k_cache, v_cache, k_shared + h * head_floats,
+                decode_item(q, q_row_stride, k_cache, v_cache, bf16, k_shared + h * head_floats,
                             v_shared + h * head_floats, shared, tail_slots, tail_lens, max_tail,
                             out, b0, B - b0 < chunk ? B - b0 : chunk, h, H, KV, G, D, scale,
                             stacked_q, stacked_out, scores, k_tail, v_tail, sgemm);
@@ -637,4 +723,23 @@ void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const
         }
         set_threads(previous);
     }
+}
+
+void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+               const int64_t *shared_slots, int shared, const int64_t *tail_slots,
+               const int *tail_lens, int max_tail, float *out, float *scratch, int B, int H,
+               int KV, int D, float scale, int chunk, int nthreads, sgemm_fn sgemm,
+               set_threads_fn set_threads) {
+    decode(q, q_row_stride, k_cache, v_cache, 0, shared_slots, shared, tail_slots, tail_lens,
+           max_tail, out, scratch, B, H, KV, D, scale, chunk, nthreads, sgemm, set_threads);
+}
+
+/* pc_decode over bfloat16 caches (queries and outputs float32) */
+void pc_decode_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_cache,
+                    const uint16_t *v_cache, const int64_t *shared_slots, int shared,
+                    const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
+                    float *scratch, int B, int H, int KV, int D, float scale, int chunk,
+                    int nthreads, sgemm_fn sgemm, set_threads_fn set_threads) {
+    decode(q, q_row_stride, k_cache, v_cache, 1, shared_slots, shared, tail_slots, tail_lens,
+           max_tail, out, scratch, B, H, KV, D, scale, chunk, nthreads, sgemm, set_threads);
 }
