@@ -212,6 +212,8 @@ def test_rejects_input_it_would_misread() -> None:
 def test_decode_equals_reference(
     kv_heads, group, head_dim, num_seqs, shared, max_tail, threads, dtypes, seed
 ) -> None:  # noqa: ANN001
+    # head_dim 64 on an AVX-512 build: the shared keys by the direct path's key blocks (no
+    # gather), each tail folded into the rows' running max and sums after them
     gen = torch.Generator().manual_seed(seed)
     heads, num_slots = kv_heads * group, shared + num_seqs * max_tail + 11
     k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])

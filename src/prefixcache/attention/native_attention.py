@@ -10,13 +10,15 @@ multiplies by V and normalises the output rows; the GEMMs are the sgemm of the M
 libtorch, single-threaded inside the kernel's OpenMP team (torch's own libgomp). After a cache
 hit (more context than new tokens), where each thread gets whole kv heads, each thread gathers
 the K/V of the head it works on, so its tiles read them from L2. With AVX-512 and head_dim 64,
-that per-head split skips the gather: register-tiled loops read K and V straight from the cache
-(`prefill_path` says which split a call takes). Figures: docs/performance.md.
+the direct path skips the gather: register-tiled loops read K and V straight from the cache
+(`prefill_path` says which split a call takes), and decode steps read their shared prefix the
+same way. Figures: docs/performance.md.
 
 A bfloat16 cache is widened to float32 as its rows are gathered (exact: a bfloat16 is the high
 half of a float), so a bfloat16 model's attention runs at float32 precision while reading half
 the bytes; its bfloat16 queries are widened before the call and the outputs rounded back after
-it (round to nearest even, as torch rounds). The direct path reads float32 caches only.
+it (round to nearest even, as torch rounds). The direct path widens a bfloat16 cache one
+32-key block at a time, into a buffer that stays in L1.
 
 `available()` is False, and callers keep the torch paths, when there is no compiler, no MKL in
 libtorch (ARM, macOS), the build or load fails, a one-time probe disagrees with the torch

@@ -375,6 +375,99 @@ static const int64_t BLOCK_ROWS[KEY_BLOCK] = {
     16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
 };
 
+/* Where a work item's tiles live in its buffer (direct_floats): the scores of one key block,
+ * GROUP_TILES Q^T panels and output sums, and a bfloat16 cache's key block, widened. */
+struct direct_buf {
+    float *st, *qts, *os, *k_wide, *v_wide;
+    int tile_ld;
+};
+
+static struct direct_buf direct_layout(float *buf, int tile_rows) {
+    struct direct_buf b;
+    b.tile_ld = (tile_rows + LANES - 1) / LANES * LANES;
+    b.st = buf, b.qts = b.st + (int64_t)KEY_BLOCK * b.tile_ld;
+    b.os = b.qts + GROUP_TILES * panel_floats(tile_rows);
+    b.k_wide = b.os + (int64_t)GROUP_TILES * b.tile_ld * DIRECT_HEAD_DIM;
+    b.v_wide = b.k_wide + KEY_BLOCK * DIRECT_HEAD_DIM;
+    return b;
+}
+
+/* Tile `slot` of the buffer: rows r = g * m + t, query head h * G + g of token t0 + t (its
+ * queries at q + (t0 + t) * q_row_stride), seeing keys 0 .. open + t - 1 of `keys` (causal
+ * past `open`; open == keys: every row sees every key). */
+static void tile_begin(struct tile_state *ts, const struct direct_buf *b, int slot, int tile_rows,
+                       const float *q, int64_t q_row_stride, int t0, int m, int open, int keys,
+                       int h, int G) {
+    enum { D = DIRECT_HEAD_DIM };
+    ts->m = m, ts->t0 = t0, ts->rows = G * m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
+    ts->open = open, ts->keys = keys;
+    ts->qt = b->qts + slot * panel_floats(tile_rows), ts->o = b->os + (int64_t)slot * b->tile_ld * D;
+    for (int r = 0; r < ts->ld; r++) {
+        float *dst = ts->qt + (int64_t)(r / PANEL) * D * PANEL + r % PANEL;
+        if (r >= ts->rows) { /* padding rows: zero queries, scores unused */
+            for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = 0.0f;
+            continue;
+        }
+        const float *src = q + (int64_t)(t0 + r % m) * q_row_stride + (int64_t)(h * G + r / m) * D;
+        for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = src[d];
+    }
+    for (int v = 0; v < ts->ld / LANES; v++) {
+        ts->max[v] = splat(-INFINITY);
+        ts->sum[v] = (vfloat){0};
+        for (int l = 0; l < LANES; l++) {
+            const int r = v * LANES + l;
+            ts->last[v][l] = (float)(r < ts->rows ? open + r % m : keys - 1);
+        }
+    }
+}
+
+/* Every key block of kv head h (rows through hr) in turn through the nt tiles. */
+static void tiles_over_keys(struct tile_state *tiles, int nt, const struct head_rows *hr,
+                            const struct direct_buf *b, const void *k_cache,
+                            const void *v_cache, int bf16, int KV, int h, float scale) {
+    enum { D = DIRECT_HEAD_DIM };
+    const struct head_rows wide = {b->k_wide, b->v_wide, BLOCK_ROWS, D};
+    const float *v_rows[KEY_BLOCK];
+    const int keys = tiles[nt - 1].keys; /* the last tile sees the most */
+    for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
+        const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
+        if (bf16)
+            for (int j = 0; j < block; j++) {
+                const int64_t src = (hr->slots[b0 + j] * KV + h) * D;
+                load_row(b->k_wide + j * D, k_cache, src, D, 1);
+                load_row(b->v_wide + j * D, v_cache, src, D, 1);
+                v_rows[j] = b->v_wide + j * D;
+            }
+        else
+            for (int j = 0; j < block; j++) v_rows[j] = v_row(hr, b0 + j);
+        for (int t = 0; t < nt; t++) {
+            struct tile_state *ts = &tiles[t];
+            if (b0 >= ts->keys) continue;
+            const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
+            const int next = b0 + KEY_BLOCK, next_n = t == 0 && next < keys ? (keys - next < KEY_BLOCK ? keys - next : KEY_BLOCK) : 0;
+            if (bf16)
+                qk_block(&wide, 0, nk, nk, ts->qt, ts->ld, b->st);
+            else
+                qk_block(hr, b0, nk, ts->keys, ts->qt, ts->ld, b->st);
+            softmax_block(b->st, b0, nk, ts, scale);
+            if (bf16)
+                pv_block(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, &wide, 0, 0);
+            else
+                pv_block(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, hr, next, next_n);
+        }
+    }
+}
+
+/* The tile's normalised rows into out [tokens, H, D] */
+static void tile_end(const struct tile_state *ts, float *out, int h, int H, int G) {
+    enum { D = DIRECT_HEAD_DIM };
+    for (int r = 0; r < ts->rows; r++) {
+        const float f = 1.0f / ts->sum[r / LANES][r % LANES];
+        float *dst = out + ((int64_t)(ts->t0 + r % ts->m) * H + h * G + r / ts->m) * D;
+        for (int d = 0; d < D; d++) dst[d] = ts->o[(int64_t)r * D + d] * f;
+    }
+}
+
 /* New tokens g0 .. g1 - 1 of kv head h, `group` tiles (<= GROUP_TILES) at a time: each key
  * block in turn through every tile of the group. buf: direct_floats(G * tile_tokens). A
  * bfloat16 cache's key block is widened into buf first, once for the group's tiles (16 KB,
@@ -386,76 +479,79 @@ static void direct_tiles(const float *q, int64_t q_row_stride, const void *k_cac
     enum { D = DIRECT_HEAD_DIM };
     const struct head_rows hr = {(const float *)k_cache + (int64_t)h * D,
                                  (const float *)v_cache + (int64_t)h * D, slots, (int64_t)KV * D};
-    const int tile_rows = G * tile_tokens, tile_ld = (tile_rows + LANES - 1) / LANES * LANES;
-    float *st = buf, *qts = st + (int64_t)KEY_BLOCK * tile_ld;
-    float *os = qts + GROUP_TILES * panel_floats(tile_rows);
-    float *k_wide = os + (int64_t)GROUP_TILES * tile_ld * D, *v_wide = k_wide + KEY_BLOCK * D;
-    const struct head_rows wide = {k_wide, v_wide, BLOCK_ROWS, D};
+    const int tile_rows = G * tile_tokens;
+    const struct direct_buf b = direct_layout(buf, tile_rows);
     struct tile_state tiles[GROUP_TILES];
-    const float *v_rows[KEY_BLOCK];
     for (int g0 = g0_begin; g0 < g1; g0 += group * tile_tokens) {
         int nt = 0;
         for (int t0 = g0; t0 < g1 && nt < group; t0 += tile_tokens, nt++) {
-            struct tile_state *ts = &tiles[nt];
-            ts->m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
-            ts->t0 = t0, ts->rows = G * ts->m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
-            ts->open = C + t0, ts->keys = C + t0 + ts->m;
-            ts->qt = qts + nt * panel_floats(tile_rows), ts->o = os + (int64_t)nt * tile_ld * D;
-            for (int r = 0; r < ts->ld; r++) {
-                float *dst = ts->qt + (int64_t)(r / PANEL) * D * PANEL + r % PANEL;
-                if (r >= ts->rows) { /* padding rows: zero queries, scores unused */
-                    for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = 0.0f;
-                    continue;
-                }
-                const float *src = q + (int64_t)(t0 + r % ts->m) * q_row_stride + (int64_t)(h * G + r / ts->m) * D;
-                for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = src[d];
-            }
-            for (int v = 0; v < ts->ld / LANES; v++) {
-                ts->max[v] = splat(-INFINITY);
-                ts->sum[v] = (vfloat){0};
-                for (int l = 0; l < LANES; l++) {
-                    const int r = v * LANES + l;
-                    ts->last[v][l] = (float)(r < ts->rows ? ts->open + r % ts->m : ts->keys - 1);
-                }
-            }
+            const int m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
+            tile_begin(&tiles[nt], &b, nt, tile_rows, q, q_row_stride, t0, m, C + t0, C + t0 + m,
+                       h, G);
         }
-        const int keys = tiles[nt - 1].keys; /* the group's last tile sees the most */
-        for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
-            const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
-            if (bf16)
-                for (int j = 0; j < block; j++) {
-                    const int64_t src = (slots[b0 + j] * KV + h) * D;
-                    load_row(k_wide + j * D, k_cache, src, D, 1);
-                    load_row(v_wide + j * D, v_cache, src, D, 1);
-                    v_rows[j] = v_wide + j * D;
-                }
-            else
-                for (int j = 0; j < block; j++) v_rows[j] = v_row(&hr, b0 + j);
-            for (int t = 0; t < nt; t++) {
-                struct tile_state *ts = &tiles[t];
-                if (b0 >= ts->keys) continue;
-                const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
-                const int next = b0 + KEY_BLOCK, next_n = t == 0 && next < keys ? (keys - next < KEY_BLOCK ? keys - next : KEY_BLOCK) : 0;
-                if (bf16)
-                    qk_block(&wide, 0, nk, nk, ts->qt, ts->ld, st);
-                else
-                    qk_block(&hr, b0, nk, ts->keys, ts->qt, ts->ld, st);
-                softmax_block(st, b0, nk, ts, scale);
-                if (bf16)
-                    pv_block(st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, &wide, 0, 0);
-                else
-                    pv_block(st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, &hr, next, next_n);
-            }
-        }
-        for (int t = 0; t < nt; t++) {
-            const struct tile_state *ts = &tiles[t];
-            for (int r = 0; r < ts->rows; r++) {
-                const float f = 1.0f / ts->sum[r / LANES][r % LANES];
-                float *dst = out + ((int64_t)(ts->t0 + r % ts->m) * H + h * G + r / ts->m) * D;
-                for (int d = 0; d < D; d++) dst[d] = ts->o[(int64_t)r * D + d] * f;
-            }
-        }
+        tiles_over_keys(tiles, nt, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
+        for (int t = 0; t < nt; t++) tile_end(&tiles[t], out, h, H, G);
     }
+}
+
+/* Decode sequences b0 .. b0 + nb - 1 of kv head h as one tile (rows g * nb + b): the shared
+ * keys (shared_slots) straight from the cache, in key blocks as above, then each sequence's own
+ * tail keys (gathered into k_tail, v_tail; one small GEMM each for scores and values) folded
+ * into its rows' running max, sum and output sums. buf: direct_floats(G * nb). */
+static void direct_decode(const float *q, int64_t q_row_stride, const void *k_cache,
+                          const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
+                          const int64_t *tail_slots, const int *tail_lens, int max_tail,
+                          float *out, int b0, int nb, int h, int H, int KV, int G, float scale,
+                          float *buf, float *k_tail, float *v_tail, float *tail_scores,
+                          sgemm_fn sgemm) {
+    enum { D = DIRECT_HEAD_DIM };
+    const struct head_rows hr = {(const float *)k_cache + (int64_t)h * D,
+                                 (const float *)v_cache + (int64_t)h * D, shared_slots,
+                                 (int64_t)KV * D};
+    const struct direct_buf b = direct_layout(buf, G * nb);
+    struct tile_state ts;
+    tile_begin(&ts, &b, 0, G * nb, q, q_row_stride, b0, nb, shared, shared, h, G);
+    tiles_over_keys(&ts, 1, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
+    const float one = 1.0f, zero = 0.0f;
+    int ld = D, g_rows = G, ldo = nb * D;
+    for (int t = 0; t < nb; t++) {
+        int len = tail_lens[b0 + t];
+        const int64_t *slots = tail_slots + (int64_t)(b0 + t) * max_tail;
+        for (int j = 0; j < len; j++) {
+            const int64_t src = (slots[j] * KV + h) * D;
+            load_row(k_tail + (int64_t)j * D, k_cache, src, D, bf16);
+            load_row(v_tail + (int64_t)j * D, v_cache, src, D, bf16);
+        }
+        /* scores [G, len] (column-major [len, G]) = q rows of sequence b0 + t, K_tail^T */
+        sgemm("T", "N", &len, &g_rows, &ld, &one, k_tail, &ld,
+              q + (int64_t)(b0 + t) * q_row_stride + (int64_t)h * G * D, &ld, &zero,
+              tail_scores, &len);
+        for (int g = 0; g < G; g++) {
+            const int r = g * nb + t;
+            float *sc = tail_scores + (int64_t)g * len, *o = ts.o + (int64_t)r * D;
+            const float old = ts.max[r / LANES][r % LANES];
+            float mx = old;
+            for (int j = 0; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
+            vfloat x = {0};
+            x[0] = (old - mx) * scale;
+            const float alpha = exp_nonpositive(x)[0];
+            float sum = ts.sum[r / LANES][r % LANES] * alpha;
+            for (int d = 0; d < D; d++) o[d] *= alpha;
+            for (int j = 0; j < len; j += LANES) { /* the tail's weights, LANES at a time */
+                const int lanes = len - j < LANES ? len - j : LANES;
+                vfloat w = {0};
+                memcpy(&w, sc + j, (size_t)lanes * sizeof(float));
+                w = exp_nonpositive((w - mx) * scale);
+                for (int l = 0; l < lanes; l++) sum += w[l];
+                memcpy(sc + j, &w, (size_t)lanes * sizeof(float));
+            }
+            ts.max[r / LANES][r % LANES] = mx, ts.sum[r / LANES][r % LANES] = sum;
+        }
+        /* output sums of its G rows (column-major [D, G], rows nb apart) += V_tail^T P^T */
+        sgemm("N", "N", &ld, &g_rows, &len, &one, v_tail, &ld, tail_scores, &len, &one,
+              ts.o + (int64_t)t * D, &ldo);
+    }
+    tile_end(&ts, out, h, H, G);
 }
 #else
 #define GROUP_TILES 1
@@ -469,6 +565,17 @@ static void direct_tiles(const float *q, int64_t q_row_stride, const void *k_cac
     (void)out, (void)C;
     (void)T, (void)g0_begin, (void)g1, (void)group, (void)tile_tokens, (void)h, (void)H;
     (void)KV, (void)G, (void)scale, (void)buf;
+}
+static void direct_decode(const float *q, int64_t q_row_stride, const void *k_cache,
+                          const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
+                          const int64_t *tail_slots, const int *tail_lens, int max_tail,
+                          float *out, int b0, int nb, int h, int H, int KV, int G, float scale,
+                          float *buf, float *k_tail, float *v_tail, float *tail_scores,
+                          sgemm_fn sgemm) {
+    (void)q, (void)q_row_stride, (void)k_cache, (void)v_cache, (void)bf16, (void)shared_slots;
+    (void)shared, (void)tail_slots, (void)tail_lens, (void)max_tail, (void)out, (void)b0;
+    (void)nb, (void)h, (void)H, (void)KV, (void)G, (void)scale, (void)buf, (void)k_tail;
+    (void)v_tail, (void)tail_scores, (void)sgemm;
 }
 #endif
 
@@ -604,12 +711,22 @@ int pc_attention_path(int T, int S, int H, int KV, int D, int tile_tokens, int n
 /* Floats of scratch `pc_decode` needs: shared K and V per kv head (or per thread, whichever is
  * more), then per thread the stacked queries and outputs of one chunk, its scores, and one
  * tail's K and V. */
+static inline int decode_direct(int shared, int G, int D, int chunk) {
+    return shared > 0 && direct_applies(D, G * chunk);
+}
+
+static int64_t decode_thread_floats(int shared, int max_tail, int G, int D, int chunk) {
+    const int64_t rows = (int64_t)G * chunk;
+    if (decode_direct(shared, G, D, chunk)) /* its tile, one tail's K and V, the tail scores */
+        return direct_floats((int)rows) + (2 * (int64_t)D + G) * max_tail;
+    return rows * (2 * (int64_t)D + shared + max_tail) + 2 * (int64_t)max_tail * D;
+}
+
 int64_t pc_decode_scratch_floats(int shared, int max_tail, int H, int KV, int D, int chunk,
                                  int nthreads) {
-    const int64_t rows = (int64_t)(H / KV) * chunk;
-    const int64_t per_thread = rows * (2 * (int64_t)D + shared + max_tail) +
-                               2 * (int64_t)max_tail * D;
-    return 2 * kv_copies(KV, nthreads) * shared * D + (int64_t)nthreads * per_thread;
+    const int G = H / KV;
+    const int64_t gathered = decode_direct(shared, G, D, chunk) ? 0 : 2 * kv_copies(KV, nthreads) * (int64_t)shared * D;
+    return gathered + (int64_t)nthreads * decode_thread_floats(shared, max_tail, G, D, chunk);
 }
 
 /* One work item of `pc_decode`: sequences b0 .. b0 + nb - 1, kv head h, whose shared keys are
@@ -673,9 +790,12 @@ static void decode_item(const float *q, int64_t q_row_stride, const void *k_cach
  * max_tail ..]). q: [B, H, D] with rows q_row_stride floats apart; out: [B, H, D] contiguous.
  * Work item = (kv head, chunk of `chunk` sequences): their G query heads stacked, one GEMM over
  * the shared keys for all of them, small GEMMs per tail, one softmax per row over both parts.
- * As in pc_attention, where each thread gets whole kv heads, the thread gathers the shared keys
- * of the head it works on into its own buffer (read from L2 by that head's chunks); otherwise
- * the team gathers every head's once. */
+ * Where `direct_applies` (AVX-512, head_dim 64) the shared keys are read straight from the
+ * cache by the direct path's key-block loops (`direct_decode`: no gather, and the register
+ * tiles run near the GEMM's rate), each tail folded in after them. Otherwise, as in
+ * pc_attention, where each thread gets whole kv heads, the thread gathers the shared keys of
+ * the head it works on into its own buffer (read from L2 by that head's chunks), or the team
+ * gathers every head's once. */
 static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
                    const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
                    const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
@@ -684,10 +804,10 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
     const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
     const int64_t head_floats = (int64_t)shared * D, chunk_rows = (int64_t)G * chunk;
     const int width = shared + max_tail;
+    const int direct = decode_direct(shared, G, D, chunk);
     float *kv_buffers = scratch;
-    float *per_thread = scratch + 2 * kv_copies(KV, nthreads) * head_floats;
-    const int64_t thread_floats =
-        chunk_rows * (2 * (int64_t)D + width) + 2 * (int64_t)max_tail * D;
+    float *per_thread = scratch + (direct ? 0 : 2 * kv_copies(KV, nthreads) * head_floats);
+    const int64_t thread_floats = decode_thread_floats(shared, max_tail, G, D, chunk);
     const int local = shared > 0 && local_heads(KV, nthreads);
 
 #pragma omp parallel num_threads(nthreads)
@@ -698,7 +818,18 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
         float *stacked_out = stacked_q + chunk_rows * D;
         float *scores = stacked_out + chunk_rows * D;
         float *k_tail = scores + chunk_rows * width, *v_tail = k_tail + (int64_t)max_tail * D;
-        if (local) {
+        if (direct) {
+            float *tile = per_thread + thread * thread_floats;
+            float *k_one = tile + direct_floats((int)chunk_rows), *v_one = k_one + (int64_t)max_tail * D;
+#pragma omp for schedule(dynamic, 1)
+            for (int item = 0; item < KV * num_chunks; item++) {
+                const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
+                direct_decode(q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
+                              tail_slots, tail_lens, max_tail, out, b0,
+                              B - b0 < chunk ? B - b0 : chunk, h, H, KV, G, scale, tile, k_one,
+                              v_one, v_one + (int64_t)max_tail * D, sgemm);
+            }
+        } else if (local) {
             float *k_h = kv_buffers + 2 * thread * head_floats, *v_h = k_h + head_floats;
 #pragma omp for schedule(dynamic, 1)
             for (int h = 0; h < KV; h++) {
