@@ -143,10 +143,10 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
         }
 }
 
-/* ---- After a cache hit, straight from the paged cache (AVX-512, head_dim 64) ----------------
+/* ---- Straight from the paged cache (AVX-512, head_dim 64) ------------------------------------
  *
  * The paths above gather a head's K and V into a buffer that MKL then copies again into its
- * packed panels. After a cache hit the gather is paid for few queries. Here register-tiled
+ * packed panels (after a cache hit the gather is paid for few queries). Here register-tiled
  * loops read the cache directly, one key row at a time through `slots`, in blocks of 32 keys
  * with an online softmax (a running max and sum per row; the output sums rescaled when a row's
  * max grows), the way FlashAttention does on GPUs.
@@ -611,15 +611,18 @@ int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthr
 
 /* The prefill kernel; `bf16`: the caches hold bfloat16 (else float32).
  *
- * Two ways to split the work. In general the team gathers every head's K and V once, then work
+ * Where `direct_applies` (AVX-512, head_dim 64, at most 256 stacked rows per tile), with or
+ * without cached context: work item = a run of one kv head's tiles (`direct_group`), reading the
+ * cache directly; it runs near the GEMMs' rate, about twice the gathering paths' on a fresh
+ * 2,048-token prefill (figures: docs/performance.md). Otherwise two ways to split the work.
+ * In general the team gathers every head's K and V once, then work
  * item = (kv head, tile): many items of varying size (the causal triangle) for dynamic
  * scheduling. After a cache hit (C >= T) with whole heads per thread (KV a multiple of the
  * thread count), work item = kv head instead, and the thread gathers that head's keys into its
  * own buffer, which its few tiles then read from L2 rather than from wherever a shared gather
  * left them (8% less time at 128 new tokens over 2,048 keys). With fewer heads than that (MQA),
  * splitting a head's tiles between threads balanced worse than the shared gather (10-15% slower
- * at 2,048 over 4,096 keys), so those keep the shared one. Where `direct_applies` (AVX-512,
- * head_dim 64), that per-head split reads the cache directly instead of gathering. */
+ * at 2,048 over 4,096 keys), so those keep the shared one. */
 static void attention(const float *q, int64_t q_row_stride, const void *k_cache,
                       const void *v_cache, int bf16, const int64_t *slots, float *out,
                       float *scratch, int T, int S, int H, int KV, int D, float scale,
@@ -630,7 +633,7 @@ static void attention(const float *q, int64_t q_row_stride, const void *k_cache,
     float *kv_buffers = scratch;
     float *per_thread = scratch + 2 * kv_copies(KV, nthreads) * head_floats;
     const int local = C >= T && local_heads(KV, nthreads);
-    const int direct = C >= T && direct_applies(D, (int)tile_rows);
+    const int direct = direct_applies(D, (int)tile_rows);
     const int group = direct ? direct_group(KV, num_tiles, nthreads) : 1;
     const int groups_per_head = (num_tiles + group - 1) / group;
 
@@ -704,7 +707,7 @@ void pc_attention_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_c
 int pc_attention_path(int T, int S, int H, int KV, int D, int tile_tokens, int nthreads,
                       int bf16) {
     (void)bf16; /* both cache dtypes take the same splits */
-    if (S - T >= T && direct_applies(D, (H / KV) * tile_tokens)) return 2;
+    if (direct_applies(D, (H / KV) * tile_tokens)) return 2;
     return S - T >= T && local_heads(KV, nthreads);
 }
 
