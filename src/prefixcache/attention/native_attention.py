@@ -85,9 +85,10 @@ class _Kernel:
         decode += [ctypes.c_float, _I, _I, _P, _P]
         # by the caches' dtype: float32, bfloat16 (widened as gathered)
         self.attention = _bind(library, "pc_attention", None, attention)
-        self.attention_kv16 = _bind(library, "pc_attention_kv16", None, attention)
         self.decode = _bind(library, "pc_decode", None, decode)
-        self.decode_kv16 = _bind(library, "pc_decode_kv16", None, decode)
+        # ... over bfloat16 caches, with a last flag: bfloat16 products (bfloat16 queries)
+        self.attention_kv16 = _bind(library, "pc_attention_kv16", None, [*attention, _I])
+        self.decode_kv16 = _bind(library, "pc_decode_kv16", None, [*decode, _I])
         self.scratch_floats = _bind(library, "pc_scratch_floats", _I64, [_I] * 6)
         self.decode_scratch_floats = _bind(library, "pc_decode_scratch_floats", _I64, [_I] * 7)
         self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 8)
@@ -259,10 +260,12 @@ class PreparedAttend:
         self.scratch, self._slots = scratch, slots
         self._sizes = (num_tokens, seq_len, num_heads, num_kv_heads, head_dim)
         self._signature = self.signature(q, k_flat, v_flat, out)
-        kv16 = k_flat.dtype == torch.bfloat16
-        self._function = kernel.attention_kv16 if kv16 else kernel.attention
         # bfloat16 queries: widened before each call, the float32 outputs rounded back after
         self._out32 = torch.empty(q.shape) if q.dtype == torch.bfloat16 else None
+        self._extra: tuple[int, ...] = ()
+        self._function = kernel.attention
+        if k_flat.dtype == torch.bfloat16:
+            self._function, self._extra = kernel.attention_kv16, (int(self._out32 is not None),)
 
     @staticmethod
     def signature(
@@ -301,7 +304,7 @@ class PreparedAttend:
             q.data_ptr(), q.stride(0), k_flat.data_ptr(), v_flat.data_ptr(),
             self._slots.data_ptr(), (out if out32 is None else out32).data_ptr(),
             self.scratch.data_ptr(), *self._sizes, scale, TILE_TOKENS, self._threads,
-            kernel.sgemm, kernel.set_threads,
+            kernel.sgemm, kernel.set_threads, *self._extra,
         )  # fmt: skip
         if out32 is not None:
             out.copy_(out32)
@@ -346,14 +349,16 @@ def decode(
         ),
         dtype=torch.float32,
     )
-    function = kernel.decode_kv16 if k_flat.dtype == torch.bfloat16 else kernel.decode
     wide = q.dtype == torch.bfloat16  # widened here, the outputs rounded back after
+    function, extra = kernel.decode, ()
+    if k_flat.dtype == torch.bfloat16:
+        function, extra = kernel.decode_kv16, (int(wide),)
     q32, out32 = (q.float(), torch.empty(q.shape)) if wide else (q, out)
     function(
         q32.data_ptr(), q32.stride(0), k_flat.data_ptr(), v_flat.data_ptr(),
         shared_slots.data_ptr(), shared, tail_slots.data_ptr(), tail_lens.data_ptr(), max_tail,
         out32.data_ptr(), scratch.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, scale,
-        chunk, threads, kernel.sgemm, kernel.set_threads,
+        chunk, threads, kernel.sgemm, kernel.set_threads, *extra,
     )  # fmt: skip
     if wide:
         out.copy_(out32)

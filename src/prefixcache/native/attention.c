@@ -71,6 +71,9 @@ static float softmax_row(float *row, int visible, int width, float scale) {
     return 1.0f / sum;
 }
 
+/* What the caches hold and how the direct path multiplies them (the `bf16` arguments) */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_BF16_PRODUCTS = 2 };
+
 /* D values of a cache row as floats: copied, or widened from bfloat16 (a bfloat16's bits are
  * the high half of the float it stands for, so widening is exact; GCC vectorises the loop) */
 static inline void load_row(float *dst, const void *cache, int64_t index, int D, int bf16) {
@@ -188,7 +191,8 @@ static inline int64_t panel_floats(int rows) {
 static int64_t direct_floats(int tile_rows) {
     const int64_t ld = (tile_rows + LANES - 1) / LANES * LANES;
     return KEY_BLOCK * ld + GROUP_TILES * (panel_floats(tile_rows) + ld * DIRECT_HEAD_DIM) +
-           2 * KEY_BLOCK * DIRECT_HEAD_DIM; /* a bfloat16 cache's key block, widened */
+           2 * KEY_BLOCK * DIRECT_HEAD_DIM /* a bfloat16 cache's key block, widened */
+           + KEY_BLOCK / 2 * (ld + DIRECT_HEAD_DIM); /* or its probabilities and V, paired */
 }
 
 static inline vfloat load_vec(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
@@ -296,6 +300,13 @@ struct tile_state {
     vfloat max[MAX_TILE_VECS], sum[MAX_TILE_VECS], last[MAX_TILE_VECS];
 };
 
+/* x where the rows of vector v see key `key`, else 0 */
+static inline vfloat seen_only(vfloat x, int key, const struct tile_state *ts, int v) {
+    if (key < ts->open) return x;
+    const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)key), (__m512)ts->last[v], _CMP_LE_OQ);
+    return (vfloat)_mm512_maskz_mov_ps(seen, (__m512)x);
+}
+
 /* The block's scores st [nk, ld] (keys b0 ..) become exp(scale * (s - max)), with max the
  * row's running max updated by this block (0 for keys the row does not see); the running sums
  * and, where a row's max grew, its output sums so far are rescaled to the new max. */
@@ -328,10 +339,13 @@ static __attribute__((noinline)) void softmax_block(float *st, int b0, int nk,
         }
         ts->max[v] = mx;
         const vfloat shift = mx * -scale;
+        /* two independent chains, keys alternating between them in every block, masked or
+         * not: a row's sum is then the same whichever tile it falls in (where its tile starts
+         * decides which blocks are masked), so a row's result does not depend on the batch */
         vfloat sum0 = {0}, sum1 = {0};
         int j = 0;
         if (!masked)
-            for (; j + 2 <= nk; j += 2) { /* two independent chains */
+            for (; j + 2 <= nk; j += 2) {
                 float *a = col + (int64_t)j * ld, *b = a + ld;
                 const vfloat x0 = exp_nonpositive(load_vec(a) * scale + shift);
                 const vfloat x1 = exp_nonpositive(load_vec(b) * scale + shift);
@@ -340,13 +354,19 @@ static __attribute__((noinline)) void softmax_block(float *st, int b0, int nk,
                 sum0 += x0;
                 sum1 += x1;
             }
-        for (; j < nk; j++) {
-            float *a = col + (int64_t)j * ld;
-            vfloat x = exp_nonpositive(load_vec(a) * scale + shift);
-            if (b0 + j >= ts->open) {
-                const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(b0 + j)), (__m512)ts->last[v], _CMP_LE_OQ);
-                x = (vfloat)_mm512_maskz_mov_ps(seen, (__m512)x);
+        else
+            for (; j + 2 <= nk; j += 2) {
+                float *a = col + (int64_t)j * ld, *b = a + ld;
+                const vfloat x0 = seen_only(exp_nonpositive(load_vec(a) * scale + shift), b0 + j, ts, v);
+                const vfloat x1 = seen_only(exp_nonpositive(load_vec(b) * scale + shift), b0 + j + 1, ts, v);
+                store_vec(a, x0);
+                store_vec(b, x1);
+                sum0 += x0;
+                sum1 += x1;
             }
+        if (j < nk) {
+            float *a = col + (int64_t)j * ld;
+            const vfloat x = seen_only(exp_nonpositive(load_vec(a) * scale + shift), b0 + j, ts, v);
             store_vec(a, x);
             sum0 += x;
         }
@@ -370,6 +390,171 @@ static __attribute__((noinline)) void pv_block(const float *st, int ld, int rows
     for (; r0 < rows; r0++) pv_tile(st, ld, r0, 0, nk, v_rows, o, first, 1);
 }
 
+#ifdef __AVX512BF16__
+/* ---- bfloat16 products (AVX512_BF16): a bfloat16 model's attention ------------------------
+ *
+ * With bfloat16 queries and caches, vdpbf16ps multiplies pairs of bfloat16 values and adds both
+ * products to a float32 lane: twice the multiply-adds per instruction of the float32 loops
+ * above, and K rows read as they are stored. QK^T pairs adjacent dimensions: Q^T panels hold
+ * (q[r][2p], q[r][2p + 1]) in lane r of row p ([D/2][PANEL] 32-bit lanes), a K row's pair p is
+ * one broadcast 32-bit load. P V pairs adjacent keys: the probabilities (float32 after the
+ * softmax, rounded to bfloat16 here, as bfloat16 FlashAttention kernels do) and the block's V
+ * rows are interleaved two keys at a time. Scores, softmax and output sums stay float32. */
+#define DOT16 1
+
+typedef uint16_t bf16_t;
+
+/* lane l of the result: a[l] in the low half, b[l] in the high half (a, b: 16 bfloat16 each) */
+static inline __m512i interleave16(__m256i a, __m256i b) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+}
+
+/* float32 -> bfloat16, round to nearest even (the values are finite) */
+static inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+static inline bf16_t to_bf16_1(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bf16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline const bf16_t *k_row16(const struct head_rows *hr, int j) {
+    return (const bf16_t *)hr->k + hr->slots[j] * hr->stride;
+}
+static inline const bf16_t *v_row16(const struct head_rows *hr, int j) {
+    return (const bf16_t *)hr->v + hr->slots[j] * hr->stride;
+}
+
+/* st[i][0 .. 16 nv) = sum_p k_rows[i] pair p . qp[p][0 .. 16 nv) */
+static inline __attribute__((always_inline)) void qk_tile16(const bf16_t *const *k_rows,
+                                                            const uint32_t *qp, int ldq,
+                                                            float *st, int lds, int nk, int nv) {
+    __m512 acc[QK_KEYS][QK_VECS];
+    for (int i = 0; i < nk; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = _mm512_setzero_ps();
+    for (int p = 0; p < DIRECT_HEAD_DIM / 2; p++) {
+        __m512bh b[QK_VECS];
+        for (int v = 0; v < nv; v++)
+            b[v] = (__m512bh)_mm512_loadu_si512(qp + (int64_t)p * ldq + v * LANES);
+        for (int i = 0; i < nk; i++) {
+            int32_t pair;
+            memcpy(&pair, k_rows[i] + 2 * p, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < nv; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, b[v]);
+        }
+    }
+    for (int i = 0; i < nk; i++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(st + (int64_t)i * lds + v * LANES, acc[i][v]);
+}
+
+static void qk_keys16(const bf16_t *const *k_rows, const uint32_t *qp, int ld, float *st, int nk,
+                      int nvec) {
+    enum { PANEL_LANES = DIRECT_HEAD_DIM / 2 * PANEL };
+    int v = 0;
+    for (; v + QK_VECS <= nvec; v += QK_VECS) {
+        const uint32_t *panel = qp + (int64_t)(v / QK_VECS) * PANEL_LANES;
+        if (nk == QK_KEYS) qk_tile16(k_rows, panel, PANEL, st + v * LANES, ld, QK_KEYS, QK_VECS);
+        else qk_tile16(k_rows, panel, PANEL, st + v * LANES, ld, 1, QK_VECS);
+    }
+    for (; v < nvec; v++) {
+        const uint32_t *col = qp + (int64_t)(v / QK_VECS) * PANEL_LANES + v % QK_VECS * LANES;
+        if (nk == QK_KEYS) qk_tile16(k_rows, col, PANEL, st + v * LANES, ld, QK_KEYS, 1);
+        else qk_tile16(k_rows, col, PANEL, st + v * LANES, ld, 1, 1);
+    }
+}
+
+static __attribute__((noinline)) void qk_block16(const struct head_rows *hr, int b0, int nk,
+                                                 int keys, const uint32_t *qp, int ld,
+                                                 float *st) {
+    const bf16_t *k_rows[QK_KEYS];
+    int j = 0;
+    for (; j + QK_KEYS <= nk; j += QK_KEYS) {
+        for (int i = 0; i < QK_KEYS; i++) k_rows[i] = k_row16(hr, b0 + j + i);
+        if (b0 + j + 2 * QK_KEYS <= keys)
+            for (int i = 0; i < QK_KEYS; i++)
+                _mm_prefetch((const char *)k_row16(hr, b0 + j + QK_KEYS + i), _MM_HINT_T0),
+                _mm_prefetch((const char *)k_row16(hr, b0 + j + QK_KEYS + i) + 64, _MM_HINT_T0);
+        qk_keys16(k_rows, qp, ld, st + (int64_t)j * ld, QK_KEYS, ld / LANES);
+    }
+    for (; j < nk; j++) {
+        k_rows[0] = k_row16(hr, b0 + j);
+        qk_keys16(k_rows, qp, ld, st + (int64_t)j * ld, 1, ld / LANES);
+    }
+}
+
+/* The block's V rows b0 .. b0 + nk, two keys per 32-bit lane: vp[jp][d] = (V[2jp][d],
+ * V[2jp + 1][d]), a missing odd key as zeros. */
+static void pair_values(const struct head_rows *hr, int b0, int nk, uint32_t *vp) {
+    for (int jp = 0; 2 * jp < nk; jp++) {
+        const bf16_t *r0 = v_row16(hr, b0 + 2 * jp);
+        const bf16_t *r1 = 2 * jp + 1 < nk ? v_row16(hr, b0 + 2 * jp + 1) : NULL;
+        for (int k = 0; k < DIRECT_HEAD_DIM; k += LANES) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(r0 + k));
+            const __m256i b = r1 ? _mm256_loadu_si256((const __m256i *)(r1 + k)) : _mm256_setzero_si256();
+            _mm512_storeu_si512(vp + (int64_t)jp * DIRECT_HEAD_DIM + k, interleave16(a, b));
+        }
+    }
+}
+
+/* The block's probabilities st [nk, ld] as bfloat16 pairs of keys: pp[jp][r] = (P[2jp][r],
+ * P[2jp + 1][r]). */
+static void pair_probabilities(const float *st, int ld, int nk, uint32_t *pp) {
+    for (int jp = 0; 2 * jp < nk; jp++)
+        for (int v = 0; v < ld; v += LANES) {
+            const __m512 x0 = _mm512_loadu_ps(st + (int64_t)2 * jp * ld + v);
+            const __m512 x1 = 2 * jp + 1 < nk ? _mm512_loadu_ps(st + (int64_t)(2 * jp + 1) * ld + v)
+                                              : _mm512_setzero_ps();
+            _mm512_storeu_si512(pp + (int64_t)jp * ld + v, interleave16(to_bf16(x0), to_bf16(x1)));
+        }
+}
+
+static inline __attribute__((always_inline)) void pv_tile16(const uint32_t *pp, int ldp, int r0,
+                                                            int pairs, const uint32_t *vp,
+                                                            float *o, int first, int nr) {
+    enum { NV = DIRECT_HEAD_DIM / LANES };
+    __m512 acc[PV_ROWS][NV];
+    for (int i = 0; i < nr; i++)
+        for (int k = 0; k < NV; k++)
+            acc[i][k] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o + (int64_t)(r0 + i) * DIRECT_HEAD_DIM + k * LANES);
+    for (int jp = 0; jp < pairs; jp++) {
+        __m512bh row[NV];
+        for (int k = 0; k < NV; k++)
+            row[k] = (__m512bh)_mm512_loadu_si512(vp + (int64_t)jp * DIRECT_HEAD_DIM + k * LANES);
+        for (int i = 0; i < nr; i++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int32_t)pp[(int64_t)jp * ldp + r0 + i]);
+            for (int k = 0; k < NV; k++) acc[i][k] = _mm512_dpbf16_ps(acc[i][k], w, row[k]);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int k = 0; k < NV; k++)
+            _mm512_storeu_ps(o + (int64_t)(r0 + i) * DIRECT_HEAD_DIM + k * LANES, acc[i][k]);
+}
+
+static __attribute__((noinline)) void pv_block16(const uint32_t *pp, int ld, int rows, int nk,
+                                                 const uint32_t *vp, float *o, int first) {
+    const int pairs = (nk + 1) / 2;
+    int r0 = 0;
+    for (; r0 + PV_ROWS <= rows; r0 += PV_ROWS) pv_tile16(pp, ld, r0, pairs, vp, o, first, PV_ROWS);
+    for (; r0 < rows; r0++) pv_tile16(pp, ld, r0, pairs, vp, o, first, 1);
+}
+#else
+#define DOT16 0
+#endif
+
+/* kv head h's rows in caches of either dtype (k_row / v_row for float32, k_row16 / v_row16
+ * for bfloat16: the stride counts elements) */
+static struct head_rows head_of(const void *k_cache, const void *v_cache, int bf16,
+                                const int64_t *slots, int h, int KV) {
+    const int64_t offset = (int64_t)h * DIRECT_HEAD_DIM * (bf16 ? 2 : 4); /* bytes */
+    const struct head_rows hr = {(const float *)((const char *)k_cache + offset),
+                                 (const float *)((const char *)v_cache + offset), slots,
+                                 (int64_t)KV * DIRECT_HEAD_DIM};
+    return hr;
+}
+
 static const int64_t BLOCK_ROWS[KEY_BLOCK] = {
     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
     16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
@@ -379,6 +564,7 @@ static const int64_t BLOCK_ROWS[KEY_BLOCK] = {
  * GROUP_TILES Q^T panels and output sums, and a bfloat16 cache's key block, widened. */
 struct direct_buf {
     float *st, *qts, *os, *k_wide, *v_wide;
+    uint32_t *p_pairs, *v_pairs; /* bfloat16 products: P and V two keys per lane */
     int tile_ld;
 };
 
@@ -389,6 +575,8 @@ static struct direct_buf direct_layout(float *buf, int tile_rows) {
     b.os = b.qts + GROUP_TILES * panel_floats(tile_rows);
     b.k_wide = b.os + (int64_t)GROUP_TILES * b.tile_ld * DIRECT_HEAD_DIM;
     b.v_wide = b.k_wide + KEY_BLOCK * DIRECT_HEAD_DIM;
+    b.p_pairs = (uint32_t *)(b.v_wide + KEY_BLOCK * DIRECT_HEAD_DIM);
+    b.v_pairs = b.p_pairs + (int64_t)KEY_BLOCK / 2 * b.tile_ld;
     return b;
 }
 
@@ -397,11 +585,22 @@ static struct direct_buf direct_layout(float *buf, int tile_rows) {
  * past `open`; open == keys: every row sees every key). */
 static void tile_begin(struct tile_state *ts, const struct direct_buf *b, int slot, int tile_rows,
                        const float *q, int64_t q_row_stride, int t0, int m, int open, int keys,
-                       int h, int G) {
+                       int h, int G, int dot16) {
     enum { D = DIRECT_HEAD_DIM };
     ts->m = m, ts->t0 = t0, ts->rows = G * m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
     ts->open = open, ts->keys = keys;
     ts->qt = b->qts + slot * panel_floats(tile_rows), ts->o = b->os + (int64_t)slot * b->tile_ld * D;
+#if DOT16
+    if (dot16) /* Q^T panels of bfloat16 pairs: [D/2][PANEL] lanes per panel */
+        for (int r = 0; r < ts->ld; r++) {
+            uint32_t *dst = (uint32_t *)ts->qt + (int64_t)(r / PANEL) * (D / 2) * PANEL + r % PANEL;
+            const float *src = q + (int64_t)(t0 + r % m) * q_row_stride + (int64_t)(h * G + r / m) * D;
+            for (int p = 0; p < D / 2; p++)
+                dst[(int64_t)p * PANEL] = r >= ts->rows ? 0u : (uint32_t)to_bf16_1(src[2 * p]) |
+                                                         (uint32_t)to_bf16_1(src[2 * p + 1]) << 16;
+        }
+    else
+#endif
     for (int r = 0; r < ts->ld; r++) {
         float *dst = ts->qt + (int64_t)(r / PANEL) * D * PANEL + r % PANEL;
         if (r >= ts->rows) { /* padding rows: zero queries, scores unused */
@@ -429,6 +628,24 @@ static void tiles_over_keys(struct tile_state *tiles, int nt, const struct head_
     const struct head_rows wide = {b->k_wide, b->v_wide, BLOCK_ROWS, D};
     const float *v_rows[KEY_BLOCK];
     const int keys = tiles[nt - 1].keys; /* the last tile sees the most */
+#if DOT16
+    if (bf16 == KV_BF16_PRODUCTS) {
+        for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
+            const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
+            pair_values(hr, b0, block, b->v_pairs);
+            for (int t = 0; t < nt; t++) {
+                struct tile_state *ts = &tiles[t];
+                if (b0 >= ts->keys) continue;
+                const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
+                qk_block16(hr, b0, nk, ts->keys, (const uint32_t *)ts->qt, ts->ld, b->st);
+                softmax_block(b->st, b0, nk, ts, scale);
+                pair_probabilities(b->st, ts->ld, nk, b->p_pairs);
+                pv_block16(b->p_pairs, ts->ld, ts->rows, nk, b->v_pairs, ts->o, b0 == 0);
+            }
+        }
+        return;
+    }
+#endif
     for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
         const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
         if (bf16)
@@ -477,8 +694,7 @@ static void direct_tiles(const float *q, int64_t q_row_stride, const void *k_cac
                          int T, int g0_begin, int g1, int group, int tile_tokens, int h, int H,
                          int KV, int G, float scale, float *buf) {
     enum { D = DIRECT_HEAD_DIM };
-    const struct head_rows hr = {(const float *)k_cache + (int64_t)h * D,
-                                 (const float *)v_cache + (int64_t)h * D, slots, (int64_t)KV * D};
+    const struct head_rows hr = head_of(k_cache, v_cache, bf16, slots, h, KV);
     const int tile_rows = G * tile_tokens;
     const struct direct_buf b = direct_layout(buf, tile_rows);
     struct tile_state tiles[GROUP_TILES];
@@ -487,7 +703,7 @@ static void direct_tiles(const float *q, int64_t q_row_stride, const void *k_cac
         for (int t0 = g0; t0 < g1 && nt < group; t0 += tile_tokens, nt++) {
             const int m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
             tile_begin(&tiles[nt], &b, nt, tile_rows, q, q_row_stride, t0, m, C + t0, C + t0 + m,
-                       h, G);
+                       h, G, bf16 == KV_BF16_PRODUCTS);
         }
         tiles_over_keys(tiles, nt, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
         for (int t = 0; t < nt; t++) tile_end(&tiles[t], out, h, H, G);
@@ -505,12 +721,11 @@ static void direct_decode(const float *q, int64_t q_row_stride, const void *k_ca
                           float *buf, float *k_tail, float *v_tail, float *tail_scores,
                           sgemm_fn sgemm) {
     enum { D = DIRECT_HEAD_DIM };
-    const struct head_rows hr = {(const float *)k_cache + (int64_t)h * D,
-                                 (const float *)v_cache + (int64_t)h * D, shared_slots,
-                                 (int64_t)KV * D};
+    const struct head_rows hr = head_of(k_cache, v_cache, bf16, shared_slots, h, KV);
     const struct direct_buf b = direct_layout(buf, G * nb);
     struct tile_state ts;
-    tile_begin(&ts, &b, 0, G * nb, q, q_row_stride, b0, nb, shared, shared, h, G);
+    tile_begin(&ts, &b, 0, G * nb, q, q_row_stride, b0, nb, shared, shared, h, G,
+               bf16 == KV_BF16_PRODUCTS);
     tiles_over_keys(&ts, 1, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
     const float one = 1.0f, zero = 0.0f;
     int ld = D, g_rows = G, ldo = nb * D;
@@ -692,14 +907,16 @@ void pc_attention(const float *q, int64_t q_row_stride, const float *k_cache,
               tile_tokens, nthreads, sgemm, set_threads);
 }
 
-/* pc_attention over bfloat16 caches: K and V widened to float32 as they are gathered */
+/* pc_attention over bfloat16 caches: K and V widened to float32 as they are gathered, or with
+ * `products` (a bfloat16 model's queries, passed widened) the direct path multiplies bfloat16
+ * pairs where the CPU has AVX512_BF16 */
 void pc_attention_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *slots, float *out,
                        float *scratch, int T, int S, int H, int KV, int D, float scale,
                        int tile_tokens, int nthreads, sgemm_fn sgemm,
-                       set_threads_fn set_threads) {
-    attention(q, q_row_stride, k_cache, v_cache, 1, slots, out, scratch, T, S, H, KV, D, scale,
-              tile_tokens, nthreads, sgemm, set_threads);
+                       set_threads_fn set_threads, int products) {
+    attention(q, q_row_stride, k_cache, v_cache, products ? KV_BF16_PRODUCTS : KV_BF16, slots,
+              out, scratch, T, S, H, KV, D, scale, tile_tokens, nthreads, sgemm, set_threads);
 }
 
 /* Which split the prefill kernel uses for these sizes: 0 the shared gather, 1 a gather per kv
@@ -868,12 +1085,14 @@ void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const
            max_tail, out, scratch, B, H, KV, D, scale, chunk, nthreads, sgemm, set_threads);
 }
 
-/* pc_decode over bfloat16 caches (queries and outputs float32) */
+/* pc_decode over bfloat16 caches (queries and outputs float32; `products` as for
+ * pc_attention_kv16) */
 void pc_decode_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_cache,
                     const uint16_t *v_cache, const int64_t *shared_slots, int shared,
                     const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
                     float *scratch, int B, int H, int KV, int D, float scale, int chunk,
-                    int nthreads, sgemm_fn sgemm, set_threads_fn set_threads) {
-    decode(q, q_row_stride, k_cache, v_cache, 1, shared_slots, shared, tail_slots, tail_lens,
-           max_tail, out, scratch, B, H, KV, D, scale, chunk, nthreads, sgemm, set_threads);
+                    int nthreads, sgemm_fn sgemm, set_threads_fn set_threads, int products) {
+    decode(q, q_row_stride, k_cache, v_cache, products ? KV_BF16_PRODUCTS : KV_BF16,
+           shared_slots, shared, tail_slots, tail_lens, max_tail, out, scratch, B, H, KV, D,
+           scale, chunk, nthreads, sgemm, set_threads);
 }
