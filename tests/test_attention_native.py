@@ -102,12 +102,14 @@ def _cpu_has_avx512() -> bool:
     threads=st.sampled_from([1, 2]),
     magnitude=st.sampled_from([1.0, 3.0, 30.0]),
     dtypes=st.sampled_from(DTYPES),
+    head_dim=st.sampled_from([64, 128]),
     seed=st.integers(0, 2**16),
 )
 def test_cache_hit_path_equals_reference(
-    kv_heads, group, new, extra_context, threads, magnitude, dtypes, seed
+    kv_heads, group, new, extra_context, threads, magnitude, dtypes, head_dim, seed
 ) -> None:  # noqa: ANN001
-    # After a cache hit (context >= new tokens) with head_dim 64, an AVX-512 build reads K and V
+    # After a cache hit (context >= new tokens) with head_dim 64 or 128 (the same loops compiled
+    # for each: P V register tiles of 6 rows x 4 vectors, or 3 x 8), an AVX-512 build reads K and V
     # straight from the cache (no gather; a bfloat16 cache widened per 32-key block) for up to
     # 256 rows per tile (group <= 8): 32-key blocks with an online softmax, shared by up to 4
     # tiles of a work item (a kv head's tiles split into items that spread evenly over the
@@ -115,7 +117,7 @@ def test_cache_hit_path_equals_reference(
     # a masked tail. Row counts, key counts and tiles that do not divide evenly, maxima that
     # grow from block to block, and scores large enough to need the max subtraction.
     gen = torch.Generator().manual_seed(seed)
-    heads, head_dim = kv_heads * group, 64
+    heads = kv_heads * group
     context = new + extra_context
     seq_len = context + new
     num_slots = seq_len + 50
@@ -150,8 +152,9 @@ def test_prefill_path_choice() -> None:
         assert native_attention.prefill_path(2048, 2048, 36, 4, 64) == "shared gather"
         fresh = native_attention.prefill_path(2048, 2048, 12, 4, 64)  # no hit: direct too
         assert fresh == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
-        assert native_attention.prefill_path(128, 2048, 12, 1, 64) == "shared gather"  # MQA
-        assert native_attention.prefill_path(128, 2048, 12, 4, 128) == "gather per kv head"
+        assert native_attention.prefill_path(128, 2048, 12, 1, 64) == "shared gather"  # G=12
+        qwen2 = native_attention.prefill_path(128, 2048, 8, 1, 128)  # head_dim 128, 8:1 GQA
+        assert qwen2 == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
         hit = native_attention.prefill_path(128, 2048, 12, 4, 64)
         assert hit == ("direct per kv head" if _cpu_has_avx512() else "gather per kv head")
         # SmolLM2's 3 kv heads on 2 threads: the direct path splits heads' tiles between them

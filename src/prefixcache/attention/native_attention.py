@@ -9,10 +9,10 @@ into a buffer that stays in L2, runs the softmax over each row's visible keys (n
 multiplies by V and normalises the output rows; the GEMMs are the sgemm of the MKL inside
 libtorch, single-threaded inside the kernel's OpenMP team (torch's own libgomp). After a cache
 hit (more context than new tokens), where each thread gets whole kv heads, each thread gathers
-the K/V of the head it works on, so its tiles read them from L2. With AVX-512 and head_dim 64,
-the direct path skips the gather, with or without cached context: register-tiled loops read K
-and V straight from the cache (`prefill_path` says which split a call takes), and decode steps
-read their shared prefix the same way. Figures: docs/performance.md.
+the K/V of the head it works on, so its tiles read them from L2. With AVX-512 and head_dim 64
+or 128, the direct path skips the gather, with or without cached context: register-tiled loops
+read K and V straight from the cache (`prefill_path` says which split a call takes), and decode
+steps read their shared prefix the same way. Figures: docs/performance.md.
 
 A bfloat16 cache is widened to float32 as its rows are gathered (exact: a bfloat16 is the high
 half of a float), so a bfloat16 model's attention runs at float32 precision while reading half
@@ -191,9 +191,9 @@ def prefill_path(
 ) -> str:
     """How `attend` splits a prefill of these sizes at the current thread count: one of
     `PREFILL_PATHS`: reading the cache straight in key blocks where an AVX-512 build has
-    head_dim 64 and at most 256 query rows per tile (8 query heads per kv head), cached context
-    or not; else all kv heads gathered once for the team, or after a cache hit each thread
-    gathering the head it works on where the threads divide the kv heads."""
+    head_dim 64 or 128 and at most 256 query rows per tile (8 query heads per kv head), cached
+    context or not; else all kv heads gathered once for the team, or after a cache hit each
+    thread gathering the head it works on where the threads divide the kv heads."""
     kernel = _kernel_or_raise()
     path = kernel.attention_path(
         num_tokens, seq_len, num_heads, num_kv_heads, head_dim, TILE_TOKENS,
