@@ -1,7 +1,7 @@
 """The compiled element-wise kernels of the decoder (`model.native_layers`): residual add +
 RMSNorm, rotary embedding, SwiGLU. Each equals a float64 reference for any shape, thread count
-and magnitude, and bad input is refused. (Their build, portable variant and switch:
-tests/test_native_build.py.)"""
+and magnitude; in bfloat16 each gives transformers' bfloat16 bits; bad input is refused.
+(Their build, portable variant and switch: tests/test_native_build.py.)"""
 
 from __future__ import annotations
 
@@ -95,6 +95,50 @@ def test_rotary_equals_torch(tokens, heads, half, extra_columns, threads, seed) 
     assert out.data_ptr() == fused.data_ptr()  # in place
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(fused[:, heads:], untouched)  # the v columns stay as they were
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    width=st.integers(1, 200),
+    scale=st.sampled_from([1e-2, 1.0, 30.0]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_steps_round_where_transformers_rounds(rows, width, scale, threads, seed) -> None:  # noqa: ANN001
+    # float32 inside each step, bfloat16 where transformers' bfloat16 code rounds: the residual
+    # sum, the normalised value before the weight, silu before the product, each rotary product
+    # and their sum; the same bits, except where float32 rounding inside a step (the mean of
+    # squares, the exp polynomial) tips a value over a bfloat16 rounding boundary
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+    h, delta, weight = randn(rows, width), randn(rows, width), randn(width)
+    expected_h = h + delta
+    x32 = expected_h.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = weight * x32.bfloat16()  # LlamaRMSNorm
+    got = _on_threads(threads, lambda: native_layers.add_rms_norm(h, delta, weight, 1e-6))
+    assert torch.equal(h, expected_h)
+    assert (got != expected).float().mean() <= 0.01
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-30)
+    gate_up = randn(rows, 2 * width)
+    gate, up = gate_up.split(width, dim=-1)
+    got = _on_threads(threads, lambda: native_layers.silu_mul(gate_up))
+    expected = F.silu(gate) * up
+    assert (got != expected).float().mean() <= 0.01
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-30)
+    half = max(1, width // 8)
+    x = randn(rows, 3, 2 * half)
+    angles = torch.randn(rows, 1, half, generator=gen) * 10
+    cos = torch.cat((angles, angles), -1).cos().bfloat16()
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
+    expected = x * cos + x.roll(half, dims=-1) * signed_sin  # transformers' apply_rotary_pos_emb
+    assert torch.equal(apply_rotary(x, cos, signed_sin), expected)  # the torch path
+    rotated = _on_threads(threads, lambda: native_layers.rotary_(x.clone(), cos, signed_sin))
+    assert torch.equal(rotated, expected)
 
 
 def test_rejects_input_it_would_misread() -> None:

@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
         return (
             x.dim() == 2
             and x.is_contiguous()
-            and self.weight.dtype == torch.float32
+            and self.weight.dtype == x.dtype
             and native_layers.applies(x)
         )
 

@@ -100,6 +100,7 @@ class FusedLayers:
             or h.dim() != 2
             or not h.is_contiguous()
             or h.shape[0] == 0
+            or h.dtype != torch.float32
             or not native_layers.applies(h)
         ):
             return None

@@ -1,4 +1,4 @@
-"""Compiled CPU kernels for the decoder's element-wise steps (float32).
+"""Compiled CPU kernels for the decoder's element-wise steps (float32 or bfloat16).
 
 `prefixcache/native/layers.c`, built at first use like the attention kernel
 (`prefixcache.native`):
@@ -6,7 +6,9 @@ residual add + RMSNorm in one pass (`add_rms_norm`), the rotary embedding in pla
 and SwiGLU's ``silu(gate) * up`` (`silu_mul`). torch runs each as 2-6 kernels with temporaries
 that stream the activations through memory again (what that costs: docs/performance.md).
 Results differ from torch's only by float rounding (summation order, fused
-multiply-adds, a polynomial exp with relative error <= 3.1e-7).
+multiply-adds, a polynomial exp with relative error <= 3.1e-7). In bfloat16 they compute in
+float32 and round to bfloat16 where torch's bfloat16 code does (the residual sum, the normalised
+value before the weight, each product and sum of the rotary).
 
 The library also runs a whole layer as one call (`pc_layer`) or two around the attention
 (`pc_layer_inputs`, `pc_layer_outputs`), for `prefixcache.model.fused_layers`.
@@ -48,9 +50,12 @@ set_enabled = _switch.set_enabled  # False: the torch paths, e.g. for side-by-si
 enabled = _switch.enabled
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def applies(x: torch.Tensor) -> bool:
-    """Whether the decoder hands ``x`` (float32 on the CPU) to these kernels now."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and enabled()
+    """Whether the decoder hands ``x`` (float32 or bfloat16 on the CPU) to these kernels now."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and enabled()
 
 
 @functools.cache
@@ -60,16 +65,20 @@ def _library() -> ctypes.CDLL | None:
     library = load_library("layers")
     if library is None:
         return None
-    library.pc_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, _I]
-    library.pc_silu_mul.argtypes = [_P, _P, _I, _I, _I]
-    library.pc_rotary.argtypes = [_P, ctypes.c_int64, _I, _I, _I, _P, _P, _I]
+    for suffix in ("", "_bf16"):  # attribute access: ctypes caches the function objects
+        getattr(library, "pc_add_rms_norm" + suffix).argtypes = [
+            _P, _P, _P, _P, _I, _I, ctypes.c_float, _I
+        ]  # fmt: skip
+        getattr(library, "pc_silu_mul" + suffix).argtypes = [_P, _P, _I, _I, _I]
+        getattr(library, "pc_rotary" + suffix).argtypes = [_P, ctypes.c_int64] + [_I] * 3 + [
+            _P, _P, _I
+        ]  # fmt: skip
+        for name in ("pc_add_rms_norm", "pc_silu_mul", "pc_rotary"):
+            getattr(library, name + suffix).restype = None
     library.pc_layer.argtypes = [_P]  # a struct layer_args (`fused_layers.LayerArgs`)
     library.pc_layer_inputs.argtypes = [_P]
     library.pc_layer_outputs.argtypes = [_P, _P]
     for function in (
-        library.pc_add_rms_norm,
-        library.pc_silu_mul,
-        library.pc_rotary,
         library.pc_layer,
         library.pc_layer_inputs,
         library.pc_layer_outputs,
@@ -85,8 +94,16 @@ def _library_or_raise() -> ctypes.CDLL:
     return library
 
 
-def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+def _one_cpu_dtype(*tensors: torch.Tensor) -> bool:
+    """All on the CPU, all float32 or all bfloat16."""
+    dtype = tensors[0].dtype
+    return dtype in _DTYPES and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+
+
+def _function(library: ctypes.CDLL, name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+    suffix = "_bf16" if dtype == torch.bfloat16 else ""
+    function: ctypes._CFuncPtr = getattr(library, name + suffix)
+    return function
 
 
 def add_rms_norm(
@@ -94,7 +111,7 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """``h += delta`` in place (unless delta is None), then RMSNorm(h) * weight as a new tensor.
 
-    h, delta: [rows, n] contiguous float32 CPU; weight: [n].
+    h, delta: [rows, n] contiguous CPU, float32 or bfloat16; weight: [n], the same dtype.
     """
     library = _library_or_raise()
     rows, n = h.shape if h.dim() == 2 else (-1, -1)
@@ -105,11 +122,11 @@ def add_rms_norm(
         and weight.shape == (n,)
         and weight.is_contiguous()
         and (delta is None or (delta.shape == h.shape and delta.is_contiguous()))
-        and _is_f32_cpu(h, *others)
+        and _one_cpu_dtype(h, *others)
     ):
         raise ValueError("native add_rms_norm: unsupported shapes, strides or dtypes")
     out = torch.empty_like(h)
-    library.pc_add_rms_norm(
+    _function(library, "pc_add_rms_norm", h.dtype)(
         h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
         out.data_ptr(), rows, n, eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -117,25 +134,27 @@ def add_rms_norm(
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [rows, 2 * I] contiguous float32 CPU -> silu(gate) * up, [rows, I]."""
+    """gate_up: [rows, 2 * I] contiguous CPU (float32 or bfloat16) -> silu(gate) * up,
+    [rows, I]."""
     library = _library_or_raise()
     if not (
         gate_up.dim() == 2
         and gate_up.shape[1] % 2 == 0
         and gate_up.is_contiguous()
-        and _is_f32_cpu(gate_up)
+        and _one_cpu_dtype(gate_up)
     ):
         raise ValueError("native silu_mul: unsupported shapes, strides or dtypes")
     rows, width = gate_up.shape
     out = gate_up.new_empty(rows, width // 2)
-    library.pc_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
-                        torch.get_num_threads())  # fmt: skip
+    silu_mul_fn = _function(library, "pc_silu_mul", gate_up.dtype)
+    silu_mul_fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] in place (rows may be strided; heads and head_dim
-    contiguous) by `RotaryEmbedding.cos_sin`'s tables ([T, 1, head_dim] each); returns x."""
+    contiguous) by `RotaryEmbedding.cos_sin`'s tables ([T, 1, head_dim] each, x's dtype);
+    returns x."""
     library = _library_or_raise()
     num_tokens, heads, head_dim = x.shape if x.dim() == 3 else (-1, -1, -1)
     if not (
@@ -147,10 +166,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
         and cos.shape == signed_sin.shape == (num_tokens, 1, head_dim)
         and cos.is_contiguous()
         and signed_sin.is_contiguous()
-        and _is_f32_cpu(x, cos, signed_sin)
+        and _one_cpu_dtype(x, cos, signed_sin)
     ):
         raise ValueError("native rotary_: unsupported shapes, strides or dtypes")
-    library.pc_rotary(
+    _function(library, "pc_rotary", x.dtype)(
         x.data_ptr(), x.stride(0), num_tokens, heads, head_dim, cos.data_ptr(),
         signed_sin.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

@@ -63,4 +63,6 @@ class RotaryEmbedding:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim] rotated by position; cos, signed_sin from `RotaryEmbedding`."""
     half = x.shape[-1] // 2
+    if x.dtype != torch.float32:  # each product rounded, then the sum, as transformers rounds
+        return x * cos + x.roll(half, dims=-1) * signed_sin
     return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin)

@@ -1,6 +1,6 @@
-/* The decoder's element-wise steps on the CPU, float32: residual add + RMSNorm, rotary
- * embedding in place, and the SwiGLU activation (silu(gate) * up); and whole layers built
- * from them and MKL's packed GEMM (at the end).
+/* The decoder's element-wise steps on the CPU, float32 and bfloat16: residual add + RMSNorm,
+ * rotary embedding in place, and the SwiGLU activation (silu(gate) * up); and whole float32
+ * layers built from them and MKL's packed GEMM (at the end).
  *
  * Built by prefixcache.native for prefixcache.model.native_layers (cc -O3 -march=native
  * -fopenmp) at first use and called through ctypes. Each is one pass over its rows where torch
@@ -88,6 +88,119 @@ void pc_rotary(float *x, int64_t row_stride, int T, int heads, int D, const floa
                 const float a = v[d], b = v[d + half];
                 v[d] = a * c[d] + b * s[d];
                 v[d + half] = b * c[d + half] + a * s[d + half];
+            }
+        }
+    }
+}
+
+/* ---- The same steps for a bfloat16 model -------------------------------------------------
+ *
+ * Each reads bfloat16, computes in float32 and rounds to bfloat16 exactly where torch's
+ * bfloat16 code (and transformers') rounds, so the results are torch's up to the float32
+ * rounding inside one step: the residual add, the normalised value before the weight, and
+ * each product and sum of the rotary. */
+
+typedef uint16_t bf16_t;
+
+static inline float widen(bf16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* round to nearest even (finite values) */
+static inline bf16_t narrow(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (bf16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return widen(narrow(f)); }
+
+/* pc_add_rms_norm in bfloat16: h = bf16(h + delta); out = bf16(w * bf16(h / rms(h))) */
+void pc_add_rms_norm_bf16(bf16_t *h, const bf16_t *delta, const bf16_t *w, bf16_t *out, int rows,
+                          int n, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        bf16_t *x = h + (int64_t)r * n;
+        float sum_sq = 0.0f;
+        if (delta != NULL) {
+            const bf16_t *d = delta + (int64_t)r * n;
+#pragma omp simd reduction(+ : sum_sq)
+            for (int i = 0; i < n; i++) {
+                const bf16_t sum = narrow(widen(x[i]) + widen(d[i]));
+                x[i] = sum;
+                sum_sq += widen(sum) * widen(sum);
+            }
+        } else {
+#pragma omp simd reduction(+ : sum_sq)
+            for (int i = 0; i < n; i++) sum_sq += widen(x[i]) * widen(x[i]);
+        }
+        const float inv = 1.0f / sqrtf(sum_sq / (float)n + eps);
+        bf16_t *o = out + (int64_t)r * n;
+#pragma omp simd
+        for (int i = 0; i < n; i++) o[i] = narrow(widen(w[i]) * round_bf16(widen(x[i]) * inv));
+    }
+}
+
+/* 16 bfloat16 lanes, widened to a vector of floats and narrowed back (round to nearest even) */
+typedef uint16_t vbf16 __attribute__((vector_size(32)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+
+static inline vfloat widen_vec(vbf16 x) { return (vfloat)(__builtin_convertvector(x, vuint) << 16); }
+
+static inline vbf16 narrow_vec(vfloat f) {
+    const vuint bits = (vuint)f;
+    return __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, vbf16);
+}
+
+/* bf16(bf16(silu(g)) * u) for 16 lanes */
+static inline vbf16 silu_mul_bf16(vbf16 g, vbf16 u) {
+    const vfloat a = widen_vec(g);
+    return narrow_vec(widen_vec(narrow_vec(a / (1.0f + exp_clamped(-a)))) * widen_vec(u));
+}
+
+/* pc_silu_mul in bfloat16: out = bf16(bf16(silu(gate)) * up) */
+void pc_silu_mul_bf16(const bf16_t *gate_up, bf16_t *out, int rows, int I, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const bf16_t *g = gate_up + (int64_t)r * 2 * I, *u = g + I;
+        bf16_t *o = out + (int64_t)r * I;
+        int i = 0;
+        for (; i + LANES <= I; i += LANES) {
+            vbf16 a16, b16;
+            memcpy(&a16, g + i, sizeof a16);
+            memcpy(&b16, u + i, sizeof b16);
+            const vbf16 y = silu_mul_bf16(a16, b16);
+            memcpy(o + i, &y, sizeof y);
+        }
+        if (i < I) { /* the last 1 .. 15 as one partial vector */
+            const size_t bytes = (size_t)(I - i) * sizeof(bf16_t);
+            vbf16 a16 = {0}, b16 = {0};
+            memcpy(&a16, g + i, bytes);
+            memcpy(&b16, u + i, bytes);
+            const vbf16 y = silu_mul_bf16(a16, b16);
+            memcpy(o + i, &y, bytes);
+        }
+    }
+}
+
+/* pc_rotary in bfloat16 (x, cos, signed_sin bfloat16): each product and the sum rounded */
+void pc_rotary_bf16(bf16_t *x, int64_t row_stride, int T, int heads, int D, const bf16_t *cos,
+                    const bf16_t *signed_sin, int nthreads) {
+    const int half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const bf16_t *c = cos + (int64_t)t * D, *s = signed_sin + (int64_t)t * D;
+        for (int h = 0; h < heads; h++) {
+            bf16_t *v = x + t * row_stride + (int64_t)h * D;
+#pragma omp simd
+            for (int d = 0; d < half; d++) {
+                const float a = widen(v[d]), b = widen(v[d + half]);
+                v[d] = narrow(round_bf16(a * widen(c[d])) + round_bf16(b * widen(s[d])));
+                v[d + half] = narrow(round_bf16(b * widen(c[d + half])) +
+                                     round_bf16(a * widen(s[d + half])));
             }
         }
     }
