@@ -64,12 +64,16 @@ class RMSNorm(nn.Module):
         )
 
 
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class Projection(nn.Linear):
     """``nn.Linear`` that can also multiply through a packed copy of its weight.
 
     ``pack()`` (CPU) keeps a packed copy next to the parameter: a float32 weight MKL's
     `PackedWeight` or oneDNN's, a bfloat16 weight oneDNN's (bfloat16 products, float32
-    accumulation: the same bits as ``F.linear``, faster at every row count). Forward then uses
+    accumulation: the same bits as ``F.linear``, and no slower at any row count measured:
+    docs/performance.md). Forward then uses
     it for 2-D input of the weight's dtype and any row count. Same parameters and state dict as
     ``nn.Linear``; the packed copy is dropped, never used stale, once the weight is replaced or
     modified in place.
@@ -86,18 +90,12 @@ class Projection(nn.Linear):
         ``onednn`` oneDNN's (`onednn_gemm`); for bfloat16 always oneDNN's. False where none
         applies (not a float32 or bfloat16 CPU weight, or the library is missing)."""
         self.packed = self.onednn = None
-        weight = self.weight
-        if not enable or weight.device.type != "cpu":
+        weight, dtype = self.weight, self.weight.dtype
+        if not enable or weight.device.type != "cpu" or dtype not in _PACKED_DTYPES:
             return False
-        if weight.dtype == torch.bfloat16:
-            onednn = True
-        elif weight.dtype != torch.float32:
-            return False
-        if onednn and onednn_gemm.available(weight.dtype):
+        if (onednn or dtype == torch.bfloat16) and onednn_gemm.available(dtype):
             self.onednn = OneDnnWeight.pack(weight)
-        elif weight.dtype == torch.bfloat16:
-            return False
-        elif packed_gemm.available():
+        elif dtype == torch.float32 and packed_gemm.available():
             self.packed = PackedWeight.pack(weight)
         else:
             return False
