@@ -115,6 +115,24 @@ def test_each_tensor_type_dequantizes_like_transformers(qtype, tmp_path):
     _assert_same_model(load_model(str(file)), _theirs(file), ids)
     types = set(GGUFCheckpoint(file).tensor_types().values())
     assert qtype in types
+    # `--dtype auto` reads the file's precision: F16 is float16, BF16 and quantized bfloat16
+    # (both served in bfloat16 where the CPU has native bfloat16 products)
+    expected = "float16" if qtype == "F16" else "bfloat16"
+    assert GGUFCheckpoint(file).weights_dtype() == expected
+
+
+def test_dtype_auto_reads_a_gguf_files_precision(tmp_path, monkeypatch):
+    from prefixcache.model import loader
+
+    model = _random_model("llama")
+    f32 = write_gguf(tmp_path / "f32.gguf", model, "llama", "F32")
+    q8 = write_gguf(tmp_path / "q8.gguf", model, "llama", "Q8_0")
+    assert GGUFCheckpoint(f32).weights_dtype() == "float32"
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    assert load_model(str(f32), dtype="auto").dtype == torch.float32
+    assert load_model(str(q8), dtype="auto").dtype == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    assert load_model(str(q8), dtype="auto").dtype == torch.float32
 
 
 def test_tokenizer_from_metadata_matches_transformers(tmp_path):

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 RECIPE_VERSION = 1
-CONVERSION_VERSION = 1  # of `convert_to_directory`'s output: a change re-converts packaged models
+CONVERSION_VERSION = 2  # of `convert_to_directory`'s output: a change re-converts packaged models
 
 
 @dataclass(frozen=True, slots=True)

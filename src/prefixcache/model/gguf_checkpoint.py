@@ -176,7 +176,18 @@ class GGUFCheckpoint:
         if window:
             raw["sliding_window"] = int(window)
             raw["use_sliding_window"] = True
+        raw["torch_dtype"] = self.weights_dtype()
         return raw
+
+    def weights_dtype(self) -> str:
+        """The precision the weights were stored in, as ``--dtype auto`` reads it: float32 when
+        every tensor is F32, float16 when the others are F16, else bfloat16 (BF16 or quantized
+        weights: they carry less than bfloat16's precision, and vLLM's CPU backend also runs
+        them in bfloat16)."""
+        kinds = {t.tensor_type.name for t in self.tensors.values()} - {"F32"}
+        if not kinds:
+            return "float32"
+        return "float16" if kinds == {"F16"} else "bfloat16"
 
     def _check_rope(self) -> None:
         scaling = self._arch_field("rope.scaling.type", default="none")
@@ -399,7 +410,8 @@ def _post_processor(tokens: list[str], bos: int | None, eos: int | None) -> Any:
 
 
 def convert_to_directory(checkpoint: GGUFCheckpoint, target: Path, source_digest: str) -> None:
-    """Write ``checkpoint`` as a transformers-style float32 directory at ``target``.
+    """Write ``checkpoint`` as a transformers-style directory of float32 tensors at ``target``
+    (config.json's ``torch_dtype`` is the file's own precision, `GGUFCheckpoint.weights_dtype`).
 
     Loading that directory skips the GGUF metadata parse and the dequantization (the built-in
     model's start-up). config.json records ``source_digest``, the GGUF file's SHA-256, so the
@@ -410,7 +422,8 @@ def convert_to_directory(checkpoint: GGUFCheckpoint, target: Path, source_digest
     from safetensors.torch import save_file
 
     config = checkpoint.config()
-    raw = {**checkpoint.hf_config(), "torch_dtype": "float32", "gguf_sha256": source_digest}
+    # the tensors are float32; torch_dtype names the file's own precision (for ``--dtype auto``)
+    raw = {**checkpoint.hf_config(), "gguf_sha256": source_digest}
     tensors = dict(checkpoint.hf_tensors(config))
     tokenizer = checkpoint.tokenizer()
     tokenizer_config = {**tokenizer.special_tokens, "chat_template": tokenizer.chat_template}

@@ -161,8 +161,9 @@ def load_model(
 
 def resolve_dtype(checkpoint_dtype: str | None) -> str:
     """``--dtype auto``: a bfloat16 (or float16) checkpoint runs in bfloat16 where this CPU has
-    native bf16 dot products (AVX512_BF16 or AMX), as vLLM's CPU backend does; everything else,
-    and any CPU without them, in float32."""
+    native bf16 dot products (AVX512_BF16 or AMX), as vLLM's CPU backend does (a quantized GGUF
+    counts as bfloat16: `GGUFCheckpoint.weights_dtype`); everything else, and any CPU without
+    them, in float32."""
     name = (checkpoint_dtype or "").replace("torch.", "")
     if name in ("bfloat16", "float16") and cpu_has_native_bf16():
         return "bfloat16"
