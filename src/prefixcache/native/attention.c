@@ -250,7 +250,7 @@ static int direct_group(int KV, int num_tiles, int nthreads) {
 }
 
 /* Floats of scratch one thread of `pc_attention` works in: the stacked queries, outputs and
- * scores of one tile, or what `direct_head` needs, whichever is more. */
+ * scores of one tile, or what the direct path needs, whichever is more. */
 static int64_t per_thread_floats(int S, int G, int D, int tile_tokens) {
     const int64_t rows = (int64_t)G * tile_tokens, tiles = rows * (2 * (int64_t)D + S);
     const int64_t direct = direct_applies(D, (int)rows) ? direct_floats(D, (int)rows) : 0;

@@ -4,12 +4,12 @@
  * does not depend on the head_dim is defined by the first inclusion only (DIRECT_COMMON is set
  * after it). The kernels themselves are described in attention.c. */
 
-
 static inline int64_t D_(panel_floats)(int rows) {
     return (int64_t)(rows + PANEL - 1) / PANEL * PANEL * HD;
 }
 
-/* Floats of per-thread scratch `direct_head` needs for tiles of tile_rows rows. */
+/* Floats of per-thread scratch `direct_tiles` and `direct_decode` need for tiles of tile_rows
+ * rows. */
 static int64_t D_(direct_floats)(int tile_rows) {
     const int64_t ld = (tile_rows + LANES - 1) / LANES * LANES;
     return KEY_BLOCK * ld + GROUP_TILES * (D_(panel_floats)(tile_rows) + ld * HD) +
