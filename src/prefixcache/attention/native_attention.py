@@ -20,7 +20,8 @@ the bytes; its bfloat16 queries are widened before the call and the outputs roun
 it (round to nearest even, as torch rounds). For a bfloat16 model on a CPU with AVX512_BF16
 the direct path instead multiplies bfloat16 pairs as stored (``vdpbf16ps``, float32
 accumulation; the probabilities rounded to bfloat16 for P V, as bfloat16 FlashAttention
-kernels do): about 1.6x the float32 path's rate. Tolerances: tests/test_attention_native.py.
+kernels do): twice the multiply-adds per instruction (figures: docs/performance.md;
+tolerances: tests/test_attention_native.py).
 
 `available()` is False, and callers keep the torch paths, when there is no compiler, no MKL in
 libtorch (ARM, macOS), the build or load fails, a one-time probe disagrees with the torch

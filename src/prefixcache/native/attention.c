@@ -268,9 +268,8 @@ int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthr
  *
  * Where `direct_applies` (AVX-512, head_dim 64 or 128, at most 256 stacked rows per tile),
  * with or without cached context: work item = a run of one kv head's tiles (`direct_group`),
- * reading the cache directly; it runs near the GEMMs' rate, about twice the gathering paths'
- * on a fresh 2,048-token prefill (figures: docs/performance.md). Otherwise two ways to split
- * the work. In general the team gathers every head's K and V once, then work item = (kv head,
+ * reading the cache directly: no gather and no second copy into MKL's panels (figures:
+ * docs/performance.md). Otherwise two ways to split the work. In general the team gathers every head's K and V once, then work item = (kv head,
  * tile): many items of varying size (the causal triangle) for dynamic
  * scheduling. After a cache hit (C >= T) with whole heads per thread (KV a multiple of the
  * thread count), work item = kv head instead, and the thread gathers that head's keys into its
