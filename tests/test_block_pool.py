@@ -7,8 +7,8 @@ import pytest
 from prefixcache.cache import AllBlocksCleared, BlockRemoved
 from prefixcache.cache.block_hash import BlockHasher
 from prefixcache.cache.block_pool import BlockPool, KVBlock
-from prefixcache.cache.hash_index import HashIndex
-from prefixcache.cache.keys import ChainKeys
+from prefixcache.cache.hash_cache import HashIndex
+from prefixcache.cache.index import ChainKeys
 
 
 def pool_with(num_blocks: int = 6, **kwargs: object) -> BlockPool:
@@ -19,11 +19,12 @@ def pool_with(num_blocks: int = 6, **kwargs: object) -> BlockPool:
 
 def store(pool: BlockPool, block: KVBlock, digest: bytes, token_bytes: bytes) -> bool:
     """What the hash index does on commit: map the digest unless it is already mapped."""
-    cached = pool.index.cached  # type: ignore[union-attr]
+    cached = pool.index.digest_map  # type: ignore[union-attr]
     if digest in cached:
         return False
     cached[digest] = block
-    pool.mark_cached(block, digest, token_bytes)
+    block.digest, block.token_bytes = digest, token_bytes
+    pool.num_cached += 1
     return True
 
 
@@ -56,7 +57,7 @@ def test_touch_removes_from_the_middle_without_eviction() -> None:
     assert pool.free_block_ids() == [0, 2, 3, 4, 5, 1]
     pool.touch([pool.blocks[3], pool.blocks[1]])
     assert pool.free_block_ids() == [0, 2, 4, 5]
-    assert pool.index.cached[b"d1"] is pool.blocks[1]  # type: ignore[union-attr]
+    assert pool.index.digest_map[b"d1"] is pool.blocks[1]  # type: ignore[union-attr]
     check(pool, [3, 1])
     pool.touch([pool.blocks[1]])  # already held: only the count moves
     check(pool, [3, 1, 1])
@@ -74,7 +75,7 @@ def test_lazy_eviction_on_pop_emits_removed_and_bumps_epoch() -> None:
     assert [b.block_id for b in pool.take(1)] == [0]
     assert pool.take_events() == [BlockRemoved(block_hashes=[b"d0"], block_ids=[0])]
     assert pool.epoch == epoch + 1 and pool.stats.num_evictions == 1
-    assert b"d0" not in pool.index.cached  # type: ignore[union-attr]
+    assert b"d0" not in pool.index.digest_map  # type: ignore[union-attr]
     assert pool.blocks[0].digest is None and pool.num_cached == 0
     check(pool, [0, 1])
     with pytest.raises(RuntimeError, match="free blocks"):
@@ -88,7 +89,7 @@ def test_reset_refuses_while_held() -> None:
     assert pool.reset() is False and pool.num_cached == 1
     pool.release([block])
     assert pool.reset() is True
-    assert not pool.index.cached and pool.blocks[0].digest is None  # type: ignore[union-attr]
+    assert not pool.index.digest_map and pool.blocks[0].digest is None  # type: ignore[union-attr]
     assert pool.take_events() == [AllBlocksCleared()]
     check(pool, [])
 

@@ -112,7 +112,7 @@ def snapshot(cache: Any) -> tuple[object, ...]:
     return (
         cache.free_block_ids(),
         [(b.ref_cnt, b.digest) for b in pool.blocks],
-        dict(cache.index.cached),
+        dict(cache.index.digest_map),
         {k: list(t.block_ids) for k, t in cache._tables.items()},
         pool.epoch,
     )

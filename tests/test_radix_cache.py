@@ -291,10 +291,14 @@ def test_integrity_check_names_broken_invariants() -> None:
         cache.check_integrity()
     cache.pool.num_parked -= 1
     block = cache.pool.blocks[node.block_ids[0]]
-    digest, block.digest = block.digest, None
-    with pytest.raises(AssertionError, match="digest"):
+    block.digest, block.token_bytes = node.digests[0], node.tokens[0]
+    with pytest.raises(AssertionError, match="its node keeps the digest"):
         cache.check_integrity()
-    block.digest = digest
+    block.digest = block.token_bytes = None
+    block.ref_cnt += 1
+    with pytest.raises(AssertionError, match="ref count equals live table references"):
+        cache.check_integrity()
+    block.ref_cnt -= 1
     cache.check_integrity()
 
 

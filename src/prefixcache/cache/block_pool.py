@@ -1,26 +1,24 @@
-"""The block pool, the only allocator: every KV block, its ref count, the free queue, the
-owner roots for zero-on-reuse, the copy-on-write and zeroing lists, and the KV event buffer.
+"""The block pool, the only allocator: every KV block, its ref count, the free queues, the owner
+roots for zero-on-reuse, the copy-on-write and zeroing lists, and the KV event buffer.
 
-Boundary: the pool knows block ids, ref counts and whether a block is cached (its digest and the
-token bytes the digest stands for). It knows nothing about sequences, block tables, hashing or
-tensors. A `PrefixCache` (``manager.py``) drives it; its prefix index (``index.py``) decides which
-blocks are cached and, for an index that parks its free cached blocks, which one goes next.
+The pool knows block ids, ref counts and whether a block is cached (its digest and the token bytes
+the digest stands for); not sequences, block tables, hashing or tensors. A `PrefixCache`
+(``manager.py``) drives it; its prefix index decides which blocks are cached.
 
-- Blocks are created once (``__slots__``) and never allocated again.
-- Free blocks wait in queues, intrusive doubly-linked lists threaded through the blocks between
-  a head and a tail sentinel (popleft, append, appendleft, remove-from-the-middle: O(1), no
-  allocation): one of uncached blocks, handed out first (they are worth nothing), and per
-  isolation domain one of its cached blocks, least recently used first. Eviction takes from the
-  domain with the most free cached blocks, so a tenant's churn evicts its own cache before a
-  quiet tenant's prefix. With one domain this is exactly one LRU queue: uncached blocks, then
-  cached ones in release order (the head is evicted first).
-- A free cached block stays hittable until it is reused (lazy eviction): it waits in the queue
-  (hash index), or the index keeps it (radix: its tree holds the block, the node's locks stand
-  for the sequences using it, ``ref_cnt`` stays 0) and gives it up through ``evict`` when no
-  sequence locks it. ``num_parked`` counts those evictable blocks, kept by the index.
-- ``num_free`` = queued + parked: what can be handed out now.
-- ``epoch`` counts the moments a digest was dropped (eviction, reset): a hit found at the current
-  epoch is still valid without re-checking each block.
+- Blocks are created once (``__slots__``). Free blocks wait in intrusive doubly-linked queues
+  between a head and a tail sentinel (pop, append, remove from the middle: O(1), no allocation):
+  one of uncached blocks, handed out first (they are worth nothing), and per isolation domain
+  one of its cached blocks, least recently used first. Eviction takes from the domain with the
+  most free cached blocks, so one tenant's churn evicts its own cache before a quiet tenant's
+  prefix. With one domain this is one LRU queue: uncached blocks, then cached ones in release
+  order (the head goes first).
+- A free cached block stays hittable until it is reused (lazy eviction). The hash index's wait
+  in the queues with their digests; reusing one removes it from the index's digest map
+  (``index.digest_map``). The radix index keeps its cached blocks in its tree, holding one
+  reference on each (its nodes keep the digests); the unlocked ones are "parked", counted per
+  domain in ``index.parked`` by the index, and given up through ``index.evict``.
+- ``num_free`` = queued + parked: what can be handed out now. ``epoch`` counts the moments a
+  digest was dropped (eviction, reset): a hit found at the current epoch is still valid.
 """
 
 from __future__ import annotations
@@ -28,12 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from prefixcache.cache.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    EventBuffer,
-    KVCacheEvent,
-)
+from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer, KVCacheEvent
 from prefixcache.cache.stats import CacheStats
 
 if TYPE_CHECKING:
@@ -42,19 +35,20 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_MAX_EVENTS", "BlockPool", "KVBlock", "check_invariant"]
 
 DEFAULT_MAX_EVENTS = 100_000
+_NONE: frozenset[str] = frozenset()
 
 
 class KVBlock:
-    """One physical KV block. ``digest`` is None unless the block is full, committed and mapped.
+    """One physical KV block. ``digest`` is None unless the block is full, committed and cached.
 
-    ``prev``/``next`` are the free-queue links and ``queue`` the queue they are in (meaningful
-    only while ``ref_cnt == 0``); ``owner_root`` is the namespace root of the last sequence that
-    held it (zero-on-reuse); ``domain`` the isolation domain that cached it.
+    ``prev``/``next`` are the free-queue links (meaningful only while ``ref_cnt == 0``: in the
+    uncached queue if ``digest`` is None, else in ``domain``'s); ``owner_root`` is the namespace
+    root of the last sequence that held it (zero-on-reuse); ``domain`` the isolation domain that
+    cached it.
     """
 
     __slots__ = (
-        "block_id", "ref_cnt", "digest", "token_bytes", "prev", "next", "queue", "owner_root",
-        "domain",
+        "block_id", "ref_cnt", "digest", "token_bytes", "prev", "next", "owner_root", "domain",
     )  # fmt: skip
 
     def __init__(self, block_id: int) -> None:
@@ -64,7 +58,6 @@ class KVBlock:
         self.token_bytes: bytes | None = None
         self.prev: KVBlock = self
         self.next: KVBlock = self
-        self.queue: _Queue | None = None
         self.owner_root: bytes | None = None
         self.domain = ""
 
@@ -85,11 +78,11 @@ class _Queue:
         self.head.next, self.tail.prev = self.tail, self.head
         self.count = 0
 
-    def ids(self) -> list[int]:
+    def blocks(self) -> list[KVBlock]:
         out = []
         block, tail = self.head.next, self.tail
         while block is not tail:
-            out.append(block.block_id)
+            out.append(block)
             block = block.next
         return out
 
@@ -110,10 +103,8 @@ class BlockPool:
         max_events: int = DEFAULT_MAX_EVENTS,
         zero_on_reuse: bool = False,
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks, block_size must be >= 1: {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.stats = stats if stats is not None else CacheStats()
@@ -121,11 +112,12 @@ class BlockPool:
         self.zero_on_reuse = zero_on_reuse
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.index: PrefixIndex | None = None
-        self.num_queued = num_blocks  # free blocks in the queue
+        self.num_queued = num_blocks  # free blocks in the queues
         self.num_parked = 0  # evictable cached blocks the index keeps (it maintains this count)
         self.num_cached = 0  # blocks with a digest (hittable), held or free
         self.epoch = 0
-        self._parks = False
+        self._mapped: dict[bytes, KVBlock] = {}  # the index's digest map (hash)
+        self._parked: dict[str, int] | None = None  # the index's parked blocks per domain (radix)
         self._to_zero: list[int] = []
         self._copies: list[tuple[int, int]] = []
         self._free = _Queue()  # free uncached blocks: handed out first
@@ -135,7 +127,9 @@ class BlockPool:
     def attach(self, index: PrefixIndex) -> None:
         """``index`` caches blocks of this pool (before any block is cached)."""
         self.index = index
-        self._parks = index.parks_blocks
+        if index.digest_map is not None:
+            self._mapped = index.digest_map
+        self._parked = index.parked
 
     def _link_all(self, blocks: list[KVBlock]) -> None:
         """Every block free and uncached, queued in the order of ``blocks``."""
@@ -144,8 +138,6 @@ class BlockPool:
         for left, right in zip(chain, chain[1:], strict=False):
             left.next = right
             right.prev = left
-        for block in blocks:
-            block.queue = queue
         queue.count = self.num_queued = len(blocks)
         self._lru.clear()
 
@@ -154,20 +146,20 @@ class BlockPool:
         """Blocks that can be handed out now: queued, or parked and evictable."""
         return self.num_queued + self.num_parked
 
-    # -- the free queue -------------------------------------------------------------------------
-
     def free_block_ids(self) -> list[int]:
-        """The free queues, in the order they are handed out with one domain: uncached blocks,
-        then each domain's cached ones, least recently used first; parked blocks are not here."""
-        out = self._free.ids()
-        for queue in self._lru.values():
-            out += queue.ids()
-        return out
+        """The queues in the order they are handed out with one domain: uncached blocks, then
+        each domain's cached ones, least recently used first (parked blocks are not queued)."""
+        queues = [self._free, *self._lru.values()]
+        return [block.block_id for queue in queues for block in queue.blocks()]
+
+    # -- taking and releasing -------------------------------------------------------------------
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on each block, pulling free ones out of the queue (no eviction)."""
-        num_queued = 0
-        queue: _Queue | None = None  # the queue of the last run of free blocks, and its length
+        """Take a reference on each block, pulling free ones out of their queue (no eviction)."""
+        num_uncached = num_cached = 0
+        # the queue of the current run of free cached blocks, its domain, and the run's length
+        queue: _Queue | None = None
+        domain: str | None = None
         run = 0
         for block in blocks:
             ref_cnt = block.ref_cnt
@@ -176,97 +168,110 @@ class BlockPool:
                 nxt = block.next
                 prev.next = nxt
                 nxt.prev = prev
-                if block.queue is not queue:
-                    if queue is not None:
-                        queue.count -= run
-                    queue, run = block.queue, 0
-                run += 1
-                num_queued += 1
+                if block.digest is None:
+                    num_uncached += 1
+                else:
+                    if block.domain is not domain:
+                        if queue is not None:
+                            queue.count -= run
+                            num_cached += run
+                        domain, run = block.domain, 0
+                        queue = self._lru[domain]
+                    run += 1
             block.ref_cnt = ref_cnt + 1
         if queue is not None:
             queue.count -= run
-        self.num_queued -= num_queued
+        self._free.count -= num_uncached
+        self.num_queued -= num_uncached + num_cached + run
         self._note_watermark()
 
     def take(
-        self, num: int, owner_root: bytes | None = None, protected: frozenset[str] = frozenset()
+        self, num: int, owner_root: bytes | None = None, protected: frozenset[str] = _NONE
     ) -> list[KVBlock]:
-        """``num`` blocks with ``ref_cnt = 1``: the queue's head first, then parked ones the index
-        evicts; a cached block taken loses its digest (an eviction).
+        """``num`` blocks with ``ref_cnt = 1`` (see `take_with_ids`)."""
+        return self.take_with_ids(num, owner_root, protected)[0]
 
-        The caller checked ``num <= num_free`` (less the free cached blocks of the ``protected``
-        domains, which are not evicted). ``owner_root`` is the new owner's namespace root (used
+    def take_with_ids(
+        self, num: int, owner_root: bytes | None = None, protected: frozenset[str] = _NONE
+    ) -> tuple[list[KVBlock], list[int]]:
+        """``num`` blocks with ``ref_cnt = 1``, and their ids: queued ones first, then parked
+        ones the index evicts; a cached block taken loses its digest (an eviction).
+
+        The caller checked ``num <= num_free``, less the free cached blocks of the ``protected``
+        domains (never evicted here). ``owner_root`` is the new owner's namespace root (used
         only with zero-on-reuse).
         """
         if num > self.num_free:
             raise RuntimeError(f"take({num}) with only {self.num_free} free blocks")
         out: list[KVBlock] = []
+        ids: list[int] = []
         if num > 0:
-            evicted = self._pop_queued(min(num, self._num_takeable(protected)), out, protected)
+            queued = self.num_queued
+            if protected:
+                queued -= sum(q.count for d, q in self._lru.items() if d in protected)
+            if queued:
+                self._take_queued(min(num, queued), out, ids, protected)
             if len(out) < num:
                 assert self.index is not None
-                parked, digests = self.index.evict(num - len(out), protected)
-                self.num_parked -= len(parked)
-                for block in parked:
-                    block.ref_cnt = 1
-                    block.digest = block.token_bytes = None
-                self._dropped(parked, digests)
-                out += parked
-            if evicted:
-                self._evict(out)
+                parked_ids, digests = self.index.evict(num - len(out), out, protected)
+                self.num_parked -= len(parked_ids)
+                self._dropped(parked_ids, digests)
+                ids += parked_ids
             if self.zero_on_reuse:
                 self._note_owner(out, owner_root)
         self._note_watermark()
-        return out
+        return out, ids
 
-    def _num_takeable(self, protected: frozenset[str]) -> int:
-        if not protected:
-            return self.num_queued
-        return self.num_queued - sum(q.count for d, q in self._lru.items() if d in protected)
-
-    def other_cache_domains(self, domain: str) -> bool:
-        """Whether a domain other than ``domain`` may have free cached blocks (cheap; may say
-        True for a domain whose count dropped to 0)."""
-        keys = self.index.evictable_domains() if self._parks else self._lru.keys()  # type: ignore[union-attr]
-        return len(keys) > 1 or (len(keys) == 1 and domain not in keys)
-
-    def free_cached_by_domain(self) -> dict[str, int]:
-        """Free (evictable) cached blocks per domain."""
-        if self._parks:
-            assert self.index is not None
-            return self.index.evictable_by_domain()
-        return {d: q.count for d, q in self._lru.items() if q.count}
-
-    def _pop_queued(
-        self, num: int, out: list[KVBlock], protected: frozenset[str] = frozenset()
-    ) -> bool:
-        """Pop ``num`` queued blocks into ``out``: uncached ones first, then cached ones from the
-        domain with the most of them (its least recently used first), so one domain's churn
-        evicts its own cached blocks before another's. True if any carries a digest."""
-        left = num - self._pop(self._free, num, out)
-        evicted = left > 0
-        if evicted:
-            for domain in [d for d, q in self._lru.items() if not q.count]:
-                del self._lru[domain]  # empty: no block refers to it
-        while left:
-            if len(self._lru) == 1 and not protected:
-                left -= self._pop(next(iter(self._lru.values())), left, out)
-                break
-            # several domains compete: the one with the most free cached blocks gives one up
-            queue = max(
-                (q for d, q in self._lru.items() if d not in protected), key=_count
-            )
-            left -= self._pop(queue, 1, out)
-            if not queue.count:
-                del self._lru[queue.domain]
+    def _take_queued(
+        self, num: int, out: list[KVBlock], ids: list[int], protected: frozenset[str]
+    ) -> None:
+        """``num`` queued blocks into ``out`` (their ids into ``ids``): uncached ones first,
+        then cached ones from the domain with the most of them (its least recently used first)."""
+        free = self._free
+        left = min(num, free.count)
+        block = free.head.next
+        for _ in range(left):
+            block.ref_cnt = 1
+            out.append(block)
+            ids.append(block.block_id)
+            block = block.next
+        free.head.next = block
+        block.prev = free.head
+        free.count -= left
+        left = num - left
         self.num_queued -= num
-        return evicted
+        if not left:
+            return
+        lru = self._lru
+        for domain in [d for d, q in lru.items() if not q.count]:
+            del lru[domain]  # empty: no block refers to it
+        evicted: list[int] = []
+        digests: list[bytes] = []
+        while left:
+            if len(lru) == 1 and not protected:
+                queue, n = next(iter(lru.values())), left
+            else:  # several domains compete: the one with the most free cached blocks gives one
+                queue, n = max((q for d, q in lru.items() if d not in protected), key=_count), 1
+            left -= self._evict_queued(queue, n, out, evicted, digests)
+            if not queue.count:
+                del lru[queue.domain]
+        self._dropped(evicted, digests)
+        ids += evicted
 
-    @staticmethod
-    def _pop(queue: _Queue, num: int, out: list[KVBlock]) -> int:
+    def _evict_queued(
+        self, queue: _Queue, num: int, out: list[KVBlock], ids: list[int], digests: list[bytes]
+    ) -> int:
+        """Pop ``num`` cached blocks off ``queue``: each loses its digest and its map entry."""
         num = min(num, queue.count)
+        mapped = self._mapped
         block = queue.head.next
         for _ in range(num):
+            digest = block.digest
+            if mapped.get(digest) is block:  # type: ignore[arg-type]  # queued cached: a digest
+                del mapped[digest]  # type: ignore[arg-type]
+            digests.append(digest)  # type: ignore[arg-type]
+            ids.append(block.block_id)
+            block.digest = block.token_bytes = None
             block.ref_cnt = 1
             out.append(block)
             block = block.next
@@ -275,27 +280,15 @@ class BlockPool:
         queue.count -= num
         return num
 
-    def _evict(self, blocks: list[KVBlock]) -> None:
-        """Queued blocks just taken: those still cached lose their digest (lazy eviction)."""
-        cached = [b for b in blocks if b.digest is not None]
-        if self.index is not None:
-            self.index.forget(cached)
-        digests: list[bytes] = []
-        for block in cached:
-            digests.append(block.digest)  # type: ignore[arg-type]  # cached: not None
-            block.digest = None
-            block.token_bytes = None
-        self._dropped(cached, digests)
-
-    def _dropped(self, blocks: list[KVBlock], digests: list[bytes]) -> None:
-        """``blocks`` (with these ``digests``) stopped being cached: count and announce it."""
-        if not blocks:
+    def _dropped(self, ids: list[int], digests: list[bytes]) -> None:
+        """Blocks ``ids`` (with these ``digests``) stopped being cached: count and announce it."""
+        if not ids:
             return
-        self.num_cached -= len(blocks)
+        self.num_cached -= len(ids)
         self.epoch += 1
-        self.stats.num_evictions += len(blocks)
+        self.stats.num_evictions += len(ids)
         if self.events.enabled:
-            self.emit(BlockRemoved(block_hashes=digests, block_ids=[b.block_id for b in blocks]))
+            self.events.emit(BlockRemoved(block_hashes=digests, block_ids=ids))
 
     def _note_owner(self, blocks: list[KVBlock], owner_root: bytes | None) -> None:
         for block in blocks:
@@ -312,13 +305,13 @@ class BlockPool:
     def release(self, blocks_in_order: Iterable[KVBlock]) -> None:
         """Drop one reference on each block, in the given order (callers pass a table reversed).
 
-        A block reaching ``ref_cnt == 0`` goes to the queue tail if it is cached (it stays
-        hittable) or to the head if not (worth nothing).
+        A block reaching ``ref_cnt == 0`` goes to its domain's queue tail if it is cached (it
+        stays hittable), or to the head of the uncached queue if not (worth nothing).
         """
         free = self._free
         head = free.head
-        num_free = num_queued = 0
-        # the LRU queue cached blocks of the current run join, its last block, and the run's size
+        num_free = num_cached = 0
+        # the queue the current run of cached blocks joins, its last block, and the run's length
         lru: _Queue | None = None
         lru_domain: str | None = None
         last = head
@@ -328,14 +321,12 @@ class BlockPool:
             block.ref_cnt = ref_cnt
             if ref_cnt:
                 continue
-            num_queued += 1
             if block.digest is None:
                 first = head.next
                 block.next = first
                 first.prev = block
                 block.prev = head
                 head.next = block
-                block.queue = free
                 num_free += 1
                 continue
             domain = block.domain
@@ -344,11 +335,13 @@ class BlockPool:
                     last.next = lru.tail
                     lru.tail.prev = last
                     lru.count += run
-                lru, lru_domain, run = self._lru_of(domain), domain, 0
-                last = lru.tail.prev
+                    num_cached += run
+                lru = self._lru.get(domain)
+                if lru is None:
+                    lru = self._lru[domain] = _Queue(domain)
+                lru_domain, run, last = domain, 0, lru.tail.prev
             last.next = block
             block.prev = last
-            block.queue = lru
             last = block
             run += 1
         if lru is not None:
@@ -356,64 +349,56 @@ class BlockPool:
             lru.tail.prev = last
             lru.count += run
         free.count += num_free
-        self.num_queued += num_queued
-
-    def _lru_of(self, domain: str) -> _Queue:
-        queue = self._lru.get(domain)
-        if queue is None:
-            queue = self._lru[domain] = _Queue(domain)
-        return queue
+        self.num_queued += num_free + num_cached + run
 
     def copy_on_write(
-        self,
-        src: KVBlock,
-        owner_root: bytes | None,
-        *,
-        copy: bool,
-        protected: frozenset[str] = frozenset(),
+        self, src: KVBlock, root: bytes | None, *, copy: bool, protected: frozenset[str] = _NONE
     ) -> KVBlock:
         """A private block to write instead of the shared ``src`` (whose reference is dropped);
         ``copy``: its KV must be copied from ``src`` first (queued for the runner)."""
-        (dst,) = self.take(1, owner_root, protected)
+        (dst,) = self.take(1, root, protected)
         if copy:
             self._copies.append((src.block_id, dst.block_id))
             self.cancel_zero(dst.block_id)  # the copy overwrites the whole block
         self.release((src,))
         return dst
 
-    # -- cached blocks --------------------------------------------------------------------------
+    # -- domains --------------------------------------------------------------------------------
 
-    def mark_cached(
-        self, block: KVBlock, digest: bytes, token_bytes: bytes, domain: str = ""
-    ) -> None:
-        """``block`` (held) now carries ``digest``: the index made it hittable for ``domain``."""
-        block.digest = digest
-        block.token_bytes = token_bytes
-        block.domain = domain
-        self.num_cached += 1
+    def other_cache_domains(self, domain: str) -> bool:
+        """Whether a domain other than ``domain`` may have free cached blocks (cheap; may say
+        True for a domain whose count dropped to 0)."""
+        keys = self._parked if self._parked is not None else self._lru
+        return len(keys) > 1 or (len(keys) == 1 and domain not in keys)
+
+    def free_cached_by_domain(self) -> dict[str, int]:
+        """Free (evictable) cached blocks per domain."""
+        if self._parked is not None:
+            return {d: n for d, n in self._parked.items() if n}
+        return {d: q.count for d, q in self._lru.items() if q.count}
+
+    # -- reset, events, copies and zero-on-reuse ------------------------------------------------
 
     def reset(self) -> bool:
         """Drop every digest. Refuses (False, nothing changed) while any block is in use."""
         if self.num_free != self.num_blocks:
             return False
-        for block in self.blocks:
-            block.digest = None
-            block.token_bytes = None
+        # hash: the queue order stays (uncached, then each domain's, LRU first); radix: parked
+        # blocks rejoin the queue, all in id order
+        order = self.blocks
+        if self._parked is None:
+            order = [b for q in (self._free, *self._lru.values()) for b in q.blocks()]
+        for block in self.blocks:  # radix: the tree's references go too
+            block.digest = block.token_bytes = None
+            block.ref_cnt = 0
         if self.index is not None:
             self.index.clear()
-        if self._parks:
-            self._link_all(self.blocks)  # parked blocks rejoin the queue, in id order
-            self.num_parked = 0
-        else:  # the queue order stays: uncached blocks, then each domain's, LRU first
-            queued = self.free_block_ids()
-            self._link_all([self.blocks[i] for i in queued])
-        self.num_cached = 0
+        self._link_all(order)
+        self.num_parked = self.num_cached = 0
         self.epoch += 1
         self.stats.num_resets += 1
         self.emit(AllBlocksCleared())
         return True
-
-    # -- side channels: events, copies and zero-on-reuse ----------------------------------------
 
     @property
     def enable_kv_events(self) -> bool:
@@ -450,36 +435,31 @@ class BlockPool:
         blocks = self.blocks
         check_invariant(len(blocks) == self.num_blocks, "block count conserved")
         for i, block in enumerate(blocks):
+            check_invariant(block.block_id == i, "block count conserved: slot {} is {!r}", i, block)
             check_invariant(
-                block.block_id == i, "block count conserved: slot {} holds {!r}", i, block
-            )
-            expected = table_refs.get(i, 0)
-            check_invariant(
-                block.ref_cnt == expected,
+                block.ref_cnt == table_refs.get(i, 0),
                 "ref count equals live table references: {!r} has {}",
                 block,
-                expected,
+                table_refs.get(i, 0),
             )
             check_invariant(
                 (block.digest is None) == (block.token_bytes is None),
                 "a block keeps its tokens exactly while it has a digest: {!r}",
                 block,
             )
-        self._check_queue()
         num_cached = sum(1 for b in blocks if b.digest is not None)
-        check_invariant(num_cached == self.num_cached, "cached count {} kept", num_cached)
-
-    def _check_queue(self) -> None:
+        if self._parked is None:  # radix: the tree's blocks carry no digest (the index checks)
+            check_invariant(num_cached == self.num_cached, "cached count {} kept", num_cached)
         seen: set[int] = set()
         for queue in [self._free, *self._lru.values()]:
             prev, block, count = queue.head, queue.head.next, 0
-            while block is not queue.tail:
-                check_invariant(
-                    block.block_id not in seen, "free queue holds each block once: {!r}", block
-                )
+            while block is not queue.tail and len(seen) <= self.num_blocks:
                 check_invariant(block.prev is prev, "free queue links consistent at {!r}", block)
-                check_invariant(block.ref_cnt == 0, "no block is both free and in use: {!r}", block)
-                check_invariant(block.queue is queue, "a free block knows its queue: {!r}", block)
+                check_invariant(
+                    block.ref_cnt == 0 and block.block_id not in seen,
+                    "a queued block is free and queued once: {!r}",
+                    block,
+                )
                 check_invariant(
                     (block.digest is None) == (queue is self._free)
                     and (queue is self._free or self._lru.get(block.domain) is queue),
@@ -488,15 +468,16 @@ class BlockPool:
                 )
                 seen.add(block.block_id)
                 count += 1
-                check_invariant(len(seen) <= self.num_blocks, "free queue is not a cycle")
                 prev, block = block, block.next
             check_invariant(queue.tail.prev is prev, "free queue links consistent at the tail")
             check_invariant(queue.count == count, "queue length {} kept", count)
-        free = [b for b in self.blocks if b.ref_cnt == 0]
-        kept = sum(1 for b in free if self._parks and b.digest is not None)  # the index's
-        check_invariant(len(seen) == len(free) - kept, "free queue holds the free blocks")
+        free = sum(1 for b in blocks if b.ref_cnt == 0)
         check_invariant(
-            self.num_queued == len(seen), "queued count {} == {}", self.num_queued, len(seen)
+            len(seen) == self.num_queued == free,
+            "the queues hold the free blocks ({} queued, {} kept, {} free)",
+            len(seen),
+            self.num_queued,
+            free,
         )
 
 

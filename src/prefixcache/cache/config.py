@@ -10,11 +10,11 @@ from dataclasses import asdict, dataclass
 
 from prefixcache.cache.block_hash import HASH_ALGOS
 from prefixcache.cache.block_pool import DEFAULT_MAX_EVENTS
-from prefixcache.cache.radix_index import EVICTION_POLICIES
 
-__all__ = ["CACHE_KINDS", "CacheConfig"]
+__all__ = ["CACHE_KINDS", "EVICTION_POLICIES", "CacheConfig"]
 
 CACHE_KINDS = ("hash", "radix")
+EVICTION_POLICIES = ("lru", "lfu")  # radix: least recently used leaf, or least hit, then LRU
 
 
 @dataclass(frozen=True, slots=True)

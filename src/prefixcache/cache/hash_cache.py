@@ -1,13 +1,25 @@
-"""The hash-chain prefix cache (vLLM-style): per-sequence block tables over the block pool, with
-a digest -> block map as its index (``hash_index.py``)."""
+"""The hash-chain prefix cache (vLLM-style): the contract (``manager.py``) over the block pool,
+with a digest -> block map as its index.
+
+A lookup walks the sequence's chained digests (``block_hash.py``) through the map and stops at the
+first miss; each hit is verified against the block's stored token bytes, so a digest collision can
+cost a miss, never wrong KV. Free cached blocks wait in the pool's LRU queues (lazy eviction): the
+pool drops a block's map entry when it reuses the block.
+"""
 
 from __future__ import annotations
 
-from prefixcache.cache.hash_index import HashIndex
-from prefixcache.cache.index import PrefixIndex
-from prefixcache.cache.manager import PrefixCache
+from dataclasses import dataclass, field
+from operator import attrgetter
 
-__all__ = ["HashPrefixCache"]
+from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
+from prefixcache.cache.index import CacheHit, ChainKeys, PrefixIndex, SeqBlocks
+from prefixcache.cache.manager import PrefixCache
+from prefixcache.cache.sequence import Sequence
+
+__all__ = ["HashIndex", "HashPrefixCache"]
+
+_block_id = attrgetter("block_id")
 
 
 class HashPrefixCache(PrefixCache):
@@ -18,3 +30,139 @@ class HashPrefixCache(PrefixCache):
 
     def _make_index(self) -> PrefixIndex:
         return HashIndex(self.pool, self.keys)
+
+
+@dataclass(slots=True)
+class _HitHandle:
+    """What `lookup` found, so admission can skip re-validation when nothing was evicted since."""
+
+    pool: BlockPool
+    epoch: int
+    digests: list[bytes]
+    block_ids: list[int]
+    blocks: list[KVBlock] = field(default_factory=list)
+
+
+class HashIndex(PrefixIndex):
+    """``digest_map`` maps a digest to the one block that carries it; a duplicate stays out."""
+
+    def __init__(self, pool: BlockPool, keys: ChainKeys) -> None:
+        self.pool = pool
+        self.keys = keys
+        self.digest_map: dict[bytes, KVBlock] = {}
+
+    def lookup(self, seq: Sequence) -> CacheHit:
+        digests = self.keys.digests(seq)
+        get = self.digest_map.get
+        blocks: list[KVBlock] = []
+        append = blocks.append
+        for digest, token_bytes in zip(digests, seq.block_token_bytes, strict=True):
+            block = get(digest)
+            if block is None or block.token_bytes != token_bytes:
+                break
+            append(block)
+        num_matched = len(blocks)
+        bs = self.pool.block_size
+        del blocks[max(0, (len(seq.token_ids) - 1) // bs) :]
+        block_ids = list(map(_block_id, blocks))
+        handle = _HitHandle(self.pool, self.pool.epoch, digests, block_ids, blocks)
+        return CacheHit(len(blocks) * bs, block_ids, len(blocks), num_matched, handle)
+
+    def checked_hit(self, seq: Sequence, hit: CacheHit) -> list[KVBlock]:
+        digests = self.keys.digests(seq)
+        handle = hit.handle
+        pool = self.pool
+        if (
+            isinstance(handle, _HitHandle)
+            and handle.pool is pool
+            and handle.epoch == pool.epoch
+            and handle.digests is digests
+            and handle.block_ids is hit.block_ids
+            and len(handle.blocks) == len(hit.block_ids)
+        ):
+            return handle.blocks
+        blocks = []
+        for i, block_id in enumerate(hit.block_ids):
+            if not 0 <= block_id < pool.num_blocks:
+                raise ValueError(f"hit block id {block_id} is not in this cache")
+            block = pool.blocks[block_id]
+            if block.digest is None or block.digest != digests[i]:
+                raise ValueError(f"stale cache hit: block {block_id} no longer holds block {i}")
+            blocks.append(block)
+        return blocks
+
+    def insert(self, table: SeqBlocks, start: int, end: int) -> None:
+        seq = table.seq
+        digests = self.keys.digests(seq)
+        chunks = seq.block_token_bytes
+        cached = self.digest_map
+        domain = seq.domain
+        blocks = table.blocks
+        run_start = -1  # the first block of the current run of newly stored blocks
+        num_stored = num_dups = 0
+        for i in range(start, end):
+            block = blocks[i]
+            digest = digests[i]
+            if block.digest == digest:
+                stored = False
+            elif digest in cached:
+                num_dups += 1  # the same blocks computed twice: this copy stays out
+                stored = False
+            else:
+                cached[digest] = block
+                block.digest = digest
+                block.token_bytes = chunks[i]
+                block.domain = domain
+                num_stored += 1
+                stored = True
+            if stored != (run_start >= 0):
+                if stored:
+                    run_start = i
+                else:
+                    self._emit_stored(table, run_start, i)
+                    run_start = -1
+        if run_start >= 0:
+            self._emit_stored(table, run_start, end)
+        pool = self.pool
+        pool.num_cached += num_stored
+        pool.stats.num_committed_blocks += num_stored
+        pool.stats.num_duplicate_blocks += num_dups
+
+    def _emit_stored(self, table: SeqBlocks, start: int, end: int) -> None:
+        if self.pool.enable_kv_events:
+            self.pool.emit(self.keys.stored_event(table, start, end))
+
+    def clear(self) -> None:
+        self.digest_map.clear()
+
+    def check(self, tables: dict[str, SeqBlocks]) -> None:
+        for digest, block in self.digest_map.items():
+            check_invariant(
+                block.digest == digest, "map entry points to a block with its digest: {!r}", block
+            )
+        check_invariant(
+            len(self.digest_map) == self.pool.num_cached, "every block with a digest is in the map"
+        )
+        bs = self.pool.block_size
+        for seq_id, table in tables.items():
+            seq = table.seq
+            committed = table.num_committed_blocks
+            check_invariant(
+                committed == table.num_computed_tokens // bs,
+                "committed blocks of {!r} follow its computed tokens",
+                seq_id,
+            )
+            for block in table.blocks[committed:]:
+                check_invariant(
+                    block.digest is None, "no digest on uncommitted KV: {!r} of {!r}", block, seq
+                )
+            if any(b.digest is not None for b in table.blocks[:committed]):
+                digests, chunks = self.keys.digests(seq), seq.block_token_bytes
+                for i, block in enumerate(table.blocks[:committed]):
+                    check_invariant(
+                        block.digest is None
+                        or (block.digest == digests[i] and block.token_bytes == chunks[i]),
+                        "block {} of {!r} carries that sequence's digest and tokens",
+                        i,
+                        seq,
+                    )

@@ -1,32 +1,32 @@
-"""The prefix index: the one part where the hash and radix caches differ.
+"""The prefix index: the one part where the hash and radix caches differ, and what both share.
 
-The block pool (`block_pool.py`) owns every block; the `PrefixCache` (`manager.py`) owns the
+The block pool (``block_pool.py``) owns every block; the `PrefixCache` (``manager.py``) owns the
 sequences' block tables and the contract's rules. An index answers "which cached blocks does this
-sequence start with?" and decides which committed blocks become hittable and which cached block
-is evicted next. It sees blocks and tables, never tensors.
+sequence start with?", decides which committed blocks become hittable, and (radix) which parked
+block is evicted next. It sees blocks and tables, never tensors.
 
-Two ways to hold a free cached block, chosen by the index:
-
-- ``parks_blocks = False`` (hash): a cached block with ``ref_cnt == 0`` waits in the pool's free
-  queue, which is the eviction order; the pool tells the index through `forget` when it pops one.
-- ``parks_blocks = True`` (radix): the index keeps its cached blocks itself; a table's first
-  ``num_path`` blocks are held through the index (radix: the locks of its tree path), not
-  through per-block ref counts; unlocked ones are "parked" (``pool.num_parked``) and given up
-  through `evict`, in the index's own order (leaves first, LRU or LFU).
+- hash (``digest_map`` set): a free cached block waits in the pool's queues, whose order is the
+  eviction order; the pool drops a reused block's map entry.
+- radix (``parked`` set): the index keeps its cached blocks itself, holding one reference on
+  each; a table's first ``num_path`` blocks are held through the index (the locks of its tree
+  path), not through ref counts of their own; unlocked ones are parked and given up through
+  `evict`, in the index's own order.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from prefixcache.cache.block_hash import BlockHasher
+from prefixcache.cache.events import BlockStored
 
 if TYPE_CHECKING:
     from prefixcache.cache.block_pool import KVBlock
     from prefixcache.cache.sequence import Sequence
 
-__all__ = ["CacheHit", "PrefixIndex", "SeqBlocks"]
+__all__ = ["CacheHit", "ChainKeys", "PrefixIndex", "SeqBlocks"]
 
 
 @dataclass(slots=True)
@@ -73,10 +73,44 @@ class SeqBlocks:
     node: object = None
 
 
+class ChainKeys:
+    """How a cache names blocks: its hasher, the model identity that roots every namespace, and
+    whether `BlockStored` events carry the blocks' token ids (tenant data)."""
+
+    __slots__ = ("hasher", "model_id", "events_with_tokens")
+
+    def __init__(self, hasher: BlockHasher, model_id: str, events_with_tokens: bool) -> None:
+        self.hasher = hasher
+        self.model_id = model_id
+        self.events_with_tokens = events_with_tokens
+
+    def digests(self, seq: Sequence) -> list[bytes]:
+        """``seq``'s digest chain, extended incrementally."""
+        return seq.digests(self.hasher, self.model_id)
+
+    def root(self, seq: Sequence) -> bytes:
+        """The namespace root: the parent of ``seq``'s first block."""
+        return seq.root_digest(self.hasher, self.model_id)
+
+    def stored_event(self, table: SeqBlocks, start: int, end: int) -> BlockStored:
+        """`BlockStored` for ``table``'s blocks ``start..end-1``, now hittable."""
+        seq = table.seq
+        bs = self.hasher.block_size
+        digests = seq.block_digests
+        return BlockStored(
+            block_hashes=digests[start:end],
+            parent_block_hash=digests[start - 1] if start else self.root(seq),
+            token_ids=seq.token_ids[start * bs : end * bs] if self.events_with_tokens else [],
+            block_size=bs,
+            block_ids=table.block_ids[start:end],
+        )
+
+
 class PrefixIndex(abc.ABC):
     """What the hash and radix indexes implement for the `PrefixCache` written over them."""
 
-    parks_blocks: bool = False
+    digest_map: dict[bytes, KVBlock] | None = None  # hash: digest -> the block carrying it
+    parked: dict[str, int] | None = None  # radix: parked (evictable) blocks per domain
 
     @abc.abstractmethod
     def lookup(self, seq: Sequence) -> CacheHit:
@@ -84,8 +118,8 @@ class PrefixIndex(abc.ABC):
 
     @abc.abstractmethod
     def checked_hit(self, seq: Sequence, hit: CacheHit) -> list[KVBlock]:
-        """The blocks of a non-empty ``hit``, verified to still be cached for ``seq``; raises
-        ValueError for a stale or forged hit."""
+        """The blocks of a non-empty ``hit``, verified to still be cached for ``seq`` (a list
+        the caller keeps); raises ValueError for a stale or forged hit."""
 
     def num_free_in(self, hit: CacheHit, blocks: list[KVBlock]) -> int:
         """How many of ``hit``'s ``blocks`` are free now (admitting the hit consumes them)."""
@@ -107,22 +141,16 @@ class PrefixIndex(abc.ABC):
         """``table`` let go of its blocks (radix: unlock the path)."""
 
     def evict(
-        self, num: int, protected: frozenset[str] = frozenset()
-    ) -> tuple[list[KVBlock], list[bytes]]:
-        """Give up ``num`` parked blocks in eviction order, with their digests, none of the
-        ``protected`` domains' (only when ``parks_blocks``); the pool clears them."""
+        self, num: int, out: list[KVBlock], protected: frozenset[str]
+    ) -> tuple[list[int], list[bytes]]:
+        """Append ``num`` parked blocks to ``out`` in eviction order, none of the ``protected``
+        domains', each taken (``ref_cnt`` 1, digest cleared); returns their ids and digests.
+        Only for an index that parks blocks."""
         raise NotImplementedError
 
-    def evictable_by_domain(self) -> dict[str, int]:
-        """Parked (evictable) blocks per domain (only when ``parks_blocks``)."""
-        raise NotImplementedError
-
-    def evictable_domains(self) -> Collection[str]:
-        """The domains that may have parked blocks (only when ``parks_blocks``)."""
-        raise NotImplementedError
-
-    def forget(self, blocks: list[KVBlock]) -> None:  # noqa: B027 - optional hook
-        """The pool is reusing these queued cached blocks: drop them from the index."""
+    def held_block_ids(self) -> list[int]:
+        """Blocks the index itself holds a reference on (radix: its tree's)."""
+        return []
 
     @abc.abstractmethod
     def clear(self) -> None:

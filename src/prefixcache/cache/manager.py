@@ -14,7 +14,7 @@ Life of a sequence::
     cache.free(seq)
 
 Ownership: the pool (``block_pool.py``) owns blocks, ref counts, the free queue, events, copies
-and zeroing; the index (``hash_index.py`` or ``radix_index.py``) owns what is cached and the
+and zeroing; the index (in ``hash_cache.py`` or ``radix_cache.py``) owns what is cached and the
 eviction order among cached blocks; this class owns the sequences' block tables, the rules of
 the contract and the statistics. `match` is a pure lookup: a request's lookup is counted once,
 when `allocate` admits it with its hit.
@@ -31,8 +31,7 @@ from prefixcache.cache.block_hash import BlockHasher
 from prefixcache.cache.block_pool import DEFAULT_MAX_EVENTS, BlockPool, KVBlock, check_invariant
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import KVCacheEvent
-from prefixcache.cache.index import CacheHit, PrefixIndex, SeqBlocks
-from prefixcache.cache.keys import ChainKeys
+from prefixcache.cache.index import CacheHit, ChainKeys, PrefixIndex, SeqBlocks
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 
@@ -219,14 +218,14 @@ class PrefixCache:
         elif num_new > num_free:
             return None
         block_ids = list(hit.block_ids) if hit is not None and num_hit else []
-        table = SeqBlocks(seq, list(hit_blocks), block_ids, computed, end, num_hit)
+        table = SeqBlocks(seq, hit_blocks, block_ids, computed, end, num_hit)
         if num_hit:
             assert hit is not None
             self.index.admit(table, hit)
-            pool.touch(hit_blocks[table.num_path :])
-        new_blocks = pool.take(num_new, self._owner_root(seq), protected)
+            pool.touch(hit_blocks[table.num_path :] if table.num_path else hit_blocks)
+        new_blocks, new_ids = pool.take_with_ids(num_new, self._owner_root(seq), protected)
         table.blocks += new_blocks
-        table.block_ids += map(_block_id, new_blocks)
+        table.block_ids += new_ids
         seq.num_computed_tokens = computed
         self._tables[seq.seq_id] = table
         self._add_held(seq.domain, len(table.blocks))
@@ -298,11 +297,11 @@ class PrefixCache:
             )
             blocks[i] = dst
             table.block_ids[i] = dst.block_id
-        new_blocks = self.pool.take(num_new, root, protected)
+        new_blocks, new_ids = self.pool.take_with_ids(num_new, root, protected)
         if new_blocks:
             self._add_held(domain, len(new_blocks))
-            blocks.extend(new_blocks)
-            table.block_ids.extend(map(_block_id, new_blocks))
+            blocks += new_blocks
+            table.block_ids += new_ids
         table.num_alloc_tokens = max(table.num_alloc_tokens, end)
         return list(table.block_ids)
 
@@ -311,7 +310,7 @@ class PrefixCache:
             return None
         if seq.use_cache and self.enable_caching:
             return self.keys.root(seq)
-        return self.keys.namespace_root(seq)
+        return self.hasher.root(seq.namespace(self.model_id))
 
     # -- commit ---------------------------------------------------------------------------------
 
@@ -353,7 +352,8 @@ class PrefixCache:
             return
         del self._tables[seq.seq_id]
         self._add_held(seq.domain, -len(table.blocks))
-        self.pool.release(reversed(table.blocks[table.num_path :]))
+        held = table.blocks[table.num_path :] if table.num_path else table.blocks
+        self.pool.release(reversed(held))
         self.index.release(table)
         seq.num_computed_tokens = 0
         for observer in self._observers:
@@ -441,7 +441,7 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
-        refs: Counter[int] = Counter()
+        refs: Counter[int] = Counter(self.index.held_block_ids())
         for table in self._tables.values():
             refs.update(table.block_ids[table.num_path :])  # the path is held by the index
         self.pool.check_integrity(refs)

@@ -16,8 +16,7 @@ from typing import Any
 
 from prefixcache.cache import CacheConfig
 from prefixcache.cache.block_hash import HASH_ALGOS
-from prefixcache.cache.config import CACHE_KINDS
-from prefixcache.cache.radix_index import EVICTION_POLICIES
+from prefixcache.cache.config import CACHE_KINDS, EVICTION_POLICIES
 from prefixcache.catalog import DTYPE_CHOICES, model_help
 from prefixcache.engine.sampling_params import LOGPROBS_MODES
 from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefixcache.cache.radix_index import EVICTION_POLICIES
+from prefixcache.cache.config import EVICTION_POLICIES
 from prefixcache.errors import have_extra
 from prefixcache.sched import SCHEDULE_POLICIES
 from prefixcache.sim.config import RunSpec, format_blocks

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from prefixcache.cache import PREFIX_CACHES, CacheConfig, PrefixCache, build_prefix_cache
-from prefixcache.cache.radix_index import EVICTION_POLICIES
+from prefixcache.cache.config import EVICTION_POLICIES
 from prefixcache.sim.trace import Trace
 
 
