@@ -72,9 +72,8 @@ def test_fair_order_interleaves_domains_least_served_first():
     reqs += [engine.add_request(f"b{i}", [1, 2, 4], params, domain="b") for i in range(2)]
     order = fair_order(reqs, {})
     assert [r.request_id for r in order] == ["a0", "b0", "a1", "b1", "a2"]
-    from prefixcache.sched.fairness import DomainUsage
 
-    order = fair_order(reqs, {"a": DomainUsage(num_seqs=5)})  # a holds more: b goes first
+    order = fair_order(reqs, {"a": 5})  # a holds more: b goes first
     assert [r.request_id for r in order] == ["b0", "a0", "b1", "a1", "a2"]
     assert fair_order(reqs[:3], {}) == reqs[:3]  # one domain: policy order untouched
 

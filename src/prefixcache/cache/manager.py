@@ -397,6 +397,10 @@ class PrefixCache:
             return []
         return list(table.block_ids)
 
+    def blocks_held(self, domain: str = "") -> int:
+        """Blocks in the live block tables of ``domain``'s sequences."""
+        return self._held.get(domain, 0)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, or cached and evictable)."""

@@ -7,7 +7,7 @@ simulator drives on a cost model's clock.
 from __future__ import annotations
 
 from prefixcache.sched.config import SchedulerConfig
-from prefixcache.sched.fairness import DomainLimits, DomainUsage, blocks_needed, fair_order
+from prefixcache.sched.fairness import DomainLimits, blocks_needed, fair_order
 from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
 from prefixcache.sched.request import FINISH_REASONS, RequestStatus, SchedRequest
 from prefixcache.sched.scheduler import SCHEDULE_POLICIES, Scheduler
@@ -16,7 +16,6 @@ __all__ = [
     "FINISH_REASONS",
     "SCHEDULE_POLICIES",
     "DomainLimits",
-    "DomainUsage",
     "RequestStatus",
     "SchedRequest",
     "ScheduledChunk",

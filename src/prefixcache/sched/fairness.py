@@ -21,7 +21,7 @@ from prefixcache.sched.request import SchedRequest
 
 R = TypeVar("R", bound=SchedRequest)
 
-__all__ = ["DomainLimits", "DomainUsage", "blocks_needed", "fair_order"]
+__all__ = ["DomainLimits", "blocks_needed", "fair_order"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,15 +38,7 @@ class DomainLimits:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
-@dataclass(slots=True)
-class DomainUsage:
-    """What one domain holds in the running batch."""
-
-    num_seqs: int = 0
-    num_blocks: int = 0
-
-
-def fair_order(candidates: list[R], usage: Mapping[str, DomainUsage]) -> list[R]:
+def fair_order(candidates: list[R], seqs_held: Mapping[str, int]) -> list[R]:
     """``candidates`` (already in policy order) interleaved across domains: round-robin, the
     domain holding the fewest sequences first (ties: the earliest candidate's). One domain's
     own order is kept, so a single domain's order is exactly the input."""
@@ -55,8 +47,7 @@ def fair_order(candidates: list[R], usage: Mapping[str, DomainUsage]) -> list[R]
         queues.setdefault(request.domain, []).append(request)
     if len(queues) < 2:
         return list(candidates)
-    held = {d: usage[d].num_seqs if d in usage else 0 for d in queues}
-    domains = sorted(queues, key=lambda d: held[d])  # stable: first-seen order breaks ties
+    domains = sorted(queues, key=lambda d: seqs_held.get(d, 0))  # stable: first seen wins ties
     out: list[R] = []
     for depth in range(max(len(q) for q in queues.values())):
         out.extend(queues[d][depth] for d in domains if depth < len(queues[d]))

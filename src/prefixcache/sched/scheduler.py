@@ -43,7 +43,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from prefixcache.cache import CacheHit, PrefixCache
 from prefixcache.sched.config import SCHEDULE_POLICIES, SchedulerConfig
-from prefixcache.sched.fairness import DomainLimits, DomainUsage, fair_order
+from prefixcache.sched.fairness import DomainLimits, fair_order
 from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
 from prefixcache.sched.request import RequestStatus, SchedRequest
 
@@ -68,11 +68,6 @@ class Scheduler(Generic[R]):
         self.cache = cache
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.policy = config.schedule_policy
-        self.lpm_max_wait_steps = config.lpm_max_wait_steps
-        self.dedup = config.dedup
-        self.domain_limits = dict(config.domain_limits)
-        self.default_domain_limits = config.default_domain_limits
         self.waiting: deque[R] = deque()
         self.running: list[R] = []
         self.step_index = 0
@@ -81,10 +76,11 @@ class Scheduler(Generic[R]):
         self.num_deferred = 0
         self.num_block_copies = 0
         self._domains: Counter[str] = Counter()  # unfinished requests per domain
+        self._seqs: Counter[str] = Counter()  # sequences the running requests reserve, per domain
 
     def limits_for(self, domain: str) -> DomainLimits:
         """The hard caps of ``domain``: its own entry, else the default."""
-        return self.domain_limits.get(domain, self.default_domain_limits)
+        return self.config.domain_limits.get(domain, self.config.default_domain_limits)
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -99,17 +95,18 @@ class Scheduler(Generic[R]):
 
     def finish(self, request: R, status: RequestStatus) -> None:
         """End ``request`` (stopped, length or aborted): its blocks go back to the cache."""
+        queued = True
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._seqs[request.domain] -= request.reserved_seqs
         elif request in self.waiting:
             self.waiting.remove(request)
         else:
-            self.cache.free(request.seq)
-            request.status = status
-            return
-        self._domains[request.domain] -= 1
-        if not self._domains[request.domain]:
-            del self._domains[request.domain]
+            queued = False
+        if queued:
+            self._domains[request.domain] -= 1
+            if not self._domains[request.domain]:
+                del self._domains[request.domain]
         self.cache.free(request.seq)
         request.status = status
 
@@ -117,7 +114,7 @@ class Scheduler(Generic[R]):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.step_index)
-        shares = _Shares.of(self) if self._num_domains() > 1 else None
+        shares = _Shares.of(self) if len(self._domains) > 1 else None
         if shares is not None:
             self._preempt_for_fairness(out, shares)
         num_fair = len(out.preempted)
@@ -136,28 +133,22 @@ class Scheduler(Generic[R]):
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_uncomputed_tokens, budget)
-            if shares is not None:
+            if shares is not None:  # 0: its domain spent its share of this step's prefill tokens
                 num_new = shares.cap_tokens(request.domain, num_new)
-                if num_new == 0:  # its domain spent its share of this step's prefill tokens
-                    i += 1
-                    continue
-            table = self._allocate_or_preempt(request, num_new, out, i, shares)
-            if table is None:
-                break  # it preempted itself: nothing after it is left
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
-            budget -= num_new
-            if shares is not None:
-                shares.spend_tokens(request.domain, num_new)
+            if num_new:
+                table = self._allocate_or_preempt(request, num_new, out, i, shares)
+                if table is None:
+                    break  # it preempted itself: nothing after it is left
+                chunk = ScheduledChunk(request, request.num_computed_tokens, num_new, table)
+                out.chunks.append(chunk)
+                budget -= num_new
+                if shares is not None:
+                    shares.spend_tokens(request.domain, num_new)
             i += 1
         return budget
 
     def _allocate_or_preempt(
-        self,
-        request: R,
-        num_new: int,
-        out: SchedulerOutput,
-        index: int,
-        shares: _Shares | None,
+        self, request: R, num_new: int, out: SchedulerOutput, index: int, shares: _Shares | None
     ) -> list[int] | None:
         """Allocate, preempting not-yet-scheduled running requests (from ``index`` on) until it
         fits: the newest of the domain most over its share, else the newest of all."""
@@ -165,26 +156,12 @@ class Scheduler(Generic[R]):
             table = self.cache.allocate(request.seq, num_new)
             if table is not None:
                 return table
-            victim = self._victim(index, shares)
-            self.running.remove(victim)
-            self._preempt(victim)
-            if shares is not None:
-                shares.release(victim)
-            out.preempted.append(victim)
+            candidates = self.running[index:]
+            over = shares.most_over_share({r.domain for r in candidates}) if shares else None
+            victim = next((r for r in reversed(candidates) if r.domain == over), candidates[-1])
+            self._preempt(victim, out)
             if victim is request:
                 return None
-
-    def _victim(self, index: int, shares: _Shares | None) -> R:
-        candidates = self.running[index:]
-        if shares is not None:
-            over = shares.most_over_share({r.domain for r in candidates})
-            if over is not None:
-                return next(r for r in reversed(candidates) if r.domain == over)
-        return candidates[-1]
-
-    def _num_domains(self) -> int:
-        """Domains with a waiting or running request (kept by `add`, `finish`, forks)."""
-        return len(self._domains)
 
     def _preempt_for_fairness(self, out: SchedulerOutput, shares: _Shares) -> None:
         """Let each under-share domain's first waiting request start: preempt the newest
@@ -196,66 +173,61 @@ class Scheduler(Generic[R]):
         for domain, request in firsts.items():
             if shares.is_over(domain):
                 continue
-            while not self._could_start(request, shares):
+            while not self._could_start(request):
                 over = shares.most_over_share({r.domain for r in self.running} - {domain})
                 if over is None:
                     break
-                victim = next(r for r in reversed(self.running) if r.domain == over)
-                self.running.remove(victim)
-                self._preempt(victim)
-                shares.release(victim)
-                out.preempted.append(victim)
+                self._preempt(next(r for r in reversed(self.running) if r.domain == over), out)
                 self.num_fairness_preemptions += 1
 
-    def _could_start(self, request: R, shares: _Shares) -> bool:
-        if shares.total_seqs() + request.reserved_seqs > self.max_num_seqs:
+    def _could_start(self, request: R) -> bool:
+        if sum(self._seqs.values()) + request.reserved_seqs > self.max_num_seqs:
             return False
-        hit = self._peek(request)
+        hit = self.cache.match(request.seq)
         first_chunk = min(request.num_tokens - hit.num_tokens, self.max_num_batched_tokens)
         return self.cache.num_free_blocks >= -(-first_chunk // self.cache.block_size)
 
-    def _preempt(self, request: R) -> None:
+    def _preempt(self, request: R, out: SchedulerOutput) -> None:
+        """Free a running request's blocks (its committed ones stay cached) and requeue it first."""
+        self.running.remove(request)
+        self._seqs[request.domain] -= request.reserved_seqs
         self.cache.free(request.seq)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        out.preempted.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: _Shares | None) -> None:
         in_flight = self._digests_in_flight(out.chunks)
-        num_seqs = sum(r.reserved_seqs for r in self.running)
+        num_seqs = sum(self._seqs.values())
         blocked: set[str] = set()  # domains whose next request cannot start this step
         waiting_domains = {r.domain for r in self.waiting}
-        for request, hit in self._waiting_in_fair_order():
+        for request, hit in self._waiting_in_fair_order(shares):
             if budget <= 0:
                 break
             domain = request.domain
             if domain in blocked:
                 continue  # no overtaking inside a domain
-            if num_seqs + request.reserved_seqs > self.max_num_seqs or not self._within_limits(
+            num_new = 0
+            if num_seqs + request.reserved_seqs <= self.max_num_seqs and self._within_limits(
                 request, shares, waiting_domains
             ):
+                first_miss = self._first_miss_digest(request, hit)
+                if first_miss is not None and first_miss in in_flight and out.chunks:
+                    out.num_deferred += 1
+                    continue
+                cap = budget if shares is None else shares.cap_tokens(domain, budget)
+                num_new = self._admit(request, hit, cap, out) if cap > 0 else 0
+            if num_new == 0:  # no room (seqs, blocks, caps or its token share): its later wait too
                 blocked.add(domain)
                 if len(blocked) == len(waiting_domains):
                     break  # every domain waits: look nothing else up
-                continue
-            first_miss = self._first_miss_digest(request, hit)
-            if first_miss is not None and first_miss in in_flight and out.chunks:
-                out.num_deferred += 1
-                continue
-            cap = budget if shares is None else shares.cap_tokens(domain, budget)
-            num_new = self._admit(request, hit, cap, out) if cap > 0 else 0
-            if num_new == 0:
-                blocked.add(domain)  # blocks (or its token share) do not fit: its later wait too
-                if len(blocked) == len(waiting_domains):
-                    break
                 continue
             if shares is not None:
                 shares.spend_tokens(domain, num_new)
             budget -= num_new
             num_seqs += request.reserved_seqs
-            if shares is not None:
-                shares.admit(request, len(out.chunks[-1].block_table))
             in_flight.update(self._chunk_digests(out.chunks[-1]))
         self.num_deferred += out.num_deferred
 
@@ -265,46 +237,27 @@ class Scheduler(Generic[R]):
         """The domain's hard caps allow one more request, and (several domains having work)
         it is not at or over its share while another domain waits."""
         domain, limits = request.domain, self.limits_for(request.domain)
-        if shares is None and limits.max_seqs is None and limits.max_blocks is None:
-            return True
-        held = shares.usage.get(domain, DomainUsage()) if shares else self._held(domain)
         if limits.max_seqs is not None and (
-            held.num_seqs + request.reserved_seqs > limits.max_seqs
+            self._seqs[domain] + request.reserved_seqs > limits.max_seqs
         ):
             return False
-        if limits.max_blocks is not None and held.num_blocks >= limits.max_blocks:
+        if limits.max_blocks is not None and self.cache.blocks_held(domain) >= limits.max_blocks:
             return False
-        if shares is None:
+        if shares is None or not waiting_domains - {domain}:
             return True
-        others_wait = bool(waiting_domains - {domain})
-        return not (others_wait and shares.is_over(domain, at_share=True))
+        return not shares.is_over(domain, at_share=True)
 
-    def _held(self, domain: str) -> DomainUsage:
-        held = DomainUsage()
-        for r in self.running:
-            if r.domain == domain:
-                held.num_seqs += r.reserved_seqs
-                held.num_blocks += len(self.cache.block_table(r.seq))
-        return held
-
-    def _waiting_in_fair_order(self) -> Iterable[tuple[R, CacheHit]]:
+    def _waiting_in_fair_order(self, shares: _Shares | None) -> Iterable[tuple[R, CacheHit]]:
         """Policy order, interleaved across domains. Under FCFS the cache is peeked lazily, only
         for the requests the step reaches (one domain: exactly `_waiting_in_order`)."""
-        if len({r.domain for r in self.waiting}) < 2:
+        if shares is None or len({r.domain for r in self.waiting}) < 2:
             return self._waiting_in_order()
-        if self.policy == "fcfs":
-            fair = fair_order(list(self.waiting), self._usage_seqs())
-            return ((r, self._peek(r)) for r in fair)
+        if self.config.schedule_policy == "fcfs":
+            fair = fair_order(list(self.waiting), self._seqs)
+            return ((r, self.cache.match(r.seq)) for r in fair)
         ordered = list(self._waiting_in_order())
         hits = {id(r): hit for r, hit in ordered}
-        fair = fair_order([r for r, _ in ordered], self._usage_seqs())
-        return [(r, hits[id(r)]) for r in fair]
-
-    def _usage_seqs(self) -> dict[str, DomainUsage]:
-        usage: dict[str, DomainUsage] = {}
-        for r in self.running:
-            usage.setdefault(r.domain, DomainUsage()).num_seqs += r.reserved_seqs
-        return usage
+        return [(r, hits[id(r)]) for r in fair_order([r for r, _ in ordered], self._seqs)]
 
     def _admit(self, request: R, hit: CacheHit, budget: int, out: SchedulerOutput) -> int:
         """Allocate with ``hit`` (looked up again only if blocks were evicted since); returns the
@@ -321,47 +274,45 @@ class Scheduler(Generic[R]):
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = hit.num_tokens
         self.running.append(request)
+        self._seqs[request.domain] += request.reserved_seqs
         out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
         return num_new
 
     def _waiting_in_order(self) -> Iterable[tuple[R, CacheHit]]:
         """Waiting requests in policy order, each with its (uncounted) cache hit."""
-        if self.policy == "fcfs":
-            return ((r, self._peek(r)) for r in list(self.waiting))
-        scored = [(r, self._peek(r)) for r in self.waiting]
+        match = self.cache.match
+        if self.config.schedule_policy == "fcfs":
+            return ((r, match(r.seq)) for r in list(self.waiting))
+        scored = [(r, match(r.seq)) for r in self.waiting]
         scored.sort(key=lambda item: self._lpm_key(*item))
         return scored
 
     def _lpm_key(self, request: R, hit: CacheHit) -> tuple[int, int, int]:
         waited = self.step_index - request.arrival_step
-        if request.num_preemptions or waited >= self.lpm_max_wait_steps:
+        if request.num_preemptions or waited >= self.config.lpm_max_wait_steps:
             return (0, 0, request.arrival_index)
         return (1, -(hit.num_blocks + waited), request.arrival_index)
-
-    def _peek(self, request: R) -> CacheHit:
-        return self.cache.match(request.seq)
 
     # ---- in-batch dedup ----------------------------------------------------------------------
 
     def _first_miss_digest(self, request: R, hit: CacheHit) -> bytes | None:
         seq = request.seq
-        if not (self.dedup and self.cache.enable_caching and seq.use_cache and seq.read_cache):
+        if not (self.config.dedup and self.cache.enable_caching and seq.use_cache):
+            return None
+        if not seq.read_cache:
             return None  # a sequence that reads no hit gains nothing by waiting
-        digests = request.seq.digests(self.cache.hasher, self.cache.model_id)
+        digests = seq.digests(self.cache.hasher, self.cache.model_id)
         return digests[hit.num_blocks] if hit.num_blocks < len(digests) else None
 
     def _digests_in_flight(self, chunks: list[ScheduledChunk]) -> set[bytes]:
-        if not (self.dedup and self.cache.enable_caching):
+        if not (self.config.dedup and self.cache.enable_caching):
             return set()
-        digests: set[bytes] = set()
-        for chunk in chunks:
-            digests.update(self._chunk_digests(chunk))
-        return digests
+        return {digest for chunk in chunks for digest in self._chunk_digests(chunk)}
 
     def _chunk_digests(self, chunk: ScheduledChunk) -> list[bytes]:
         """Digests of the complete blocks this chunk writes into (empty for decodes)."""
         seq = chunk.request.seq
-        if not (self.dedup and seq.use_cache) or chunk.num_new_tokens == 1:
+        if not (self.config.dedup and seq.use_cache) or chunk.num_new_tokens == 1:
             return []
         bs = self.cache.block_size
         digests = seq.digests(self.cache.hasher, self.cache.model_id)
@@ -391,13 +342,13 @@ class Scheduler(Generic[R]):
         blocks. 0 when the next step may differ. FCFS with one domain only: LPM's aging and
         fairness reorder the queue from step to step."""
         if (
-            self.policy != "fcfs"
+            self.config.schedule_policy != "fcfs"
             or out.preempted
             or out.num_admitted
             or out.num_deferred
             or (self.waiting and not out.admission_blocked)
             or len(out.chunks) != len(self.running)
-            or self._num_domains() > 1
+            or len(self._domains) > 1
         ):
             return 0
         bs = self.cache.block_size
@@ -436,70 +387,48 @@ class Scheduler(Generic[R]):
         return children
 
 
+
 @dataclass(slots=True)
 class _Shares:
-    """One step's view of the domains with work: what each holds and its equal share."""
+    """A step's equal shares while several domains have work: of the sequences, of the KV pool,
+    and of the step's prefill tokens (a decode token, one per sequence, always goes: a flood's
+    long prefills cannot make every step slow). What a domain holds is read live: its
+    sequences from the scheduler, its blocks from the cache."""
 
-    usage: dict[str, DomainUsage]
+    seqs: Counter[str]
+    cache: PrefixCache
     fair_seqs: float
     fair_blocks: float
-    blocks_of: dict[int, int]  # id(request) -> blocks it held when the step began
-    # each domain's share of this step's token budget for prefill chunks (a decode token, one
-    # per sequence, always goes): a flood's long prefills cannot make every step slow
     tokens_left: dict[str, int]
 
     @classmethod
     def of(cls, scheduler: Scheduler[Any]) -> _Shares:
-        domains = {r.domain for r in scheduler.running} | {r.domain for r in scheduler.waiting}
-        usage: dict[str, DomainUsage] = {d: DomainUsage() for d in domains}
-        blocks_of: dict[int, int] = {}
-        for r in scheduler.running:
-            blocks_of[id(r)] = len(scheduler.cache.block_table(r.seq))
-            usage[r.domain].num_seqs += r.reserved_seqs
-            usage[r.domain].num_blocks += blocks_of[id(r)]
-        k = len(domains)
-        tokens = {d: max(1, scheduler.max_num_batched_tokens // k) for d in domains}
-        return cls(
-            usage, scheduler.max_num_seqs / k, scheduler.cache.num_blocks / k, blocks_of, tokens
-        )
+        k = len(scheduler._domains)
+        tokens = max(1, scheduler.config.max_num_batched_tokens // k)
+        cache = scheduler.cache
+        fair_seqs = scheduler.max_num_seqs / k
+        tokens_left = dict.fromkeys(scheduler._domains, tokens)
+        return cls(scheduler._seqs, cache, fair_seqs, cache.num_blocks / k, tokens_left)
 
     def cap_tokens(self, domain: str, num_new: int) -> int:
-        """``num_new`` limited to the domain's prefill share left; a single (decode) token
-        always passes."""
-        if num_new <= 1:
-            return num_new
-        return max(0, min(num_new, self.tokens_left.get(domain, 0)))
+        """``num_new`` limited to the domain's prefill share left; one token always passes."""
+        return num_new if num_new <= 1 else max(0, min(num_new, self.tokens_left.get(domain, 0)))
 
     def spend_tokens(self, domain: str, num_new: int) -> None:
         if num_new > 1:
             self.tokens_left[domain] = self.tokens_left.get(domain, 0) - num_new
 
-    def total_seqs(self) -> int:
-        return sum(u.num_seqs for u in self.usage.values())
-
     def is_over(self, domain: str, at_share: bool = False) -> bool:
         """Holding more than its share (``at_share``: or exactly its share) of either."""
-        u = self.usage.get(domain, DomainUsage())
+        seqs, blocks = self.seqs[domain], self.cache.blocks_held(domain)
         if at_share:
-            return u.num_seqs >= self.fair_seqs or u.num_blocks >= self.fair_blocks
-        return u.num_seqs > self.fair_seqs or u.num_blocks > self.fair_blocks
+            return seqs >= self.fair_seqs or blocks >= self.fair_blocks
+        return seqs > self.fair_seqs or blocks > self.fair_blocks
 
     def most_over_share(self, domains: set[str]) -> str | None:
         """Of ``domains``, the one furthest over its share (by its larger ratio), if any."""
-        over = [d for d in domains if self.is_over(d)]
-        return max(over, key=self._ratio, default=None)
+        return max((d for d in domains if self.is_over(d)), key=self._ratio, default=None)
 
     def _ratio(self, domain: str) -> float:
-        u = self.usage[domain]
-        return max(u.num_seqs / self.fair_seqs, u.num_blocks / self.fair_blocks)
-
-    def release(self, request: SchedRequest) -> None:
-        u = self.usage[request.domain]
-        u.num_seqs -= request.reserved_seqs
-        u.num_blocks -= self.blocks_of.pop(id(request), 0)
-
-    def admit(self, request: SchedRequest, num_blocks: int) -> None:
-        u = self.usage.setdefault(request.domain, DomainUsage())
-        u.num_seqs += request.reserved_seqs
-        u.num_blocks += num_blocks
-        self.blocks_of[id(request)] = num_blocks
+        blocks = self.cache.blocks_held(domain)
+        return max(self.seqs[domain] / self.fair_seqs, blocks / self.fair_blocks)
