@@ -187,6 +187,6 @@ def test_rejects_bad_configuration():
     with pytest.raises(ValueError, match="policy"):
         Scheduler(cache, schedule_policy="sjf")
     with pytest.warns(DeprecationWarning, match="schedule_policy"):
-        assert Scheduler(cache, policy="lpm").config.schedule_policy == "lpm"  # the old spelling still works
+        assert Scheduler(cache, policy="lpm").config.schedule_policy == "lpm"  # the old spelling
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(cache, max_num_seqs=0)
