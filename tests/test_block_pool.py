@@ -71,9 +71,9 @@ def test_lazy_eviction_on_pop_emits_removed_and_bumps_epoch() -> None:
     assert pool.free_block_ids() == [1, 0]
     epoch = pool.epoch
     assert [b.block_id for b in pool.take(1)] == [1]
-    assert pool.epoch == epoch and pool.take_events() == []
+    assert pool.epoch == epoch and pool.events.take() == []
     assert [b.block_id for b in pool.take(1)] == [0]
-    assert pool.take_events() == [BlockRemoved(block_hashes=[b"d0"], block_ids=[0])]
+    assert pool.events.take() == [BlockRemoved(block_hashes=[b"d0"], block_ids=[0])]
     assert pool.epoch == epoch + 1 and pool.stats.num_evictions == 1
     assert b"d0" not in pool.index.digest_map  # type: ignore[union-attr]
     assert pool.blocks[0].digest is None and pool.num_cached == 0
@@ -90,7 +90,7 @@ def test_reset_refuses_while_held() -> None:
     pool.release([block])
     assert pool.reset() is True
     assert not pool.index.digest_map and pool.blocks[0].digest is None  # type: ignore[union-attr]
-    assert pool.take_events() == [AllBlocksCleared()]
+    assert pool.events.take() == [AllBlocksCleared()]
     check(pool, [])
 
 

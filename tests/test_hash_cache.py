@@ -282,7 +282,7 @@ def test_event_buffer_is_bounded() -> None:
         run_prompt(cache, seq)
         cache.free(seq)
     assert len(cache.take_events()) == 2
-    assert cache.pool.num_dropped_events == 2
+    assert cache.num_dropped_events == 2
 
 
 # -- Mooncake conversation trace: a slice against an independent LRU reference -----------------

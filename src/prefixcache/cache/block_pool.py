@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer, KVCacheEvent
+from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer
 from prefixcache.cache.stats import CacheStats
 
 if TYPE_CHECKING:
@@ -377,7 +377,7 @@ class BlockPool:
             return {d: n for d, n in self._parked.items() if n}
         return {d: q.count for d, q in self._lru.items() if q.count}
 
-    # -- reset, events, copies and zero-on-reuse ------------------------------------------------
+    # -- reset, copies and zero-on-reuse ------------------------------------------------
 
     def reset(self) -> bool:
         """Drop every digest. Refuses (False, nothing changed) while any block is in use."""
@@ -397,23 +397,8 @@ class BlockPool:
         self.num_parked = self.num_cached = 0
         self.epoch += 1
         self.stats.num_resets += 1
-        self.emit(AllBlocksCleared())
+        self.events.emit(AllBlocksCleared())
         return True
-
-    @property
-    def enable_kv_events(self) -> bool:
-        return self.events.enabled
-
-    @property
-    def num_dropped_events(self) -> int:
-        return self.events.num_dropped
-
-    def emit(self, event: KVCacheEvent) -> None:
-        """Buffer a KV event (bounded: beyond ``max_events`` new events are dropped and counted)."""
-        self.events.emit(event)
-
-    def take_events(self) -> list[KVCacheEvent]:
-        return self.events.take()
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []

@@ -119,18 +119,14 @@ class HashIndex(PrefixIndex):
                 if stored:
                     run_start = i
                 else:
-                    self._emit_stored(table, run_start, i)
+                    self.keys.emit_stored(self.pool.events, table, run_start, i)
                     run_start = -1
         if run_start >= 0:
-            self._emit_stored(table, run_start, end)
+            self.keys.emit_stored(self.pool.events, table, run_start, end)
         pool = self.pool
         pool.num_cached += num_stored
         pool.stats.num_committed_blocks += num_stored
         pool.stats.num_duplicate_blocks += num_dups
-
-    def _emit_stored(self, table: SeqBlocks, start: int, end: int) -> None:
-        if self.pool.enable_kv_events:
-            self.pool.emit(self.keys.stored_event(table, start, end))
 
     def clear(self) -> None:
         self.digest_map.clear()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixcache.cache.block_hash import BlockHasher
-from prefixcache.cache.events import BlockStored
+from prefixcache.cache.events import BlockStored, EventBuffer
 
 if TYPE_CHECKING:
     from prefixcache.cache.block_pool import KVBlock
@@ -92,17 +92,21 @@ class ChainKeys:
         """The namespace root: the parent of ``seq``'s first block."""
         return seq.root_digest(self.hasher, self.model_id)
 
-    def stored_event(self, table: SeqBlocks, start: int, end: int) -> BlockStored:
-        """`BlockStored` for ``table``'s blocks ``start..end-1``, now hittable."""
+    def emit_stored(self, events: EventBuffer, table: SeqBlocks, start: int, end: int) -> None:
+        """`BlockStored` for ``table``'s blocks ``start..end-1``, now hittable (if enabled)."""
+        if not events.enabled:
+            return
         seq = table.seq
         bs = self.hasher.block_size
         digests = seq.block_digests
-        return BlockStored(
-            block_hashes=digests[start:end],
-            parent_block_hash=digests[start - 1] if start else self.root(seq),
-            token_ids=seq.token_ids[start * bs : end * bs] if self.events_with_tokens else [],
-            block_size=bs,
-            block_ids=table.block_ids[start:end],
+        events.emit(
+            BlockStored(
+                block_hashes=digests[start:end],
+                parent_block_hash=digests[start - 1] if start else self.root(seq),
+                token_ids=seq.token_ids[start * bs : end * bs] if self.events_with_tokens else [],
+                block_size=bs,
+                block_ids=table.block_ids[start:end],
+            )
         )
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from operator import attrgetter
 from typing import Protocol
 
 from prefixcache.cache.block_hash import BlockHasher
@@ -37,7 +36,6 @@ from prefixcache.cache.stats import CacheStats
 
 __all__ = ["CacheObserver", "PrefixCache"]
 
-_block_id = attrgetter("block_id")
 _NONE: frozenset[str] = frozenset()
 
 
@@ -69,6 +67,8 @@ class PrefixCache:
     are validated once, as a `CacheConfig` (``self.config``).
     """
 
+    kind = ""  # "hash" | "radix", set by each implementation
+
     def __init__(
         self,
         num_blocks: int,
@@ -87,30 +87,21 @@ class PrefixCache:
             self.kind, num_blocks, block_size, hash_algo, enable_caching, model_id,
             zero_on_reuse, enable_kv_events, events_with_tokens, max_events, eviction_policy,
         )  # fmt: skip
-        self.eviction_policy = eviction_policy
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.model_id = model_id
+        self.num_blocks, self.block_size, self.model_id = num_blocks, block_size, model_id
+        self.enable_caching, self.eviction_policy = enable_caching, eviction_policy
         self.events_with_tokens = events_with_tokens
         self.hasher = BlockHasher(block_size, hash_algo)
         self.keys = ChainKeys(self.hasher, model_id, events_with_tokens)
         self.stats = CacheStats()
         self.pool = BlockPool(
-            num_blocks,
-            block_size,
-            stats=self.stats,
-            enable_kv_events=enable_kv_events,
-            max_events=max_events,
-            zero_on_reuse=zero_on_reuse,
-        )
+            num_blocks, block_size, stats=self.stats, enable_kv_events=enable_kv_events,
+            max_events=max_events, zero_on_reuse=zero_on_reuse,
+        )  # fmt: skip
         self.index = self._make_index()
         self.pool.attach(self.index)
         self._tables: dict[str, SeqBlocks] = {}
-        self._held: dict[str, int] = {}  # per domain: blocks in its live tables
+        self._held: Counter[str] = Counter()  # per domain: blocks in its live tables
         self._observers: list[CacheObserver] = []
-
-    kind = ""  # "hash" | "radix", set by each implementation
 
     @classmethod
     def from_config(cls, config: CacheConfig) -> PrefixCache:
@@ -135,17 +126,13 @@ class PrefixCache:
         if observer not in self._observers:
             self._observers.append(observer)
 
-    @property
-    def observers(self) -> tuple[CacheObserver, ...]:
-        return tuple(self._observers)
-
     def remove_observer(self, observer: CacheObserver) -> None:
         if observer in self._observers:
             self._observers.remove(observer)
 
     @property
-    def zero_on_reuse(self) -> bool:
-        return self.pool.zero_on_reuse
+    def observers(self) -> tuple[CacheObserver, ...]:
+        return tuple(self._observers)
 
     # -- match ----------------------------------------------------------------------------------
 
@@ -168,15 +155,12 @@ class PrefixCache:
     def _count_lookup(self, seq: Sequence, hit: CacheHit | None) -> None:
         """``seq`` was admitted with ``hit``: count its lookup (once per admission)."""
         stats = self.stats
+        num_hit_blocks = len(hit.block_ids) if hit is not None else 0
         stats.num_requests += 1
         stats.num_queried_tokens += len(seq.token_ids)
-        num_hit_blocks = 0
-        if hit is not None:
-            num_hit_blocks = len(hit.block_ids)
-            stats.lookup_time_ns += hit.lookup_time_ns
-        if num_hit_blocks:
-            stats.num_hit_requests += 1
-            stats.num_hit_tokens += num_hit_blocks * self.block_size
+        stats.lookup_time_ns += hit.lookup_time_ns if hit is not None else 0
+        stats.num_hit_requests += num_hit_blocks > 0
+        stats.num_hit_tokens += num_hit_blocks * self.block_size
         misses = stats.first_miss_blocks
         misses[num_hit_blocks] = misses.get(num_hit_blocks, 0) + 1
 
@@ -209,14 +193,10 @@ class PrefixCache:
         pool = self.pool
         protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
         num_free = pool.num_free - num_protected
-        if num_hit:
-            assert hit is not None
-            if num_new + num_hit > num_free:
-                num_reused = self.index.num_free_in(hit, hit_blocks)
-                if num_new + num_reused > num_free:
-                    return None
-        elif num_new > num_free:
-            return None
+        if num_new + num_hit > num_free:  # admitting a hit consumes its free blocks
+            reused = self.index.num_free_in(hit, hit_blocks) if hit is not None and num_hit else 0
+            if num_new + reused > num_free:
+                return None
         block_ids = list(hit.block_ids) if hit is not None and num_hit else []
         table = SeqBlocks(seq, hit_blocks, block_ids, computed, end, num_hit)
         if num_hit:
@@ -244,21 +224,17 @@ class PrefixCache:
         if not self.pool.other_cache_domains(domain):  # the common case: one domain
             return _NONE, 0
         free_cached = self.pool.free_cached_by_domain()
-        usage = dict(self._held)
-        for d, n in free_cached.items():
-            usage[d] = usage.get(d, 0) + n
+        usage = self._held + Counter(free_cached)
         share = self.num_blocks / len(usage.keys() | {domain})
-        if usage.get(domain, 0) + num_more <= share:
+        if usage[domain] + num_more <= share:
             return _NONE, 0
         protected = [d for d in free_cached if d != domain and usage[d] <= share]
         return frozenset(protected), sum(free_cached[d] for d in protected)
 
     def _add_held(self, domain: str, num: int) -> None:
-        held = self._held.get(domain, 0) + num
-        if held:
-            self._held[domain] = held
-        else:
-            self._held.pop(domain, None)
+        self._held[domain] += num
+        if not self._held[domain]:
+            del self._held[domain]
 
     def _checked_hit(self, seq: Sequence, hit: CacheHit | None) -> list[KVBlock]:
         """The hit's blocks, verified to still be cached for ``seq``."""
@@ -337,9 +313,13 @@ class PrefixCache:
                 for observer in self._observers:
                     observer.on_commit(seq, start, end, list(table.block_ids))
 
-    def _live_table(self, seq: Sequence) -> SeqBlocks:
+    def _table_of(self, seq: Sequence) -> SeqBlocks | None:
         table = self._tables.get(seq.seq_id)
-        if table is None or table.seq is not seq:
+        return table if table is not None and table.seq is seq else None
+
+    def _live_table(self, seq: Sequence) -> SeqBlocks:
+        table = self._table_of(seq)
+        if table is None:
             raise ValueError(f"sequence {seq.seq_id!r} holds no blocks in this cache")
         return table
 
@@ -347,8 +327,8 @@ class PrefixCache:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, deepest first; committed ones stay cached until evicted."""
-        table = self._tables.get(seq.seq_id)
-        if table is None or table.seq is not seq:
+        table = self._table_of(seq)
+        if table is None:
             return
         del self._tables[seq.seq_id]
         self._add_held(seq.domain, -len(table.blocks))
@@ -370,15 +350,9 @@ class PrefixCache:
         child.num_computed_tokens = table.num_computed_tokens
         self.pool.touch(table.blocks[table.num_path :])
         child_table = SeqBlocks(
-            child,
-            list(table.blocks),
-            list(table.block_ids),
-            table.num_computed_tokens,
-            table.num_computed_tokens,
-            table.num_committed_blocks,
-            table.num_path,
-            table.node,
-        )
+            child, list(table.blocks), list(table.block_ids), table.num_computed_tokens,
+            table.num_computed_tokens, table.num_committed_blocks, table.num_path, table.node,
+        )  # fmt: skip
         self.index.fork(table, child_table)
         self._tables[child_id] = child_table
         self._add_held(child.domain, len(child_table.blocks))
@@ -392,14 +366,12 @@ class PrefixCache:
 
     def block_table(self, seq: Sequence) -> list[int]:
         """The current block table of ``seq`` (empty if it holds none)."""
-        table = self._tables.get(seq.seq_id)
-        if table is None or table.seq is not seq:
-            return []
-        return list(table.block_ids)
+        table = self._table_of(seq)
+        return list(table.block_ids) if table is not None else []
 
     def blocks_held(self, domain: str = "") -> int:
         """Blocks in the live block tables of ``domain``'s sequences."""
-        return self._held.get(domain, 0)
+        return self._held[domain]
 
     @property
     def num_free_blocks(self) -> int:
@@ -421,16 +393,20 @@ class PrefixCache:
         return self.pool.free_block_ids()
 
     @property
+    def zero_on_reuse(self) -> bool:
+        return self.pool.zero_on_reuse
+
+    @property
     def enable_kv_events(self) -> bool:
-        return self.pool.enable_kv_events
+        return self.pool.events.enabled
 
     @property
     def num_dropped_events(self) -> int:
-        return self.pool.num_dropped_events
+        return self.pool.events.num_dropped
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the KV events since the last call."""
-        return self.pool.take_events()
+        return self.pool.events.take()
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Drain pending copy-on-write instructions ``(src_block_id, dst_block_id)``; the runner
@@ -446,38 +422,30 @@ class PrefixCache:
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
         refs: Counter[int] = Counter(self.index.held_block_ids())
-        for table in self._tables.values():
-            refs.update(table.block_ids[table.num_path :])  # the path is held by the index
-        self.pool.check_integrity(refs)
-        held: dict[str, int] = {}
-        for table in self._tables.values():
-            if table.blocks:
-                held[table.seq.domain] = held.get(table.seq.domain, 0) + len(table.blocks)
-        check_invariant(held == self._held, "blocks held per domain {} == {}", self._held, held)
+        held: Counter[str] = Counter()
         for seq_id, table in self._tables.items():
+            refs.update(table.block_ids[table.num_path :])  # the path is held by the index
+            held[table.seq.domain] += len(table.blocks)
             self._check_table(seq_id, table)
+        self.pool.check_integrity(refs)
+        held = +held  # without domains holding nothing
+        check_invariant(held == self._held, "blocks held per domain {} == {}", self._held, held)
         self.index.check(self._tables)
 
     def _check_table(self, seq_id: str, table: SeqBlocks) -> None:
         bs = self.block_size
         blocks = table.blocks
-        check_invariant(table.seq.seq_id == seq_id, "table of {!r} belongs to its sequence", seq_id)
         check_invariant(
-            [b.block_id for b in blocks] == table.block_ids,
-            "block ids of {!r} match its blocks",
+            table.seq.seq_id == seq_id and [b.block_id for b in blocks] == table.block_ids,
+            "table of {!r} belongs to its sequence; its block ids match its blocks",
             seq_id,
         )
+        computed, allocated = table.num_computed_tokens, table.num_alloc_tokens
         check_invariant(
-            table.num_computed_tokens == table.seq.num_computed_tokens
-            and table.num_computed_tokens <= table.num_alloc_tokens <= len(blocks) * bs,
+            computed == table.seq.num_computed_tokens <= allocated <= len(blocks) * bs,
             "computed <= allocated <= table size for {!r}",
             seq_id,
         )
-        first_write = table.num_computed_tokens // bs
-        last_write = -(-table.num_alloc_tokens // bs)
-        if table.num_alloc_tokens == table.num_computed_tokens:
-            last_write = first_write  # nothing is about to be written
-        for block in blocks[first_write:last_write]:
-            check_invariant(
-                block.ref_cnt == 1, "a shared block is never a write target: {!r}", block
-            )
+        # the blocks about to be written (none when nothing is pending)
+        for block in blocks[computed // bs : -(-allocated // bs) if allocated > computed else 0]:
+            check_invariant(block.ref_cnt == 1, "a shared block is never a write target", block)

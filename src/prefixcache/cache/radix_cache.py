@@ -160,7 +160,7 @@ class RadixIndex(PrefixIndex):
         handle: _HitHandle = hit.handle  # type: ignore[assignment]  # checked by _hit_node
         if not (
             (handle.epoch == self.pool.epoch and handle.block_ids is hit.block_ids)
-            or (node.attached and node.end >= hit.num_blocks and self._path_holds(node, hit))
+            or (node.attached and _path_ids(node)[0][: hit.num_blocks] == hit.block_ids)
         ):
             raise ValueError("stale cache hit: its blocks were evicted since match()")
         return list(map(self.pool.blocks.__getitem__, hit.block_ids))
@@ -175,17 +175,6 @@ class RadixIndex(PrefixIndex):
         ):
             raise ValueError("the hit was not produced by this cache's match() for this sequence")
         return _resolve(hit)
-
-    def _path_holds(self, node: _Node, hit: CacheHit) -> bool:
-        block_ids = hit.block_ids
-        num_hit = len(block_ids)
-        while node.block_ids:
-            start = node.start
-            stop = min(node.end, num_hit)
-            if node.block_ids[: stop - start] != block_ids[start:stop]:
-                return False
-            node = node.parent  # type: ignore[assignment]
-        return True
 
     def num_free_in(self, hit: CacheHit, blocks: list[KVBlock]) -> int:
         """Hit blocks on unlocked nodes: evictable now, protected once the path is locked."""
@@ -275,39 +264,29 @@ class RadixIndex(PrefixIndex):
 
     # -- locks ----------------------------------------------------------------------------------
 
-    def _lock(self, node: _Node, stop: _Node | None = None, *, count_hit: bool = False) -> None:
-        """Add one lock on every node from ``node`` up to ``stop`` or the namespace, exclusive."""
+    def _lock(
+        self, node: _Node, stop: _Node | None = None, *, delta: int = 1, count_hit: bool = False
+    ) -> None:
+        """Add ``delta`` (1, or -1 to unlock) locks on every node from ``node`` up to ``stop`` or
+        the namespace, exclusive: an unlocked node's blocks are parked (evictable), an unlocked
+        leaf is an eviction candidate."""
         self._clock += 1
         clock = self._clock
-        parked = 0
-        evictable = self.parked
+        num_parked = 0
+        parked = self.parked
         while node is not stop and node.block_ids:
-            if not node.lock_ref:
-                parked += len(node.block_ids)
-                evictable[node.domain] -= len(node.block_ids)
-            node.lock_ref += 1
+            was_locked = node.lock_ref > 0
+            node.lock_ref += delta
             node.last_access = clock
-            if count_hit:
-                node.hit_count += 1
-            node = node.parent  # type: ignore[assignment]
-        self.pool.num_parked -= parked
-
-    def _unlock(self, node: _Node) -> None:
-        """Drop one lock on every node from ``node`` up to its namespace node."""
-        self._clock += 1
-        clock = self._clock
-        parked = 0
-        evictable = self.parked
-        while node.block_ids:
-            node.lock_ref -= 1
-            node.last_access = clock
-            if not node.lock_ref:
-                parked += len(node.block_ids)
-                evictable[node.domain] = evictable.get(node.domain, 0) + len(node.block_ids)
-                if not node.children:
+            node.hit_count += count_hit
+            if was_locked != (node.lock_ref > 0):
+                size = len(node.block_ids) if was_locked else -len(node.block_ids)
+                parked[node.domain] = parked.get(node.domain, 0) + size
+                num_parked += size
+                if was_locked and not node.children:
                     self._push(node)
             node = node.parent  # type: ignore[assignment]
-        self.pool.num_parked += parked
+        self.pool.num_parked += num_parked
 
     def fork(self, parent: SeqBlocks, child: SeqBlocks) -> None:
         if isinstance(parent.node, _Node):
@@ -315,7 +294,7 @@ class RadixIndex(PrefixIndex):
 
     def release(self, table: SeqBlocks) -> None:
         if isinstance(table.node, _Node):
-            self._unlock(table.node)
+            self._lock(table.node, delta=-1)
 
     # -- insert ---------------------------------------------------------------------------------
 
@@ -384,8 +363,7 @@ class RadixIndex(PrefixIndex):
         self.parked[node.domain] = self.parked.get(node.domain, 0) + end - start
         self._num_nodes += 1
         self.pool.stats.num_committed_blocks += end - start
-        if self.pool.enable_kv_events:
-            self.pool.emit(self.keys.stored_event(table, start, end))
+        self.keys.emit_stored(self.pool.events, table, start, end)
         return node, end
 
     def _adopt(self, table: SeqBlocks, node: _Node, start: int) -> None:
@@ -458,18 +436,6 @@ class RadixIndex(PrefixIndex):
         return [i for node in self._nodes() for i in node.block_ids]
 
     def check(self, tables: dict[str, SeqBlocks]) -> None:
-        nodes = self._nodes()
-        self._check_tree(nodes)
-        tree = self._check_blocks(nodes)
-        locks: Counter[_Node] = Counter()
-        for seq_id, table in tables.items():
-            self._check_table(seq_id, table, tree)
-            if isinstance(table.node, _Node):
-                locks[table.node] += 1
-        self._check_locks(nodes, locks)
-        self._check_heap(nodes)
-
-    def _check_tree(self, nodes: list[_Node]) -> None:
         for root, ns in self._root.children.items():
             check_invariant(
                 ns.key == root and ns.parent is self._root and ns.attached and not ns.block_ids
@@ -477,69 +443,21 @@ class RadixIndex(PrefixIndex):
                 "namespace node {} is keyed by its root, owns no blocks and is never locked",
                 root.hex()[:8],
             )  # fmt: skip
-        for node in nodes:
+        locks = Counter(t.node for t in tables.values() if isinstance(t.node, _Node))
+        in_heap = {e[2] for d, heap in self._heaps.items() for e in heap if e[3].domain == d}
+        nodes = self._nodes()
+        tree: set[int] = set()
+        parked: Counter[str] = Counter()
+        for node in reversed(nodes):  # children before parents
             parent = node.parent
             check_invariant(
                 node.attached and parent is not None and parent.children.get(node.key) is node
-                and node.start == parent.end,
-                "node links consistent at block {} (it starts where its parent ends)",
+                and node.start == parent.end and node.key == node.digests[0]
+                and len(node.block_ids) == len(node.digests) == len(node.tokens),
+                "node at block {} is linked, starts where its parent ends, keeps one digest and "
+                "token run per block and is keyed by its first",
                 node.start,
             )  # fmt: skip
-            check_invariant(
-                len(node.block_ids) == len(node.digests) == len(node.tokens)
-                and node.key == node.digests[0] and node.lock_ref >= 0,
-                "node at block {} keeps one digest and token run per block, keyed by its first, "
-                "lock_ref >= 0",
-                node.start,
-            )  # fmt: skip
-        check_invariant(len(nodes) == self._num_nodes, "node count kept incrementally")
-
-    def _check_blocks(self, nodes: list[_Node]) -> set[int]:
-        """The tree's blocks: each once, held by the tree alone, no digest of its own."""
-        blocks = self.pool.blocks
-        tree: set[int] = set()
-        for node in nodes:
-            for block_id in node.block_ids:
-                block = blocks[block_id]
-                check_invariant(block_id not in tree, "a block is in the tree at most once")
-                check_invariant(
-                    block.ref_cnt == 1 and block.digest is None,
-                    "a tree block is held by the tree alone; its node keeps the digest: {!r}",
-                    block,
-                )
-                tree.add(block_id)
-        check_invariant(len(tree) == self.pool.num_cached, "cached count kept (tree blocks)")
-        evictable = sum(len(n.block_ids) for n in nodes if not n.lock_ref)
-        check_invariant(
-            evictable == self.pool.num_parked,
-            "evictable count {} == {} unlocked cached blocks (parked)",
-            self.pool.num_parked,
-            evictable,
-        )
-        return tree
-
-    def _check_table(self, seq_id: str, table: SeqBlocks, tree: set[int]) -> None:
-        check_invariant(
-            table.num_path * self.pool.block_size <= table.num_computed_tokens,
-            "locked path <= computed for {!r}",
-            seq_id,
-        )
-        path: list[int] = []
-        node = table.node
-        while isinstance(node, _Node) and node.block_ids:
-            check_invariant(node.attached, "{!r} locks only nodes in the tree", seq_id)
-            path[:0] = node.block_ids
-            node = node.parent
-        check_invariant(
-            table.block_ids[: table.num_path] == path and len(path) == table.num_path,
-            "{!r}'s table starts with its locked path, num_path long",
-            seq_id,
-        )
-        held = table.block_ids[table.num_path :]
-        check_invariant(tree.isdisjoint(held), "{!r}'s held blocks are not in the tree", seq_id)
-
-    def _check_locks(self, nodes: list[_Node], locks: Counter[_Node]) -> None:
-        for node in reversed(nodes):  # children before parents
             expected = locks[node] + sum(c.lock_ref for c in node.children.values())
             check_invariant(
                 node.lock_ref == expected,
@@ -548,25 +466,57 @@ class RadixIndex(PrefixIndex):
                 node.start,
                 expected,
             )
-
-    def _check_heap(self, nodes: list[_Node]) -> None:
-        evictable: dict[str, int] = {}
-        for node in nodes:
             if not node.lock_ref:
-                evictable[node.domain] = evictable.get(node.domain, 0) + len(node.block_ids)
-        kept = {d: n for d, n in self.parked.items() if n}
-        check_invariant(kept == evictable, "evictable blocks per domain {} == {}", kept, evictable)
-        current = {
-            entry[2]
-            for domain, heap in self._heaps.items()
-            for entry in heap
-            if entry[2] == entry[3].stamp and entry[3].domain == domain
-        }
-        for node in nodes:
-            if not node.lock_ref and not node.children:
+                parked[node.domain] += len(node.block_ids)
                 check_invariant(
-                    node.stamp in current, "unlocked leaf at block {} is in the heap", node.start
+                    bool(node.children) or node.stamp in in_heap,
+                    "unlocked leaf at block {} is in the heap",
+                    node.start,
                 )
+            for block_id in node.block_ids:
+                block = self.pool.blocks[block_id]
+                check_invariant(
+                    block_id not in tree and block.ref_cnt == 1 and block.digest is None,
+                    "a tree block is in the tree once, held by the tree alone; its node keeps "
+                    "the digest: {!r}",
+                    block,
+                )
+                tree.add(block_id)
+        check_invariant(len(nodes) == self._num_nodes, "node count kept incrementally")
+        check_invariant(len(tree) == self.pool.num_cached, "cached count kept (tree blocks)")
+        num_parked = sum(parked.values())
+        check_invariant(
+            num_parked == self.pool.num_parked and parked == +Counter(self.parked),
+            "parked (evictable) blocks {} == {} unlocked cached blocks, per domain {} == {}",
+            self.pool.num_parked,
+            num_parked,
+            self.parked,
+            parked,
+        )
+        for seq_id, table in tables.items():
+            path, attached = _path_ids(table.node) if isinstance(table.node, _Node) else ([], True)
+            check_invariant(
+                attached and table.block_ids[: table.num_path] == path
+                and len(path) == table.num_path
+                and table.num_path * self.pool.block_size <= table.num_computed_tokens,
+                "{!r} locks only nodes in the tree; its table starts with its locked path, "
+                "num_path long, all computed",
+                seq_id,
+            )  # fmt: skip
+            held = table.block_ids[table.num_path :]
+            check_invariant(tree.isdisjoint(held), "{!r}'s held blocks are not in the tree", seq_id)
+
+
+def _path_ids(node: _Node) -> tuple[list[int], bool]:
+    """The block ids from the namespace down to ``node``'s last, and whether every node on the
+    way is still in the tree."""
+    path: list[int] = []
+    attached = True
+    while node.block_ids:
+        path[:0] = node.block_ids
+        attached = attached and node.attached
+        node = node.parent  # type: ignore[assignment]
+    return path, attached
 
 
 def _resolve(hit: CacheHit) -> _Node:

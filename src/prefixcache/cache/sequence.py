@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from prefixcache.cache.block_hash import BlockExtra, BlockHasher, Namespace
@@ -107,13 +107,10 @@ class Sequence:
             self.block_digests = []
             self.block_token_bytes = []
         if len(self.token_ids) >= (len(self.block_digests) + 1) * hasher.block_size:
-            extras = self.block_extras.get if self.block_extras else None
+            get = self.block_extras.get
+            extras = (lambda i: get(i) or ()) if self.block_extras else None
             hasher.extend(
-                self.block_digests,
-                self._root,
-                self.token_ids,
-                _no_none(extras),
-                self.block_token_bytes,
+                self.block_digests, self._root, self.token_ids, extras, self.block_token_bytes
             )
         return self.block_digests
 
@@ -142,10 +139,3 @@ class Sequence:
         child._root = self._root
         return child
 
-
-def _no_none(
-    getter: Callable[[int], SequenceABC[BlockExtra] | None] | None,
-) -> Callable[[int], SequenceABC[BlockExtra]] | None:
-    if getter is None:
-        return None
-    return lambda i: getter(i) or ()
