@@ -6,14 +6,15 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.block_hash import BlockExtra, BlockHasher, Namespace
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefixcache.cache.hash_cache import HashPrefixCache
 from prefixcache.cache.index import CacheHit
-from prefixcache.cache.manager import PrefixCache
+from prefixcache.cache.radix_cache import RadixPrefixCache
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 
@@ -28,19 +29,16 @@ __all__ = [
     "BlockStored",
     "CacheHit",
     "CacheStats",
+    "HashPrefixCache",
     "KVCacheEvent",
     "Namespace",
     "PrefixCache",
+    "RadixPrefixCache",
     "Sequence",
     "make_prefix_cache",
 ]
 
-# name -> "module:class"; imported on demand so each implementation stays independent.
-_CLASSES: dict[str, str] = {
-    "hash": "prefixcache.cache.hash_cache:HashPrefixCache",
-    "radix": "prefixcache.cache.radix_cache:RadixPrefixCache",
-}
-PREFIX_CACHES = _CLASSES  # the names, as a mapping (kept for its readers)
+PREFIX_CACHES: dict[str, type[PrefixCache]] = {"hash": HashPrefixCache, "radix": RadixPrefixCache}
 
 
 def make_prefix_cache(
@@ -64,6 +62,4 @@ def make_prefix_cache(
 
 def build_prefix_cache(config: CacheConfig) -> PrefixCache:
     """The cache a `CacheConfig` describes."""
-    module_name, class_name = _CLASSES[config.kind].split(":")
-    cls: type[PrefixCache] = getattr(importlib.import_module(module_name), class_name)
-    return cls.from_config(config)
+    return PREFIX_CACHES[config.kind].from_config(config)

@@ -54,14 +54,6 @@ MAX_TOKEN_ID = 2**32 - 1
 HashFn = Callable[[bytes | bytearray], bytes]
 
 
-def _sha256(data: bytes | bytearray) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-def _blake2b(data: bytes | bytearray) -> bytes:
-    return hashlib.blake2b(data, digest_size=32).digest()
-
-
 def _xxh3_128() -> HashFn:
     try:
         import xxhash
@@ -81,8 +73,8 @@ def _xxh3_128() -> HashFn:
 
 
 HASH_ALGOS: dict[str, int] = {"sha256": 32, "blake2b": 32, "xxh3_128": 16}
-# hashlib constructors whose .digest() is the algorithm's digest (used on the hot path)
-_HASHLIB_NEW: dict[str, Callable[[bytes], Any]] = {
+# hashlib constructors whose .digest() is the algorithm's digest (the hot path continues them)
+_HASHLIB_NEW: dict[str, Callable[[bytes | bytearray], Any]] = {
     "sha256": hashlib.sha256,
     "blake2b": functools.partial(hashlib.blake2b, digest_size=32),
 }
@@ -90,13 +82,12 @@ _HASHLIB_NEW: dict[str, Callable[[bytes], Any]] = {
 
 def get_hash_fn(algo: str) -> HashFn:
     """The digest function for ``algo``: bytes -> fixed-width digest bytes."""
-    if algo == "sha256":
-        return _sha256
-    if algo == "blake2b":
-        return _blake2b
     if algo == "xxh3_128":
         return _xxh3_128()
-    raise ValueError(f"unknown hash_algo {algo!r}; choose one of {sorted(HASH_ALGOS)}")
+    if algo not in _HASHLIB_NEW:
+        raise ValueError(f"unknown hash_algo {algo!r}; choose one of {sorted(HASH_ALGOS)}")
+    new = _HASHLIB_NEW[algo]
+    return lambda data: bytes(new(data).digest())
 
 
 def _field(tag: int, payload: bytes | None) -> bytes:

@@ -3,7 +3,7 @@ roots for zero-on-reuse, the copy-on-write and zeroing lists, and the KV event b
 
 The pool knows block ids, ref counts and whether a block is cached (its digest and the token bytes
 the digest stands for); not sequences, block tables, hashing or tensors. A `PrefixCache`
-(``manager.py``) drives it; its prefix index decides which blocks are cached.
+(``base.py``) drives it; its prefix index decides which blocks are cached.
 
 - Blocks are created once (``__slots__``). Free blocks wait in intrusive doubly-linked queues
   between a head and a tail sentinel (pop, append, remove from the middle: O(1), no allocation):
@@ -12,11 +12,8 @@ the digest stands for); not sequences, block tables, hashing or tensors. A `Pref
   most free cached blocks, so one tenant's churn evicts its own cache before a quiet tenant's
   prefix. With one domain this is one LRU queue: uncached blocks, then cached ones in release
   order (the head goes first).
-- A free cached block stays hittable until it is reused (lazy eviction). The hash index's wait
-  in the queues with their digests; reusing one removes it from the index's digest map
-  (``index.digest_map``). The radix index keeps its cached blocks in its tree, holding one
-  reference on each (its nodes keep the digests); the unlocked ones are "parked", counted per
-  domain in ``index.parked`` by the index, and given up through ``index.evict``.
+- A free cached block stays hittable until it is reused (lazy eviction): queued (hash), or
+  parked in the index (radix: see ``index.py``).
 - ``num_free`` = queued + parked: what can be handed out now. ``epoch`` counts the moments a
   digest was dropped (eviction, reset): a hit found at the current epoch is still valid.
 """
@@ -24,6 +21,7 @@ the digest stands for); not sequences, block tables, hashing or tensors. A `Pref
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer
@@ -36,6 +34,7 @@ __all__ = ["DEFAULT_MAX_EVENTS", "BlockPool", "KVBlock", "check_invariant"]
 
 DEFAULT_MAX_EVENTS = 100_000
 _NONE: frozenset[str] = frozenset()
+_count = attrgetter("count")
 
 
 class KVBlock:
@@ -195,12 +194,9 @@ class BlockPool:
         self, num: int, owner_root: bytes | None = None, protected: frozenset[str] = _NONE
     ) -> tuple[list[KVBlock], list[int]]:
         """``num`` blocks with ``ref_cnt = 1``, and their ids: queued ones first, then parked
-        ones the index evicts; a cached block taken loses its digest (an eviction).
-
-        The caller checked ``num <= num_free``, less the free cached blocks of the ``protected``
-        domains (never evicted here). ``owner_root`` is the new owner's namespace root (used
-        only with zero-on-reuse).
-        """
+        ones the index evicts; a cached block taken loses its digest (an eviction). The caller
+        checked ``num <= num_free``, less the free cached blocks of the ``protected`` domains
+        (never evicted here). ``owner_root``: the new owner's namespace (zero-on-reuse)."""
         if num > self.num_free:
             raise RuntimeError(f"take({num}) with only {self.num_free} free blocks")
         out: list[KVBlock] = []
@@ -303,11 +299,9 @@ class BlockPool:
             stats.min_free_blocks = num_free
 
     def release(self, blocks_in_order: Iterable[KVBlock]) -> None:
-        """Drop one reference on each block, in the given order (callers pass a table reversed).
-
-        A block reaching ``ref_cnt == 0`` goes to its domain's queue tail if it is cached (it
-        stays hittable), or to the head of the uncached queue if not (worth nothing).
-        """
+        """Drop one reference on each block, in the given order (callers pass a table reversed):
+        a block reaching ``ref_cnt == 0`` goes to its domain's queue tail if it is cached (it
+        stays hittable), or to the head of the uncached queue if not (worth nothing)."""
         free = self._free
         head = free.head
         num_free = num_cached = 0
@@ -441,16 +435,13 @@ class BlockPool:
             while block is not queue.tail and len(seen) <= self.num_blocks:
                 check_invariant(block.prev is prev, "free queue links consistent at {!r}", block)
                 check_invariant(
-                    block.ref_cnt == 0 and block.block_id not in seen,
-                    "a queued block is free and queued once: {!r}",
-                    block,
-                )
-                check_invariant(
-                    (block.digest is None) == (queue is self._free)
+                    block.ref_cnt == 0 and block.block_id not in seen
+                    and (block.digest is None) == (queue is self._free)
                     and (queue is self._free or self._lru.get(block.domain) is queue),
-                    "uncached blocks queue together, cached ones in their domain's: {!r}",
+                    "a queued block is free and queued once: uncached ones together, cached ones "
+                    "in their domain's queue: {!r}",
                     block,
-                )
+                )  # fmt: skip
                 seen.add(block.block_id)
                 count += 1
                 prev, block = block, block.next
@@ -467,14 +458,7 @@ class BlockPool:
 
 
 def check_invariant(condition: bool, invariant: str, *args: object) -> None:
-    """Raise AssertionError naming ``invariant`` unless ``condition`` holds.
-
-    ``invariant`` is a ``str.format`` template filled with ``args`` only on failure, so checking
-    after every operation costs no string building.
-    """
+    """Raise AssertionError naming ``invariant`` unless ``condition`` holds. ``invariant`` is a
+    ``str.format`` template filled with ``args`` only on failure (no string building per check)."""
     if not condition:
         raise AssertionError("integrity: " + (invariant.format(*args) if args else invariant))
-
-
-def _count(queue: _Queue) -> int:
-    return queue.count

@@ -6,15 +6,22 @@ implementation reads only what it uses.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 from prefixcache.cache.block_hash import HASH_ALGOS
 from prefixcache.cache.block_pool import DEFAULT_MAX_EVENTS
 
-__all__ = ["CACHE_KINDS", "EVICTION_POLICIES", "CacheConfig"]
+__all__ = ["CACHE_KINDS", "EVICTION_POLICIES", "CacheConfig", "one_of"]
 
 CACHE_KINDS = ("hash", "radix")
 EVICTION_POLICIES = ("lru", "lfu")  # radix: least recently used leaf, or least hit, then LRU
+
+
+def one_of(name: str, value: object, choices: Collection[str]) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {sorted(choices)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,25 +43,15 @@ class CacheConfig:
     eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
-        if self.kind not in CACHE_KINDS:
-            raise ValueError(f"unknown prefix cache {self.kind!r}; choose one of {CACHE_KINDS}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.hash_algo not in HASH_ALGOS:
-            raise ValueError(
-                f"unknown hash_algo {self.hash_algo!r}; choose one of {sorted(HASH_ALGOS)}"
-            )
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(
-                f"unknown eviction_policy {self.eviction_policy!r}; "
-                f"choose one of {list(EVICTION_POLICIES)}"
-            )
+        one_of("prefix cache", self.kind, CACHE_KINDS)
+        one_of("hash_algo", self.hash_algo, HASH_ALGOS)
+        one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         if self.eviction_policy != "lru" and self.kind != "radix":
             raise ValueError(f"eviction_policy {self.eviction_policy!r} exists only on radix")
-        if self.max_events < 0:
-            raise ValueError(f"max_events must be >= 0, got {self.max_events}")
+        for name in ("num_blocks", "block_size", "max_events"):
+            value, least = getattr(self, name), 0 if name == "max_events" else 1
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
 
     def as_kwargs(self) -> dict[str, object]:
         """The settings as `PrefixCache` keyword arguments (without ``kind``)."""

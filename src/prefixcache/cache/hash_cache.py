@@ -1,4 +1,4 @@
-"""The hash-chain prefix cache (vLLM-style): the contract (``manager.py``) over the block pool,
+"""The hash-chain prefix cache (vLLM-style): the contract (``base.py``) over the block pool,
 with a digest -> block map as its index.
 
 A lookup walks the sequence's chained digests (``block_hash.py``) through the map and stops at the
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
 from prefixcache.cache.index import CacheHit, ChainKeys, PrefixIndex, SeqBlocks
-from prefixcache.cache.manager import PrefixCache
 from prefixcache.cache.sequence import Sequence
 
 __all__ = ["HashIndex", "HashPrefixCache"]
@@ -141,17 +141,13 @@ class HashIndex(PrefixIndex):
         )
         bs = self.pool.block_size
         for seq_id, table in tables.items():
-            seq = table.seq
-            committed = table.num_committed_blocks
+            seq, committed = table.seq, table.num_committed_blocks
             check_invariant(
-                committed == table.num_computed_tokens // bs,
-                "committed blocks of {!r} follow its computed tokens",
+                committed == table.num_computed_tokens // bs
+                and all(b.digest is None for b in table.blocks[committed:]),
+                "committed blocks of {!r} follow its computed tokens; no digest on uncommitted KV",
                 seq_id,
             )
-            for block in table.blocks[committed:]:
-                check_invariant(
-                    block.digest is None, "no digest on uncommitted KV: {!r} of {!r}", block, seq
-                )
             if any(b.digest is not None for b in table.blocks[:committed]):
                 digests, chunks = self.keys.digests(seq), seq.block_token_bytes
                 for i, block in enumerate(table.blocks[:committed]):

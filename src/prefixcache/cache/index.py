@@ -1,6 +1,6 @@
 """The prefix index: the one part where the hash and radix caches differ, and what both share.
 
-The block pool (``block_pool.py``) owns every block; the `PrefixCache` (``manager.py``) owns the
+The block pool (``block_pool.py``) owns every block; the `PrefixCache` (``base.py``) owns the
 sequences' block tables and the contract's rules. An index answers "which cached blocks does this
 sequence start with?", decides which committed blocks become hittable, and (radix) which parked
 block is evicted next. It sees blocks and tables, never tensors.
@@ -148,8 +148,8 @@ class PrefixIndex(abc.ABC):
         self, num: int, out: list[KVBlock], protected: frozenset[str]
     ) -> tuple[list[int], list[bytes]]:
         """Append ``num`` parked blocks to ``out`` in eviction order, none of the ``protected``
-        domains', each taken (``ref_cnt`` 1, digest cleared); returns their ids and digests.
-        Only for an index that parks blocks."""
+        domains', the index's reference on each handed over (``ref_cnt`` 1, no digest);
+        returns their ids and digests. Only for an index that parks blocks."""
         raise NotImplementedError
 
     def held_block_ids(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""The radix-tree prefix cache (SGLang RadixAttention-style): the contract (``manager.py``) over
+"""The radix-tree prefix cache (SGLang RadixAttention-style): the contract (``base.py``) over
 the block pool, with a radix tree of block runs as its index.
 
 Shape of the tree::
@@ -6,31 +6,25 @@ Shape of the tree::
     root ─► namespace node (key: the namespace root digest, no blocks)
               ─► node (key: digest of its first block) owns a run of block ids, ...
 
-A node owns a run of full, committed blocks: their ids, their chained digests (`block_hash.py`)
-and their token bytes. Children are keyed by the digest of their first block; since digests chain
-from the namespace root and fold in block extras, two namespaces never share a node, and a hit
-also compares the stored token bytes, so a digest collision costs a miss, never wrong KV.
+A node owns a run of full, committed blocks: their ids, chained digests (`block_hash.py`) and
+token bytes. Children are keyed by the digest of their first block; digests chain from the
+namespace root and fold in block extras, so two namespaces never share a node; a hit also
+compares the token bytes, so a digest collision costs a miss, never wrong KV.
 
-Every block is in exactly one of three places: free in the pool's queue (never cached, or dropped
-by a reset); in the tree, *evictable* (parked: no sequence holds it) or *protected* (its node is
-locked); or held by sequences outside the tree (the uncommitted tail of a table).
+A block is free in the pool's queue, or in the tree (evictable: *parked*; or protected: its node
+is locked), or held by sequences outside the tree (the uncommitted tail of a table). The tree
+holds the one reference of each of its blocks (``ref_cnt`` 1, handed over from the table that
+committed it and on to the table that evicts it; the node keeps the digests). ``lock_ref``
+counts the live sequences whose locked path (deepest node to the root) runs through a node; a
+table starts with exactly its locked path, held through the locks. The pool's ``num_parked``
+counts the blocks of unlocked nodes, kept by `_lock` incrementally. Eviction takes the tail
+blocks of the least recently (``lfu``: least frequently) used unlocked leaf, from a heap with
+lazy invalidation; a parent becomes a candidate once its last child is gone.
 
-``lock_ref`` of a node counts the live sequences whose locked path runs through it (a sequence
-locks the path from its deepest node to the root). A table starts with exactly its locked path,
-so those blocks are held through the locks, not through per-block ref counts: the tree holds the
-one reference of each of its blocks (``ref_cnt`` 1, handed over from the table that committed it
-and on to the table that evicts it; the node keeps the digests, the pool's block carries none),
-and the pool's ``num_parked`` counts the blocks of unlocked nodes (evictable), kept by `_lock` /
-`_unlock` incrementally. Eviction takes
-the tail blocks of the least recently (or, with ``lfu``, least frequently) used unlocked leaf,
-from a heap with lazy invalidation; a parent becomes a candidate once its last child is gone.
-
-A sequence that computed blocks another sequence inserted meanwhile (both missed) gets the tree's
-blocks in its table at commit and releases its duplicates at once (as SGLang does): the KV is
-the same, and a live sequence then never pins two copies of one block.
-
-Nodes split only when a run is shared partially: on insert (commit), and when a hit that ends
-inside a node is admitted, so that a sequence's locked path covers exactly its hit blocks.
+A sequence that computed blocks another one inserted meanwhile (both missed) gets the tree's
+blocks in its table at commit and releases its duplicates at once (as SGLang does). Nodes split
+only when a run is shared partially: on insert, and when a hit that ends inside a node is
+admitted, so that a sequence's locked path covers exactly its hit blocks.
 """
 
 from __future__ import annotations
@@ -39,10 +33,10 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
+from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
 from prefixcache.cache.config import EVICTION_POLICIES
 from prefixcache.cache.index import CacheHit, ChainKeys, PrefixIndex, SeqBlocks
-from prefixcache.cache.manager import PrefixCache
 from prefixcache.cache.sequence import Sequence
 
 __all__ = ["EVICTION_POLICIES", "RadixIndex", "RadixPrefixCache"]

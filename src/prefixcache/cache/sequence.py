@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
@@ -11,40 +12,24 @@ __all__ = ["Sequence"]
 
 
 class Sequence:
-    """A token sequence as the cache sees it: ids, namespace parts, and its digest chain.
-
-    ``salt`` is the *effective* cache salt (namespace part), ``adapter`` the LoRA name, and
+    """``salt`` is the *effective* cache salt (namespace part), ``adapter`` the LoRA name, and
     ``block_extras`` maps a block index to the extras (multimodal inputs) that change its KV.
     ``use_cache=False`` is isolation mode ``none``: the sequence neither reads nor writes the
     cache. ``read_cache=False`` computes every token (no hit is looked up) but still caches what
     it computes: a request that needs prompt logprobs. ``domain`` is its isolation domain
-    (tenant or group): the blocks it caches are evicted
-    in that domain's turn (`block_pool.py`). Digests are computed incrementally by the cache that
-    uses the sequence and kept here.
-    The token ids are copied, unless ``copy=False`` and they are a list that the caller built for
-    this sequence and hands over (a simulator's fresh prompt): the copy of a long prompt touches
-    every int object, ~5 ns per token.
+    (tenant or group): the blocks it caches are evicted in that domain's turn. The token ids are
+    copied, unless ``copy=False`` and they are a list built for this sequence alone (a
+    simulator's fresh prompt: a copy touches every int object).
 
     ``num_computed_tokens`` belongs to the cache that holds the sequence: `allocate` sets it to
     the hit, `commit` advances it, `free` zeroes it. Everyone else only reads it.
     """
 
     __slots__ = (
-        "seq_id",
-        "token_ids",
-        "num_prompt_tokens",
-        "salt",
-        "adapter",
-        "block_extras",
-        "use_cache",
-        "read_cache",
-        "domain",
-        "num_computed_tokens",
-        "block_digests",
-        "block_token_bytes",
-        "_digest_key",
-        "_root",
-    )
+        "seq_id", "token_ids", "num_prompt_tokens", "salt", "adapter", "block_extras", "use_cache",
+        "read_cache", "domain", "num_computed_tokens", "block_digests", "block_token_bytes",
+        "_digest_key", "_root",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -121,21 +106,9 @@ class Sequence:
 
     def fork(self, child_id: str) -> Sequence:
         """A copy with the same tokens, namespace and computed state (for n > 1)."""
-        child = Sequence(
-            child_id,
-            self.token_ids,
-            self.salt,
-            adapter=self.adapter,
-            block_extras=self.block_extras,
-            use_cache=self.use_cache,
-            domain=self.domain,
-            read_cache=self.read_cache,
-        )
-        child.num_prompt_tokens = self.num_prompt_tokens
-        child.num_computed_tokens = self.num_computed_tokens
+        child = copy.copy(self)  # every slot; the lists the child appends to are its own
+        child.seq_id = child_id
+        child.token_ids = list(self.token_ids)
         child.block_digests = list(self.block_digests)
         child.block_token_bytes = list(self.block_token_bytes)
-        child._digest_key = self._digest_key
-        child._root = self._root
         return child
-

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixcache.cache.config import one_of
 from prefixcache.sched.fairness import DomainLimits
 
 __all__ = ["SCHEDULE_POLICIES", "SchedulerConfig"]
@@ -31,11 +32,7 @@ class SchedulerConfig:
     default_domain_limits: DomainLimits = field(default_factory=DomainLimits)
 
     def __post_init__(self) -> None:
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(
-                f"unknown scheduling policy {self.schedule_policy!r}; "
-                f"choose one of {SCHEDULE_POLICIES}"
-            )
+        one_of("scheduling policy", self.schedule_policy, SCHEDULE_POLICIES)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.lpm_max_wait_steps < 0:
             raise ValueError(
                 "max_num_seqs and max_num_batched_tokens must be >= 1 and lpm_max_wait_steps "

@@ -71,17 +71,11 @@ class SchedRequest:
 
     def child_fields(self, index: int) -> dict[str, Any]:
         """What a forked child inherits (for `spawn` overrides)."""
-        return {
-            "n": self.n,
-            "domain": self.domain,
-            "arrival_index": self.arrival_index,
-            "arrival_step": self.arrival_step,
-            "status": RequestStatus.RUNNING,
-            "num_cached_tokens": self.num_cached_tokens,
-            "index": index,
-            "forked": True,
-            "parent": self,
-        }
+        return dict(
+            n=self.n, domain=self.domain, arrival_index=self.arrival_index, index=index,
+            arrival_step=self.arrival_step, status=RequestStatus.RUNNING, forked=True,
+            num_cached_tokens=self.num_cached_tokens, parent=self,
+        )  # fmt: skip
 
     @property
     def seq_id(self) -> str:

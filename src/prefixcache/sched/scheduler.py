@@ -13,11 +13,8 @@ One step spends at most ``max_num_batched_tokens`` tokens over at most ``max_num
 3. In-batch dedup: a waiting request whose first uncached block is being computed in this step by
    another request waits a step, so it hits instead of computing the same block twice.
 
-Fairness across isolation domains (`prefixcache.sched.fairness`): waiting requests are taken
-round-robin across domains (the domain holding the fewest sequences first), each domain in policy
-order; while several domains have work, a domain over its equal share is admitted nothing while
-another waits, is the first to lose sequences when blocks run out, and is preempted to let an
-under-share domain's request start. With one domain all of this is inert.
+With several isolation domains, waiting requests are taken round-robin across them, and a
+domain over its equal share waits and is preempted first (``fairness.py``); with one, inert.
 
 Policies: ``fcfs`` (arrival order) and ``lpm`` (longest cached prefix first, aged). Under ``lpm`` a
 request's score is ``hit_blocks + steps_waited``; once it has waited ``lpm_max_wait_steps`` steps
@@ -29,9 +26,6 @@ After the runner: `update_from_step` commits the computed tokens (full blocks be
 the cache advances each sequence's ``num_computed_tokens``), and forks ``n - 1`` children off a
 request whose prompt just finished. Lookups are pure (`PrefixCache.match`): ordering a queue
 costs no statistics, and an admitted request's lookup is counted once, by the cache.
-
-This package imports no torch: the engine drives it with a model, the simulator
-(`prefixcache.sim.timed`) on a cost model's clock.
 """
 
 from __future__ import annotations
