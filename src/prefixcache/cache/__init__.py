@@ -19,24 +19,11 @@ from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 
 __all__ = [
-    "PREFIX_CACHES",
-    "CacheConfig",
-    "build_prefix_cache",
-    "AllBlocksCleared",
-    "BlockExtra",
-    "BlockHasher",
-    "BlockRemoved",
-    "BlockStored",
-    "CacheHit",
-    "CacheStats",
-    "HashPrefixCache",
-    "KVCacheEvent",
-    "Namespace",
-    "PrefixCache",
-    "RadixPrefixCache",
-    "Sequence",
+    "PREFIX_CACHES", "CacheConfig", "build_prefix_cache", "AllBlocksCleared", "BlockExtra",
+    "BlockHasher", "BlockRemoved", "BlockStored", "CacheHit", "CacheStats", "HashPrefixCache",
+    "KVCacheEvent", "Namespace", "PrefixCache", "RadixPrefixCache", "Sequence",
     "make_prefix_cache",
-]
+]  # fmt: skip
 
 PREFIX_CACHES: dict[str, type[PrefixCache]] = {"hash": HashPrefixCache, "radix": RadixPrefixCache}
 

@@ -138,13 +138,13 @@ class PrefixCache:
         (a lookup now may find more, never less)."""
         return hit.epoch == self.pool.epoch
 
-    def _count_lookup(self, seq: Sequence, hit: CacheHit | None) -> None:
+    def _count_lookup(self, seq: Sequence, hit: CacheHit) -> None:
         """``seq`` was admitted with ``hit``: count its lookup (once per admission)."""
         stats = self.stats
-        num_hit_blocks = len(hit.block_ids) if hit is not None else 0
+        num_hit_blocks = len(hit.block_ids)
         stats.num_requests += 1
         stats.num_queried_tokens += len(seq.token_ids)
-        stats.lookup_time_ns += hit.lookup_time_ns if hit is not None else 0
+        stats.lookup_time_ns += hit.lookup_time_ns
         stats.num_hit_requests += num_hit_blocks > 0
         stats.num_hit_tokens += num_hit_blocks * self.block_size
         misses = stats.first_miss_blocks
@@ -171,6 +171,7 @@ class PrefixCache:
     def _allocate_first(
         self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None
     ) -> list[int] | None:
+        given, hit = hit, hit or CacheHit()
         hit_blocks = self._checked_hit(seq, hit)
         num_hit = len(hit_blocks)
         computed = num_hit * self.block_size
@@ -180,15 +181,14 @@ class PrefixCache:
         protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
         num_free = pool.num_free - num_protected
         if num_new + num_hit > num_free:  # admitting a hit consumes its free blocks
-            reused = self.index.num_free_in(hit, hit_blocks) if hit is not None and num_hit else 0
+            reused = self.index.num_free_in(hit, hit_blocks) if num_hit else 0
             if num_new + reused > num_free:
                 return None
-        block_ids = list(hit.block_ids) if hit is not None and num_hit else []
-        table = SeqBlocks(seq, hit_blocks, block_ids, computed, end, num_hit)
+        table = SeqBlocks(seq, hit_blocks, list(hit.block_ids), computed, end, num_hit)
         if num_hit:
-            assert hit is not None
             self.index.admit(table, hit)
-            pool.touch(hit_blocks[table.num_path :] if table.num_path else hit_blocks)
+            if table.num_path < num_hit:  # radix holds its path through the index
+                pool.touch(hit_blocks[table.num_path :] if table.num_path else hit_blocks)
         new_blocks, new_ids = pool.take_with_ids(num_new, self._owner_root(seq), protected)
         table.blocks += new_blocks
         table.block_ids += new_ids
@@ -197,7 +197,7 @@ class PrefixCache:
         self._add_held(seq.domain, len(table.blocks))
         self._count_lookup(seq, hit)
         for observer in self._observers:
-            observer.on_admit(seq, hit, list(table.block_ids))
+            observer.on_admit(seq, given, list(table.block_ids))
         return list(table.block_ids)
 
     def _protected_from(self, domain: str, num_more: int) -> tuple[frozenset[str], int]:
@@ -207,7 +207,7 @@ class PrefixCache:
         from domains at or over theirs, so its churn cannot take a quiet tenant's cache; it gets
         None and the scheduler preempts its newest sequence instead. With one domain (or under
         its share) nothing is protected."""
-        if not self.pool.other_cache_domains(domain):  # the common case: one domain
+        if not num_more or not self.pool.other_cache_domains(domain):  # common: one domain
             return _NONE, 0
         free_cached = self.pool.free_cached_by_domain()
         usage = self._held + Counter(free_cached)
@@ -218,13 +218,15 @@ class PrefixCache:
         return frozenset(protected), sum(free_cached[d] for d in protected)
 
     def _add_held(self, domain: str, num: int) -> None:
-        self._held[domain] += num
-        if not self._held[domain]:
+        held = self._held.get(domain, 0) + num
+        if held:
+            self._held[domain] = held
+        else:
             del self._held[domain]
 
-    def _checked_hit(self, seq: Sequence, hit: CacheHit | None) -> list[KVBlock]:
+    def _checked_hit(self, seq: Sequence, hit: CacheHit) -> list[KVBlock]:
         """The hit's blocks, verified to still be cached for ``seq``."""
-        if hit is None or not hit.block_ids:
+        if not hit.block_ids:
             return []
         if not (self.enable_caching and seq.use_cache):
             raise ValueError("a cache hit was given for a sequence that does not use the cache")
@@ -247,9 +249,7 @@ class PrefixCache:
             if blocks[i].ref_cnt > 1
         ]
         domain = table.seq.domain
-        protected, num_protected = (
-            self._protected_from(domain, num_new) if num_new else (_NONE, 0)
-        )
+        protected, num_protected = self._protected_from(domain, num_new)
         if num_new + len(shared) > self.pool.num_free - num_protected:
             return None
         root = self._owner_root(table.seq)
@@ -280,14 +280,12 @@ class PrefixCache:
         """The KV of ``seq``'s first ``num_computed_tokens`` tokens is written: full blocks among
         them become hittable."""
         table = self._live_table(seq)
-        if not table.num_computed_tokens <= num_computed_tokens <= table.num_alloc_tokens:
+        top = min(table.num_alloc_tokens, len(seq.token_ids))
+        if not table.num_computed_tokens <= num_computed_tokens <= top:
             raise ValueError(
                 f"commit({seq.seq_id!r}, {num_computed_tokens}): must lie between the computed "
-                f"{table.num_computed_tokens} and the allocated {table.num_alloc_tokens} tokens"
-            )
-        if num_computed_tokens > len(seq.token_ids):
-            raise ValueError(
-                f"commit({seq.seq_id!r}, {num_computed_tokens}): only {len(seq.token_ids)} tokens"
+                f"{table.num_computed_tokens} and the allocated {table.num_alloc_tokens} tokens "
+                f"(of {len(seq.token_ids)})"
             )
         seq.num_computed_tokens = table.num_computed_tokens = num_computed_tokens
         start = table.num_committed_blocks
@@ -318,8 +316,9 @@ class PrefixCache:
             return
         del self._tables[seq.seq_id]
         self._add_held(seq.domain, -len(table.blocks))
-        held = table.blocks[table.num_path :] if table.num_path else table.blocks
-        self.pool.release(reversed(held))
+        if len(table.blocks) > table.num_path:  # radix holds its path through the index
+            held = table.blocks[table.num_path :] if table.num_path else table.blocks
+            self.pool.release(reversed(held))
         self.index.release(table)
         seq.num_computed_tokens = 0
         for observer in self._observers:
@@ -333,7 +332,6 @@ class PrefixCache:
         # shared blocks are never written: pending writes must be re-allocated (copy-on-write)
         table.num_alloc_tokens = table.num_computed_tokens
         child = seq.fork(child_id)
-        child.num_computed_tokens = table.num_computed_tokens
         self.pool.touch(table.blocks[table.num_path :])
         child_table = SeqBlocks(
             child, list(table.blocks), list(table.block_ids), table.num_computed_tokens,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import chain
 
 from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
@@ -80,6 +81,7 @@ class _Node:
     key: bytes
     start: int
     block_ids: list[int]
+    blocks: list[KVBlock]  # the pool's blocks of ``block_ids``
     digests: list[bytes]
     tokens: list[bytes]
     children: dict[bytes, _Node] = field(default_factory=dict)
@@ -116,7 +118,7 @@ class RadixIndex(PrefixIndex):
         self.keys = keys
         self.eviction_policy = eviction_policy
         self._lfu = eviction_policy == "lfu"
-        self._root = _Node(None, b"", 0, [], [], [])
+        self._root = _Node(None, b"", 0, [], [], [], [])
         self._num_nodes = 0
         # per isolation domain: its eviction heap and its parked (unlocked) blocks
         self._heaps: dict[str, list[tuple[int, int, int, _Node]]] = {}
@@ -157,7 +159,11 @@ class RadixIndex(PrefixIndex):
             or (node.attached and _path_ids(node)[0][: hit.num_blocks] == hit.block_ids)
         ):
             raise ValueError("stale cache hit: its blocks were evicted since match()")
-        return list(map(self.pool.blocks.__getitem__, hit.block_ids))
+        runs, num_hit = [], len(hit.block_ids)  # the hit's blocks, node by node from the deepest
+        while node.block_ids:
+            runs.append(node.blocks[: num_hit - node.start])
+            node = node.parent  # type: ignore[assignment]
+        return runs[0] if len(runs) == 1 else list(chain.from_iterable(reversed(runs)))
 
     def _hit_node(self, seq: Sequence, hit: CacheHit) -> _Node:
         """The node holding the hit's last block (a split since may have moved it upward)."""
@@ -180,9 +186,8 @@ class RadixIndex(PrefixIndex):
         return count
 
     def admit(self, table: SeqBlocks, hit: CacheHit) -> None:
-        node = self._split(_resolve(hit), hit.num_blocks)  # checked_hit verified the handle
-        table.node = node
-        table.num_path = hit.num_blocks
+        table.num_path = num_hit = len(hit.block_ids)
+        table.node = node = self._split(_resolve(hit), num_hit)  # checked_hit checked the handle
         self._lock(node, count_hit=True)
 
     # -- eviction -------------------------------------------------------------------------------
@@ -192,7 +197,6 @@ class RadixIndex(PrefixIndex):
     ) -> tuple[list[int], list[bytes]]:
         """Leaf tails first in policy order (the deepest block first), from the domain with the
         most parked blocks: one domain's churn evicts its own cached blocks before another's."""
-        blocks = self.pool.blocks
         parked = self.parked
         ids: list[int] = []
         dropped: list[bytes] = []
@@ -207,12 +211,12 @@ class RadixIndex(PrefixIndex):
             cut = max(0, len(block_ids) - num)
             taken = block_ids[cut:]
             taken.reverse()
-            out += map(blocks.__getitem__, taken)  # the tree's reference goes with each
+            out += reversed(node.blocks[cut:])  # the tree's reference goes with each
             ids += taken
             dropped += reversed(digests[cut:])
             num -= len(taken)
             parked[domain] -= len(taken)
-            del block_ids[cut:], digests[cut:], node.tokens[cut:]
+            del block_ids[cut:], node.blocks[cut:], digests[cut:], node.tokens[cut:]
             if not block_ids:
                 heapq.heappop(heap)
                 self._detach(node)
@@ -258,26 +262,34 @@ class RadixIndex(PrefixIndex):
 
     # -- locks ----------------------------------------------------------------------------------
 
-    def _lock(
-        self, node: _Node, stop: _Node | None = None, *, delta: int = 1, count_hit: bool = False
-    ) -> None:
-        """Add ``delta`` (1, or -1 to unlock) locks on every node from ``node`` up to ``stop`` or
-        the namespace, exclusive: an unlocked node's blocks are parked (evictable), an unlocked
-        leaf is an eviction candidate."""
+    def _lock(self, node: _Node, stop: _Node | None = None, *, count_hit: bool = False) -> None:
+        """Add one lock on every node from ``node`` up to ``stop`` or the namespace, exclusive:
+        a node that was unlocked stops being parked."""
         self._clock += 1
-        clock = self._clock
-        num_parked = 0
-        parked = self.parked
+        clock, parked, num_parked = self._clock, self.parked, 0
         while node is not stop and node.block_ids:
-            was_locked = node.lock_ref > 0
-            node.lock_ref += delta
+            if not node.lock_ref:
+                num_parked += len(node.block_ids)
+                parked[node.domain] -= len(node.block_ids)
+            node.lock_ref += 1
             node.last_access = clock
-            node.hit_count += count_hit
-            if was_locked != (node.lock_ref > 0):
-                size = len(node.block_ids) if was_locked else -len(node.block_ids)
-                parked[node.domain] = parked.get(node.domain, 0) + size
-                num_parked += size
-                if was_locked and not node.children:
+            if count_hit:
+                node.hit_count += 1
+            node = node.parent  # type: ignore[assignment]
+        self.pool.num_parked -= num_parked
+
+    def _unlock(self, node: _Node) -> None:
+        """Drop one lock on every node from ``node`` up to its namespace node: a node left
+        unlocked is parked (evictable), an unlocked leaf an eviction candidate."""
+        self._clock += 1
+        clock, parked, num_parked = self._clock, self.parked, 0
+        while node.block_ids:
+            node.lock_ref -= 1
+            node.last_access = clock
+            if not node.lock_ref:
+                num_parked += len(node.block_ids)
+                parked[node.domain] = parked.get(node.domain, 0) + len(node.block_ids)
+                if not node.children:
                     self._push(node)
             node = node.parent  # type: ignore[assignment]
         self.pool.num_parked += num_parked
@@ -288,7 +300,7 @@ class RadixIndex(PrefixIndex):
 
     def release(self, table: SeqBlocks) -> None:
         if isinstance(table.node, _Node):
-            self._lock(table.node, delta=-1)
+            self._unlock(table.node)
 
     # -- insert ---------------------------------------------------------------------------------
 
@@ -326,7 +338,7 @@ class RadixIndex(PrefixIndex):
         root = self.keys.root(seq)
         node = self._root.children.get(root)
         if node is None:
-            node = _Node(self._root, root, 0, [], [], [])
+            node = _Node(self._root, root, 0, [], [], [], [])
             self._root.children[root] = node
         return node
 
@@ -347,6 +359,7 @@ class RadixIndex(PrefixIndex):
             digests[start],
             start,
             table.block_ids[start:end],
+            blocks[start:end],
             digests[start:end],
             tokens[start:end],
             domain=seq.domain,  # whose churn evicts it first
@@ -364,7 +377,7 @@ class RadixIndex(PrefixIndex):
         """``node``'s run was already cached by another sequence: point the table at it and
         release the sequence's duplicates (the insert "reports" them by this count)."""
         pool = self.pool
-        cached = list(map(pool.blocks.__getitem__, node.block_ids[start - node.start :]))
+        cached = node.blocks[start - node.start :]
         dups = table.blocks[start : node.end]
         table.blocks[start : node.end] = cached  # held through the lock the insert moves here
         table.block_ids[start : node.end] = node.block_ids[start - node.start :]
@@ -387,6 +400,7 @@ class RadixIndex(PrefixIndex):
             node.key,
             node.start,
             node.block_ids[:cut],
+            node.blocks[:cut],
             node.digests[:cut],
             node.tokens[:cut],
             {node.digests[cut]: node},
@@ -396,7 +410,7 @@ class RadixIndex(PrefixIndex):
             domain=node.domain,
         )
         parent.children[head.key] = head
-        del node.block_ids[:cut], node.digests[:cut], node.tokens[:cut]
+        del node.block_ids[:cut], node.blocks[:cut], node.digests[:cut], node.tokens[:cut]
         node.parent = head
         node.key = node.digests[0]
         node.start = num_blocks
@@ -447,9 +461,10 @@ class RadixIndex(PrefixIndex):
             check_invariant(
                 node.attached and parent is not None and parent.children.get(node.key) is node
                 and node.start == parent.end and node.key == node.digests[0]
-                and len(node.block_ids) == len(node.digests) == len(node.tokens),
-                "node at block {} is linked, starts where its parent ends, keeps one digest and "
-                "token run per block and is keyed by its first",
+                and len(node.block_ids) == len(node.digests) == len(node.tokens)
+                and [b.block_id for b in node.blocks] == node.block_ids,
+                "node at block {} is linked, starts where its parent ends, keeps one block, "
+                "digest and token run per block and is keyed by its first",
                 node.start,
             )  # fmt: skip
             expected = locks[node] + sum(c.lock_ref for c in node.children.values())
@@ -516,7 +531,8 @@ def _path_ids(node: _Node) -> tuple[list[int], bool]:
 def _resolve(hit: CacheHit) -> _Node:
     """The node holding ``hit``'s last block now (a split since may have moved it upward)."""
     node: _Node = hit.handle.node  # type: ignore[attr-defined]
-    while node.attached and node.start >= hit.num_blocks:
+    num_hit = len(hit.block_ids)
+    while node.attached and node.start >= num_hit:
         node = node.parent  # type: ignore[assignment]
     return node
 

@@ -37,7 +37,7 @@ _WHERE = {
     "Sampler": "prefixcache.engine.sampler",
     "SamplingParams": "prefixcache.engine.sampling_params",
     "Scheduler": "prefixcache.sched.scheduler",
-    "SchedulerOutput": "prefixcache.sched.output",
+    "SchedulerOutput": "prefixcache.sched.request",
 }
 
 

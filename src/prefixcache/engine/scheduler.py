@@ -3,7 +3,7 @@ names stay importable from here."""
 
 from __future__ import annotations
 
-from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
+from prefixcache.sched.request import ScheduledChunk, SchedulerOutput
 from prefixcache.sched.scheduler import SCHEDULE_POLICIES, Scheduler
 
 POLICIES = SCHEDULE_POLICIES  # deprecated name: SCHEDULE_POLICIES

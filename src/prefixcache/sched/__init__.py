@@ -8,20 +8,17 @@ from __future__ import annotations
 
 from prefixcache.sched.config import SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits, blocks_needed, fair_order
-from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
-from prefixcache.sched.request import FINISH_REASONS, RequestStatus, SchedRequest
+from prefixcache.sched.request import (
+    FINISH_REASONS,
+    RequestStatus,
+    SchedRequest,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from prefixcache.sched.scheduler import SCHEDULE_POLICIES, Scheduler
 
 __all__ = [
-    "FINISH_REASONS",
-    "SCHEDULE_POLICIES",
-    "DomainLimits",
-    "RequestStatus",
-    "SchedRequest",
-    "ScheduledChunk",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerOutput",
-    "blocks_needed",
+    "FINISH_REASONS", "SCHEDULE_POLICIES", "DomainLimits", "RequestStatus", "SchedRequest",
+    "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "blocks_needed",
     "fair_order",
-]
+]  # fmt: skip

@@ -38,8 +38,7 @@ from typing import Any, Generic, TypeVar, cast
 from prefixcache.cache import CacheHit, PrefixCache
 from prefixcache.sched.config import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits, fair_order
-from prefixcache.sched.output import ScheduledChunk, SchedulerOutput
-from prefixcache.sched.request import RequestStatus, SchedRequest
+from prefixcache.sched.request import RequestStatus, SchedRequest, ScheduledChunk, SchedulerOutput
 
 __all__ = ["SCHEDULE_POLICIES", "Scheduler"]
 
