@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import torch
 
+from prefixcache.attention.kv_cache import PagedKVCache
 from prefixcache.cache import PrefixCache, Sequence, build_prefix_cache
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.logits_processors import apply_logits_processors
@@ -256,8 +257,8 @@ class LLMEngine:
         return list(self.scheduler.running)
 
     @property
-    def kv_cache(self) -> Any:
-        """The paged KV tensors (`prefixcache.attention.PagedKVCache`), for debugging tools."""
+    def kv_cache(self) -> PagedKVCache:
+        """The paged KV tensors, for debugging tools."""
         return self.runner.kv_cache
 
     def get_request(self, request_id: str) -> list[Request]:

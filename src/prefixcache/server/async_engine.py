@@ -17,13 +17,18 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prefixcache.errors import describe_exception
 from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
 
 if TYPE_CHECKING:
+    from prefixcache.cache import KVCacheEvent
     from prefixcache.engine.llm_engine import LLMEngine
+    from prefixcache.engine.outputs import RequestOutput
+    from prefixcache.engine.sampling_params import SamplingParams
+
+    OutputQueue = asyncio.Queue[RequestOutput | "EngineFailure"]
 
 __all__ = ["AsyncEngine", "EngineFailure", "EngineOverloaded"]
 
@@ -42,7 +47,7 @@ class EngineFailure(Exception):
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Any]
+    queue: OutputQueue
 
 
 class AsyncEngine:
@@ -81,7 +86,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._log = _PeriodicLog(log_interval_s)
         # called on the engine thread with the KV events of each step or command that made any
-        self.kv_event_sink: Callable[[list[Any]], None] | None = None
+        self.kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None
         self.on_stop: list[Callable[[], None]] = []  # after the engine thread has ended
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -107,9 +112,9 @@ class AsyncEngine:
     # ---- event-loop API -------------------------------------------------------------------------
 
     async def add(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, salt: str | None,
-        use_cache: bool, domain: str = "", queue: asyncio.Queue[Any] | None = None,
-    ) -> asyncio.Queue[Any]:
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        salt: str | None, use_cache: bool, domain: str = "", queue: OutputQueue | None = None,
+    ) -> OutputQueue:
         """Queue a request; its outputs arrive on the returned queue (``queue``, which several
         requests may share, or a new one), the last one with ``request_finished``. Raises
         ValueError (bad request) or `EngineOverloaded` (the server's limit, or ``domain``'s own
@@ -227,8 +232,8 @@ class AsyncEngine:
             self.metrics.update(self.snapshot)
         self._log.count(outputs)
 
-    def _deliver(self, outputs: list[Any]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputQueue, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -258,12 +263,12 @@ class AsyncEngine:
             pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+def _put_all(items: list[tuple[OutputQueue, RequestOutput]]) -> None:
     for queue, output in items:
         queue.put_nowait(output)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], arg: Any) -> None:
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], arg: object) -> None:
     try:
         loop.call_soon_threadsafe(fn, arg)
     except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -279,7 +284,7 @@ class _PeriodicLog:
         self._last = EngineSnapshot()
         self._num_tokens = 0
 
-    def count(self, outputs: list[Any]) -> None:
+    def count(self, outputs: list[RequestOutput]) -> None:
         self._num_tokens += sum(len(o.new_token_ids) for o in outputs)
 
     def maybe_log(self, snap: EngineSnapshot) -> None:

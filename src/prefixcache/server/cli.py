@@ -16,6 +16,10 @@ from prefixcache.errors import CliError
 
 if TYPE_CHECKING:
     from prefixcache.engine.llm_engine import LLMEngine
+    from prefixcache.engine.request import Request
+    from prefixcache.sched import DomainLimits
+    from prefixcache.server.kv_events import KVEventsConfig
+    from prefixcache.server.tenancy import TenantRegistry
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_arguments", "build_app", "run", "tenant_registry",
            "uvicorn_options"]
@@ -105,7 +109,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError("--header-timeout and --timeout-keep-alive must be > 0")
 
 
-def tenant_registry(args: argparse.Namespace, secret: bytes | None = None) -> Any:
+def tenant_registry(args: argparse.Namespace, secret: bytes | None = None) -> TenantRegistry:
     """The tenants registry; ``secret`` given (a cluster's replicas share one) or loaded."""
     from prefixcache.server.tenancy import TenancyError, TenantRegistry, load_secret, load_tenants
 
@@ -125,7 +129,9 @@ def tenant_registry(args: argparse.Namespace, secret: bytes | None = None) -> An
     return registry
 
 
-def _domain_limits(args: argparse.Namespace, tenants: Any) -> tuple[Any, dict[str, Any]]:
+def _domain_limits(
+    args: argparse.Namespace, tenants: TenantRegistry | None
+) -> tuple[DomainLimits, dict[str, DomainLimits]]:
     """The default caps and each tenant's (a group takes the tightest of its members')."""
     from prefixcache.sched.fairness import DomainLimits
 
@@ -143,7 +149,9 @@ def _domain_limits(args: argparse.Namespace, tenants: Any) -> tuple[Any, dict[st
     return default, limits
 
 
-def _kv_events(args: argparse.Namespace, tenants: Any) -> tuple[Any, bool]:
+def _kv_events(
+    args: argparse.Namespace, tenants: TenantRegistry | None
+) -> tuple[KVEventsConfig | None, bool]:
     """The KV events config (None: nothing published) and whether events carry token ids."""
     if not getattr(args, "kv_events_config", None):
         return None, False
@@ -161,8 +169,8 @@ def _kv_events(args: argparse.Namespace, tenants: Any) -> tuple[Any, bool]:
     return config, with_tokens
 
 
-def _engine(args: argparse.Namespace, tenants: Any = None, events: bool = False,
-            event_tokens: bool = False) -> Any:
+def _engine(args: argparse.Namespace, tenants: TenantRegistry | None = None,
+            events: bool = False, event_tokens: bool = False) -> LLMEngine:
     from dataclasses import replace
 
     from prefixcache.engine.config import EngineConfig
@@ -194,7 +202,7 @@ def _record_trace(engine: LLMEngine, path: str, epoch: float | None = None) -> N
                                  clock=clock, start=epoch)
     except OSError as exc:
         raise CliError(f"cannot write --record-trace {path}: {exc.strerror}") from None
-    def record(request: Any) -> None:
+    def record(request: Request) -> None:
         digests = engine.prompt_block_digests(request)
         recorder.record(request.num_prompt_tokens, len(request.output_token_ids), digests,
                         max(request.num_cached_tokens, 0))

@@ -7,15 +7,17 @@ options (echo, logprobs, tools). Plain data; `serving` fills it and renders it.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefixcache.engine.outputs import best_of
+from prefixcache.engine.outputs import RequestOutput, best_of
 from prefixcache.server import protocol
 from prefixcache.server.tenancy import Tenant
 from prefixcache.server.tools import ToolCallStream
+
+if TYPE_CHECKING:
+    from prefixcache.server.async_engine import OutputQueue
 
 __all__ = ["Choice", "Job", "PromptState", "RenderOptions", "finish_reason_of"]
 
@@ -71,7 +73,7 @@ class Job:
     model: str
     created: int
     tenant: Tenant
-    queue: asyncio.Queue[Any]
+    queue: OutputQueue
     prompts: list[PromptState]
     options: RenderOptions
     start: float
@@ -87,7 +89,7 @@ class Job:
     def done(self) -> bool:
         return all(p.done for p in self.prompts[: self.num_added])
 
-    def add(self, output: Any) -> tuple[int, Choice]:
+    def add(self, output: RequestOutput) -> tuple[int, Choice]:
         i = self.by_id[output.request_id]
         prompt = self.prompts[i]
         choice = prompt.choices[output.index]

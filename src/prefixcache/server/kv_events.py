@@ -30,11 +30,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Any
 
 import msgspec
 
-from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from prefixcache.errors import CliError
 
 __all__ = ["KVEventsConfig", "ZmqEventPublisher", "decode_batch", "encode_batch"]
@@ -77,7 +76,9 @@ class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-def _wire(event: Any, with_tokens: bool) -> _BlockStored | _BlockRemoved | _AllBlocksCleared:
+def _wire(
+    event: KVCacheEvent, with_tokens: bool
+) -> _BlockStored | _BlockRemoved | _AllBlocksCleared:
     if isinstance(event, BlockStored):
         return _BlockStored(list(event.block_hashes), event.parent_block_hash,
                             list(event.token_ids) if with_tokens else [], event.block_size,
@@ -89,16 +90,18 @@ def _wire(event: Any, with_tokens: bool) -> _BlockStored | _BlockRemoved | _AllB
     raise TypeError(f"not a KV cache event: {type(event).__name__}")
 
 
-def encode_batch(events: list[Any], ts: float, with_tokens: bool, rank: int | None = None) -> bytes:
+def encode_batch(
+    events: list[KVCacheEvent], ts: float, with_tokens: bool, rank: int | None = None
+) -> bytes:
     """One ``KVEventBatch`` as vLLM's msgpack bytes."""
     return msgspec.msgpack.encode(_Batch(ts, [_wire(e, with_tokens) for e in events], rank))
 
 
-def decode_batch(payload: bytes) -> tuple[float, list[Any]]:
+def decode_batch(payload: bytes) -> tuple[float, list[KVCacheEvent]]:
     """A ``KVEventBatch``'s timestamp and events (as `prefixcache.cache` events); raises
     ``msgspec.DecodeError`` (a ValueError) for bytes that are not one."""
     batch = msgspec.msgpack.decode(payload, type=_Batch)
-    events: list[Any] = []
+    events: list[KVCacheEvent] = []
     for event in batch.events:
         if isinstance(event, _BlockStored):
             events.append(BlockStored(list(event.block_hashes), event.parent_block_hash or b"",
@@ -201,7 +204,7 @@ class ZmqEventPublisher:
                     self.endpoint, self.replay_endpoint or "off", config.topic,
                     "included" if with_tokens else "left out")
 
-    def publish(self, events: list[Any]) -> None:
+    def publish(self, events: list[KVCacheEvent]) -> None:
         """Queue one batch (engine thread); dropped and counted if the publisher is behind."""
         if not events:
             return

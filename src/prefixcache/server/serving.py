@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
@@ -519,7 +520,9 @@ class OpenAIServing:
         finally:
             self._finish(job)
 
-    def _chunk(self, job: Job, output: Any, i: int, choice: Choice) -> dict[str, Any] | None:
+    def _chunk(
+        self, job: Job, output: RequestOutput, i: int, choice: Choice
+    ) -> dict[str, Any] | None:
         reason = finish_reason_of(output.finish_reason) if output.finished else None
         first = not choice.started
         if not (output.text or output.new_token_ids or reason or (first and job.options.echo)):

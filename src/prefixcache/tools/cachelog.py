@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.errors import code_location
+
+if TYPE_CHECKING:  # the engine pulls in torch; this module is imported by torch-free tools too
+    from prefixcache.cache import CacheHit, PrefixCache, Sequence
+    from prefixcache.engine.llm_engine import LLMEngine
 
 __all__ = [
     "DECISION_LOGGER",
@@ -89,7 +93,7 @@ def json_logging_enabled() -> bool:
     return os.environ.get(LOG_ENV, "").lower() == "json"
 
 
-def configure_from_env(engine: Any = None) -> bool:
+def configure_from_env(engine: LLMEngine | None = None) -> bool:
     """``PREFIXCACHE_LOG=json``: JSON logs, and the decision log attached to ``engine``."""
     if not json_logging_enabled():
         return False
@@ -103,11 +107,11 @@ class CacheDecisionLog:
     """A `CacheObserver` that logs a cache's decisions: per admitted request, each hit block
     and the first miss; each committed block; each free. Digests, counts and block ids only."""
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: PrefixCache) -> None:
         self._cache = cache
         cache.add_observer(self)
 
-    def on_admit(self, seq: Any, hit: Any, block_ids: list[int]) -> None:
+    def on_admit(self, seq: Sequence, hit: CacheHit | None, block_ids: list[int]) -> None:
         if not logger.isEnabledFor(logging.DEBUG):
             return
         if not seq.use_cache or not self._cache.enable_caching:
@@ -132,7 +136,7 @@ class CacheDecisionLog:
         )
         logger.debug("first miss", extra=fields)
 
-    def on_commit(self, seq: Any, start: int, end: int, block_ids: list[int]) -> None:
+    def on_commit(self, seq: Sequence, start: int, end: int, block_ids: list[int]) -> None:
         if not logger.isEnabledFor(logging.DEBUG):
             return
         root, digests = self._chain(seq)
@@ -144,11 +148,11 @@ class CacheDecisionLog:
             )  # fmt: skip
             logger.debug("block committed", extra=fields)
 
-    def on_free(self, seq: Any, num_blocks: int) -> None:
+    def on_free(self, seq: Sequence, num_blocks: int) -> None:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("free", extra={"event": "free", "num_blocks": num_blocks})
 
-    def _chain(self, seq: Any) -> tuple[bytes, list[bytes]]:
+    def _chain(self, seq: Sequence) -> tuple[bytes, list[bytes]]:
         cache = self._cache
         return seq.root_digest(cache.hasher, cache.model_id), seq.digests(
             cache.hasher, cache.model_id
@@ -169,7 +173,7 @@ class CacheDecisionLog:
         return int(blocks[block_id].ref_cnt) if 0 <= block_id < len(blocks) else None
 
 
-def attach(engine: Any) -> CacheDecisionLog:
+def attach(engine: LLMEngine) -> CacheDecisionLog:
     """Log ``engine``'s cache decisions (through the cache's observer hook); idempotent."""
     for observer in engine.cache.observers:
         if isinstance(observer, CacheDecisionLog):

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.catalog import model_help
 from prefixcache.errors import CliError
@@ -163,7 +163,12 @@ def _is_ids(value: Any) -> bool:
 # ---- runs -------------------------------------------------------------------------------------
 
 
-StepHook = Callable[[Any], None]
+if TYPE_CHECKING:  # torch: imported when a check runs, not for `--help`
+    from prefixcache.attention.kv_cache import PagedKVCache
+    from prefixcache.engine.llm_engine import LLMEngine
+    from prefixcache.model.loader import LoadedModel
+
+StepHook = Callable[["LLMEngine"], None]
 
 
 def corrupt_first_committed_block() -> StepHook:
@@ -174,7 +179,7 @@ def corrupt_first_committed_block() -> StepHook:
     cached: list[int] = []  # block ids in the order they became hittable
     done: list[bool] = []
 
-    def hook(engine: Any) -> None:
+    def hook(engine: LLMEngine) -> None:
         if done:
             return
         for event in engine.take_kv_events():
@@ -189,7 +194,7 @@ def corrupt_first_committed_block() -> StepHook:
     return hook
 
 
-def _overwrite_kv(kv_cache: Any, block_id: int) -> None:
+def _overwrite_kv(kv_cache: PagedKVCache, block_id: int) -> None:
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -208,7 +213,7 @@ def _step_hook(enabled: bool) -> StepHook | None:
 
 
 def run_workload(
-    loaded: Any,
+    loaded: LoadedModel,
     items: list[WorkItem],
     name: str,
     prefix_cache: str | None,
@@ -235,17 +240,19 @@ def run_workload(
 
 
 def _run_wave(
-    engine: Any, items: list[WorkItem], indices: range, out: RunOutput, hook: StepHook | None
+    engine: LLMEngine, items: list[WorkItem], indices: range, out: RunOutput, hook: StepHook | None
 ) -> None:
     from prefixcache.engine.sampling_params import SamplingParams
 
     for i in indices:
         item = items[i]
         params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
-        ids = {"prompt_token_ids": item.prompt} if isinstance(item.prompt, list) else {}
+        ids = item.prompt if isinstance(item.prompt, list) else None
         prompt = item.prompt if isinstance(item.prompt, str) else None
         try:
-            engine.add_request(str(i), prompt, params, cache_salt=item.cache_salt, **ids)
+            engine.add_request(
+                str(i), prompt, params, cache_salt=item.cache_salt, prompt_token_ids=ids
+            )
         except ValueError as exc:
             raise CliError(f"workload item {i}: {exc}") from None
     while engine.has_unfinished():
@@ -279,7 +286,7 @@ def compare(reference: RunOutput, run: RunOutput) -> Divergence | None:
 
 
 def run_check(
-    model: Any,
+    model: str | LoadedModel,
     items: list[WorkItem],
     num_kv_blocks: int | None = DEFAULT_NUM_KV_BLOCKS,
     implementations: tuple[str, ...] = ("hash", "radix"),
