@@ -85,8 +85,10 @@ class PrefixCache:
         )  # fmt: skip
         self.index = self._make_index()
         self.pool.attach(self.index)
+        self._index_admits = type(self.index).admit is not PrefixIndex.admit  # (radix)
         self._tables: dict[str, SeqBlocks] = {}
-        self._held: Counter[str] = Counter()  # per domain: blocks in its live tables
+        self._held: dict[str, int] = {}  # per domain: blocks in its live tables (a dict: a
+        # Counter's __delitem__ is Python code, and this runs on every admission and free)
         self._observers: list[CacheObserver] = []
 
     @classmethod
@@ -178,17 +180,19 @@ class PrefixCache:
         end = computed + num_new_tokens
         num_new = -(-end // self.block_size) - num_hit
         pool = self.pool
-        protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
+        protected, num_protected = _NONE, 0
+        if pool.other_cache_domains(seq.domain):  # else, the common case, nothing is protected
+            protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
         num_free = pool.num_free - num_protected
         if num_new + num_hit > num_free:  # admitting a hit consumes its free blocks
             reused = self.index.num_free_in(hit, hit_blocks) if num_hit else 0
             if num_new + reused > num_free:
                 return None
         table = SeqBlocks(seq, hit_blocks, list(hit.block_ids), computed, end, num_hit)
-        if num_hit:
+        if num_hit and self._index_admits:
             self.index.admit(table, hit)
-            if table.num_path < num_hit:  # radix holds its path through the index
-                pool.touch(hit_blocks[table.num_path :] if table.num_path else hit_blocks)
+        if table.num_path < num_hit:  # radix holds its path through the index
+            pool.touch(hit_blocks[table.num_path :] if table.num_path else hit_blocks)
         new_blocks, new_ids = pool.take_with_ids(num_new, self._owner_root(seq), protected)
         table.blocks += new_blocks
         table.block_ids += new_ids
@@ -210,7 +214,8 @@ class PrefixCache:
         if not num_more or not self.pool.other_cache_domains(domain):  # common: one domain
             return _NONE, 0
         free_cached = self.pool.free_cached_by_domain()
-        usage = self._held + Counter(free_cached)
+        usage = Counter(self._held)
+        usage.update(free_cached)
         share = self.num_blocks / len(usage.keys() | {domain})
         if usage[domain] + num_more <= share:
             return _NONE, 0
@@ -279,7 +284,9 @@ class PrefixCache:
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """The KV of ``seq``'s first ``num_computed_tokens`` tokens is written: full blocks among
         them become hittable."""
-        table = self._live_table(seq)
+        table = self._tables.get(seq.seq_id)
+        if table is None or table.seq is not seq:
+            table = self._live_table(seq)  # raises
         top = min(table.num_alloc_tokens, len(seq.token_ids))
         if not table.num_computed_tokens <= num_computed_tokens <= top:
             raise ValueError(
@@ -311,15 +318,16 @@ class PrefixCache:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, deepest first; committed ones stay cached until evicted."""
-        table = self._table_of(seq)
-        if table is None:
+        table = self._tables.get(seq.seq_id)
+        if table is None or table.seq is not seq:
             return
         del self._tables[seq.seq_id]
         self._add_held(seq.domain, -len(table.blocks))
         if len(table.blocks) > table.num_path:  # radix holds its path through the index
             held = table.blocks[table.num_path :] if table.num_path else table.blocks
             self.pool.release(reversed(held))
-        self.index.release(table)
+        if table.node is not None:  # the index's place for it (radix: its locked path)
+            self.index.release(table)
         seq.num_computed_tokens = 0
         for observer in self._observers:
             observer.on_free(seq, len(table.blocks))
@@ -337,7 +345,8 @@ class PrefixCache:
             child, list(table.blocks), list(table.block_ids), table.num_computed_tokens,
             table.num_computed_tokens, table.num_committed_blocks, table.num_path, table.node,
         )  # fmt: skip
-        self.index.fork(table, child_table)
+        if table.node is not None:
+            self.index.fork(table, child_table)
         self._tables[child_id] = child_table
         self._add_held(child.domain, len(child_table.blocks))
         return child
@@ -355,7 +364,7 @@ class PrefixCache:
 
     def blocks_held(self, domain: str = "") -> int:
         """Blocks in the live block tables of ``domain``'s sequences."""
-        return self._held[domain]
+        return self._held.get(domain, 0)
 
     @property
     def num_free_blocks(self) -> int:

@@ -239,10 +239,13 @@ class BlockPool:
         if not left:
             return
         lru = self._lru
-        for domain in [d for d, q in lru.items() if not q.count]:
-            del lru[domain]  # empty: no block refers to it
         evicted: list[int] = []
         digests: list[bytes] = []
+        if len(lru) == 1 and not protected:  # one domain: its LRU order
+            left -= self._evict_queued(next(iter(lru.values())), left, out, evicted, digests)
+        else:
+            for domain in [d for d, q in lru.items() if not q.count]:
+                del lru[domain]  # empty: no block refers to it
         while left:
             if len(lru) == 1 and not protected:
                 queue, n = next(iter(lru.values())), left

@@ -139,10 +139,11 @@ class PrefixIndex(abc.ABC):
         adopt the copies already cached, releasing the duplicates)."""
 
     def fork(self, parent: SeqBlocks, child: SeqBlocks) -> None:  # noqa: B027 - optional hook
-        """``child`` shares every block of ``parent`` (ref counts already raised)."""
+        """``child`` shares every block of ``parent`` (ref counts already raised; called for a
+        table with a ``node``)."""
 
     def release(self, table: SeqBlocks) -> None:  # noqa: B027 - optional hook
-        """``table`` let go of its blocks (radix: unlock the path)."""
+        """``table`` let go of its blocks (radix: unlock the path; for a table with a ``node``)."""
 
     def evict(
         self, num: int, out: list[KVBlock], protected: frozenset[str]

@@ -370,7 +370,8 @@ class RadixIndex(PrefixIndex):
         self.parked[node.domain] = self.parked.get(node.domain, 0) + end - start
         self._num_nodes += 1
         self.pool.stats.num_committed_blocks += end - start
-        self.keys.emit_stored(self.pool.events, table, start, end)
+        if self.pool.events.enabled:
+            self.keys.emit_stored(self.pool.events, table, start, end)
         return node, end
 
     def _adopt(self, table: SeqBlocks, node: _Node, start: int) -> None:

@@ -28,7 +28,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "salt", "adapter", "block_extras", "use_cache",
         "read_cache", "domain", "num_computed_tokens", "block_digests", "block_token_bytes",
-        "_digest_key", "_root",
+        "_digest_key", "_root", "_hasher", "_model",
     )  # fmt: skip
 
     def __init__(
@@ -62,6 +62,8 @@ class Sequence:
         self.block_token_bytes: list[bytes] = []
         self._digest_key: tuple[object, ...] | None = None
         self._root = b""
+        self._hasher: BlockHasher | None = None  # the last caller's, for a cheap same-key check
+        self._model = ""
 
     def __repr__(self) -> str:
         return (
@@ -85,12 +87,14 @@ class Sequence:
 
         A sequence used by a cache with a different hasher or model gets a fresh chain.
         """
-        key = (hasher.algo, hasher.block_size, model)
-        if key != self._digest_key:
-            self._digest_key = key
-            self._root = hasher.root(self.namespace(model))
-            self.block_digests = []
-            self.block_token_bytes = []
+        if hasher is not self._hasher or model != self._model:
+            self._hasher, self._model = hasher, model
+            key = (hasher.algo, hasher.block_size, model)
+            if key != self._digest_key:
+                self._digest_key = key
+                self._root = hasher.root(self.namespace(model))
+                self.block_digests = []
+                self.block_token_bytes = []
         if len(self.token_ids) >= (len(self.block_digests) + 1) * hasher.block_size:
             get = self.block_extras.get
             extras = (lambda i: get(i) or ()) if self.block_extras else None
