@@ -87,8 +87,7 @@ class PrefixCache:
         self.pool.attach(self.index)
         self._index_admits = type(self.index).admit is not PrefixIndex.admit  # (radix)
         self._tables: dict[str, SeqBlocks] = {}
-        self._held: dict[str, int] = {}  # per domain: blocks in its live tables (a dict: a
-        # Counter's __delitem__ is Python code, and this runs on every admission and free)
+        self._held: dict[str, int] = {}  # per domain: blocks in live tables (not a Counter: slow)
         self._observers: list[CacheObserver] = []
 
     @classmethod

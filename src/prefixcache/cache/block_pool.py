@@ -246,12 +246,9 @@ class BlockPool:
         else:
             for domain in [d for d, q in lru.items() if not q.count]:
                 del lru[domain]  # empty: no block refers to it
-        while left:
-            if len(lru) == 1 and not protected:
-                queue, n = next(iter(lru.values())), left
-            else:  # several domains compete: the one with the most free cached blocks gives one
-                queue, n = max((q for d, q in lru.items() if d not in protected), key=_count), 1
-            left -= self._evict_queued(queue, n, out, evicted, digests)
+        while left:  # several domains compete: the one with the most free cached blocks gives one
+            queue = max((q for d, q in lru.items() if d not in protected), key=_count)
+            left -= self._evict_queued(queue, 1, out, evicted, digests)
             if not queue.count:
                 del lru[queue.domain]
         self._dropped(evicted, digests)

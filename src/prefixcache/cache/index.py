@@ -148,9 +148,8 @@ class PrefixIndex(abc.ABC):
     def evict(
         self, num: int, out: list[KVBlock], protected: frozenset[str]
     ) -> tuple[list[int], list[bytes]]:
-        """Append ``num`` parked blocks to ``out`` in eviction order, none of the ``protected``
-        domains', the index's reference on each handed over (``ref_cnt`` 1, no digest);
-        returns their ids and digests. Only for an index that parks blocks."""
+        """Append ``num`` parked blocks (none of ``protected`` domains') to ``out`` in eviction
+        order, handing over the index's reference on each; returns their ids and digests."""
         raise NotImplementedError
 
     def held_block_ids(self) -> list[int]:

@@ -263,8 +263,7 @@ class RadixIndex(PrefixIndex):
     # -- locks ----------------------------------------------------------------------------------
 
     def _lock(self, node: _Node, stop: _Node | None = None, *, count_hit: bool = False) -> None:
-        """Add one lock on every node from ``node`` up to ``stop`` or the namespace, exclusive:
-        a node that was unlocked stops being parked."""
+        """Add one lock on every node from ``node`` up to ``stop`` (exclusive) or the namespace."""
         self._clock += 1
         clock, parked, num_parked = self._clock, self.parked, 0
         while node is not stop and node.block_ids:
@@ -279,8 +278,7 @@ class RadixIndex(PrefixIndex):
         self.pool.num_parked -= num_parked
 
     def _unlock(self, node: _Node) -> None:
-        """Drop one lock on every node from ``node`` up to its namespace node: a node left
-        unlocked is parked (evictable), an unlocked leaf an eviction candidate."""
+        """Drop one lock on every node from ``node`` up: one left unlocked is parked."""
         self._clock += 1
         clock, parked, num_parked = self._clock, self.parked, 0
         while node.block_ids:
