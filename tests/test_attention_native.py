@@ -96,7 +96,7 @@ def _cpu_has_avx512() -> bool:
 @settings(max_examples=30, deadline=None)
 @given(
     kv_heads=st.sampled_from([2, 3, 4]),
-    group=st.sampled_from([1, 2, 3, 5, 8, 9]),
+    group=st.sampled_from([1, 2, 3, 5, 8, 9, 16]),
     new=st.integers(1, 200),
     extra_context=st.integers(0, 150),
     threads=st.sampled_from([1, 2]),
@@ -109,13 +109,13 @@ def test_cache_hit_path_equals_reference(
     kv_heads, group, new, extra_context, threads, magnitude, dtypes, head_dim, seed
 ) -> None:  # noqa: ANN001
     # After a cache hit (context >= new tokens) with head_dim 64 or 128 (the same loops compiled
-    # for each: P V register tiles of 6 rows x 4 vectors, or 3 x 8), an AVX-512 build reads K and V
-    # straight from the cache (no gather; a bfloat16 cache widened per 32-key block) for up to
-    # 256 rows per tile (group <= 8): 32-key blocks with an online softmax, shared by up to 4
-    # tiles of a work item (a kv head's tiles split into items that spread evenly over the
-    # threads, e.g. 3 kv heads on 2), register tiles of 8 keys x 48 rows and 6 rows x 64 dims,
-    # a masked tail. Row counts, key counts and tiles that do not divide evenly, maxima that
-    # grow from block to block, and scores large enough to need the max subtraction.
+    # for each: P V register tiles of 6 rows x 4 vectors, or 3 x 8), an AVX-512 build reads K
+    # and V straight from the cache (no gather; a bfloat16 cache widened per 32-key block), in
+    # tiles of about 128 stacked rows (`tile_tokens`): 32-key blocks with an online softmax,
+    # shared by up to 4 tiles of a work item (a kv head's tiles split into items that spread
+    # evenly over the threads, e.g. 3 kv heads on 2), register tiles of 8 keys x 48 rows and 6
+    # rows x 64 dims, a masked tail. Row counts, key counts and tiles that do not divide evenly,
+    # maxima that grow from block to block, and scores large enough to need the max subtraction.
     gen = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     context = new + extra_context
@@ -135,7 +135,7 @@ def test_cache_hit_path_equals_reference(
         native_attention.attend(q, k_flat, v_flat, slots, head_dim**-0.5, out)
     finally:
         torch.set_num_threads(before)
-    direct = _cpu_has_avx512() and group * native_attention.TILE_TOKENS <= 256
+    direct = _cpu_has_avx512() and head_dim in (64, 128)
     per_head = "gather per kv head" if kv_heads % threads == 0 else "shared gather"
     assert path == ("direct per kv head" if direct else per_head)
     ref = _reference(q, k_flat, v_flat, slots, head_dim**-0.5)
@@ -148,11 +148,14 @@ def test_prefill_path_choice() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        # 9 query heads per kv head: 288 stacked rows per tile, more than the direct path's
-        assert native_attention.prefill_path(2048, 2048, 36, 4, 64) == "shared gather"
+        # head_dim 80: no register tiles of that width
+        assert native_attention.prefill_path(2048, 2048, 36, 4, 80) == "shared gather"
         fresh = native_attention.prefill_path(2048, 2048, 12, 4, 64)  # no hit: direct too
         assert fresh == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
-        assert native_attention.prefill_path(128, 2048, 12, 1, 64) == "shared gather"  # G=12
+        # 9 and 12 query heads per kv head: tiles of 8 tokens keep them on the direct path
+        for heads, kv_heads in ((36, 4), (12, 1)):
+            wide = native_attention.prefill_path(128, 2048, heads, kv_heads, 64)
+            assert wide == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
         qwen2 = native_attention.prefill_path(128, 2048, 8, 1, 128)  # head_dim 128, 8:1 GQA
         assert qwen2 == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
         hit = native_attention.prefill_path(128, 2048, 12, 4, 64)
@@ -165,6 +168,12 @@ def test_prefill_path_choice() -> None:
         torch.set_num_threads(before)
 
 
+def test_tile_size_follows_the_query_heads_per_kv_head() -> None:
+    # about 128 stacked query rows per tile, in a power of two of tokens
+    sizes = {g: native_attention.tile_tokens(g * 2, 2) for g in (1, 2, 3, 4, 7, 8, 9, 16, 200)}
+    assert sizes == {1: 128, 2: 64, 3: 32, 4: 32, 7: 16, 8: 16, 9: 8, 16: 8, 200: 1}
+
+
 def test_decode_work_items_spread_evenly_over_the_threads() -> None:
     # kv heads x chunks of sequences: the chunk size that leaves the busiest thread the fewest
     # rows, the larger one on a tie
@@ -173,6 +182,9 @@ def test_decode_work_items_spread_evenly_over_the_threads() -> None:
     assert native_attention.decode_chunk(16, 1, 2) == 8  # MQA: 2 items, not 1
     assert native_attention.decode_chunk(3, 2, 2) == 16  # few sequences: one chunk per head
     assert native_attention.decode_chunk(16, 3, 1) == 16  # one thread: the largest GEMMs
+    # 32 query heads per kv head: chunks of at most 8 (256 stacked rows, a direct-path tile)
+    assert native_attention.decode_chunk(16, 1, 1, group=32) == 8
+    assert native_attention.decode_chunk(16, 1, 1, group=300) == 1
 
 
 def test_large_scores_do_not_overflow() -> None:

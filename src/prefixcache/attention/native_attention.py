@@ -53,11 +53,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# New tokens per work item. Larger tiles mean fewer, larger GEMMs; smaller ones keep the G
-# stacked query heads' scores ([G * 32, keys] floats) in a 2 MiB L2 for longer contexts (up to
-# ~5,000 keys at G = 3). Set on `small` (G = 3, head_dim 64), 2 threads.
-TILE_TOKENS = 32
+# Stacked query rows (G query heads x new tokens) per prefill tile. The direct path's register
+# tiles take up to 256 rows; a sweep over G = 1, 3, 4, 7, 8 and 16 (head_dim 64 and 128, both
+# dtypes, 2 threads) found ~128 as fast as the best size on every shape (docs/performance.md).
+_TILE_ROWS = 128
 _MAX_TILE_ROWS = 4096  # MAX_TILE_ROWS in attention.c: stacked query rows of one work item
+_DIRECT_ROWS = 256  # MAX_TILE_VECS * LANES in attention.c: most rows of a direct-path tile
 # Most decode sequences per work item: their G query heads stack into one GEMM over the shared
 # keys; more per item means larger GEMMs, fewer items to spread over threads (`decode_chunk`).
 MAX_DECODE_CHUNK = 16
@@ -184,6 +185,17 @@ def _check(
 PREFILL_PATHS = ("shared gather", "gather per kv head", "direct per kv head")
 
 
+def tile_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """New tokens per prefill tile for this shape: the largest power of two up to 128 whose G
+    stacked query heads make at most `_TILE_ROWS` rows (at least one token), e.g. 32 at G = 3
+    or 4, 16 at G = 8, 128 without GQA. A fixed 32 left G = 16 off the direct path (512 rows)
+    and ran G = 1's register tiles half full."""
+    group, tokens = num_heads // num_kv_heads, 128
+    while tokens > 1 and group * tokens > _TILE_ROWS:
+        tokens //= 2
+    return tokens
+
+
 def prefill_path(
     num_tokens: int,
     seq_len: int,
@@ -199,8 +211,8 @@ def prefill_path(
     thread gathering the head it works on where the threads divide the kv heads."""
     kernel = _kernel_or_raise()
     path = kernel.attention_path(
-        num_tokens, seq_len, num_heads, num_kv_heads, head_dim, TILE_TOKENS,
-        torch.get_num_threads(), kv_dtype == torch.bfloat16,
+        num_tokens, seq_len, num_heads, num_kv_heads, head_dim,
+        tile_tokens(num_heads, num_kv_heads), torch.get_num_threads(), kv_dtype == torch.bfloat16,
     )  # fmt: skip
     return PREFILL_PATHS[path]
 
@@ -249,14 +261,15 @@ class PreparedAttend:
         kernel = self._kernel = _kernel_or_raise()
         num_tokens, num_heads, head_dim = q.shape
         seq_len, num_kv_heads = slots.shape[0], k_flat.shape[1]
-        _check(q, k_flat, v_flat, out, [slots], TILE_TOKENS, "attention", slot_range)
+        self._tile_tokens = tile_tokens(num_heads, num_kv_heads)
+        _check(q, k_flat, v_flat, out, [slots], self._tile_tokens, "attention", slot_range)
         if not 0 < num_tokens <= seq_len:
             raise ValueError(
                 f"native attention: unsupported: {num_tokens} new tokens over {seq_len} positions"
             )
         self._threads = torch.get_num_threads()
         floats = kernel.scratch_floats(
-            seq_len, num_heads, num_kv_heads, head_dim, TILE_TOKENS, self._threads
+            seq_len, num_heads, num_kv_heads, head_dim, self._tile_tokens, self._threads
         )
         if scratch is None or scratch.numel() < floats or scratch.dtype != torch.float32:
             scratch = torch.empty(floats, dtype=torch.float32)
@@ -286,7 +299,7 @@ class PreparedAttend:
             raise ValueError("native attention: compiled callers pass float32 tensors")
         kernel = self._kernel
         return (
-            kernel.attention_address, self._slots.data_ptr(), self._sizes[1], TILE_TOKENS,
+            kernel.attention_address, self._slots.data_ptr(), self._sizes[1], self._tile_tokens,
             self.scratch.data_ptr(), kernel.sgemm, kernel.set_threads,
         )  # fmt: skip
 
@@ -306,7 +319,7 @@ class PreparedAttend:
         self._function(
             q.data_ptr(), q.stride(0), k_flat.data_ptr(), v_flat.data_ptr(),
             self._slots.data_ptr(), (out if out32 is None else out32).data_ptr(),
-            self.scratch.data_ptr(), *self._sizes, scale, TILE_TOKENS, self._threads,
+            self.scratch.data_ptr(), *self._sizes, scale, self._tile_tokens, self._threads,
             kernel.sgemm, kernel.set_threads, *self._extra,
         )  # fmt: skip
         if out32 is not None:
@@ -334,7 +347,7 @@ def decode(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, max_tail = k_flat.shape[1], tail_slots.shape[1]
     threads = torch.get_num_threads()
-    chunk = decode_chunk(num_seqs, num_kv_heads, threads)
+    chunk = decode_chunk(num_seqs, num_kv_heads, threads, num_heads // num_kv_heads)
     _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], chunk, "decode")
     if not (
         tail_lens.dtype == torch.int32
@@ -367,13 +380,15 @@ def decode(
         out.copy_(out32)
 
 
-def decode_chunk(num_seqs: int, num_kv_heads: int, threads: int) -> int:
-    """Sequences per decode work item (16, 8 or 4): the work items are kv heads x chunks of
+def decode_chunk(num_seqs: int, num_kv_heads: int, threads: int, group: int = 1) -> int:
+    """Sequences per decode work item (the three largest of 16, 8, 4, 2, 1 whose ``group``
+    stacked query heads fit a direct-path tile): the work items are kv heads x chunks of
     sequences, and the busiest thread's rows should be fewest, e.g. 16 sequences over 3 kv heads
     on 2 threads: chunks of 8 (6 items, 3 per thread; chunks of 16 leave one thread 2 of 3).
     Ties go to the larger chunk (larger GEMMs)."""
-    best, best_rows = MAX_DECODE_CHUNK, -1
-    for chunk in (MAX_DECODE_CHUNK, MAX_DECODE_CHUNK // 2, MAX_DECODE_CHUNK // 4):
+    sizes = [c for c in (16, 8, 4, 2, 1) if c <= MAX_DECODE_CHUNK and group * c <= _DIRECT_ROWS]
+    best, best_rows = 1, -1
+    for chunk in sizes[:3] or [1]:
         items = num_kv_heads * -(-num_seqs // chunk)
         rows = -(-items // threads) * min(chunk, num_seqs)
         if best_rows < 0 or rows < best_rows:
