@@ -58,6 +58,10 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
+# the first-token runs (the prefill phase) use prefixes of their own: nothing of theirs is cached
+FIRST_TOKEN_RUNS = 100
+
+
 def prompts(repeat: int) -> list[list[int]]:
     rng = random.Random(1000 + repeat)
     shared = _ids(rng, PREFIX)
@@ -68,10 +72,24 @@ def warmup_prompt() -> list[int]:
     return _ids(random.Random(7), PREFIX + SUFFIX)
 
 
-def _result(times: list[float], outputs: list[list[int]], **extra: Any) -> None:
+def _result(times: list[float], outputs: list[list[int]], first: list[float]) -> None:
+    """``first``: times of the same batch with one output token each (prefill and suffixes,
+    no decode steps), measured with the cache on only."""
     digest = hashlib.sha1(json.dumps(outputs).encode()).hexdigest()
+    extra = {"first_token_s": statistics.median(first), "first_token_times_s": first}
+    if not first:
+        extra = {}
     print("RESULT " + json.dumps({"median_s": statistics.median(times), "times_s": times,
                                   "outputs_sha1": digest, **extra}), flush=True)
+
+
+def _timed(generate: Any, batches: list[Any]) -> tuple[list[float], list[Any]]:
+    times, outs = [], []
+    for batch in batches:
+        start = time.perf_counter()
+        outs += generate(batch)
+        times.append(time.perf_counter() - start)
+    return times, outs
 
 
 def worker_ours(model: str, cache: bool, dtype: str, repeats: int) -> None:
@@ -80,14 +98,11 @@ def worker_ours(model: str, cache: bool, dtype: str, repeats: int) -> None:
     llm = LLM(model=model, enable_prefix_caching=cache, dtype=dtype, seed=0)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     llm.generate([warmup_prompt()], params)
-    times, outputs = [], []
-    for r in range(repeats):
-        batch = prompts(r)
-        start = time.perf_counter()
-        outs = llm.generate(batch, params)
-        times.append(time.perf_counter() - start)
-        outputs += [list(o.token_ids) for o in outs]
-    _result(times, outputs)
+    times, outs = _timed(lambda b: llm.generate(b, params), [prompts(r) for r in range(repeats)])
+    first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first, _ = _timed(lambda b: llm.generate(b, first_params),
+                      [prompts(FIRST_TOKEN_RUNS + r) for r in range(repeats if cache else 0)])
+    _result(times, [list(o.token_ids) for o in outs], first)
 
 
 def worker_vllm(model: str, cache: bool, dtype: str, repeats: int) -> None:
@@ -103,14 +118,16 @@ def worker_vllm(model: str, cache: bool, dtype: str, repeats: int) -> None:
     llm = LLM(model=model, dtype=dtype, enable_prefix_caching=cache, max_model_len=4096, seed=0)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=warmup_prompt())], params, use_tqdm=False)
-    times, outputs = [], []
-    for r in range(repeats):
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(r)]
-        start = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        outputs += [list(o.outputs[0].token_ids) for o in outs]
-    _result(times, outputs)
+
+    def batch(repeat: int) -> list[Any]:
+        return [TokensPrompt(prompt_token_ids=p) for p in prompts(repeat)]
+
+    times, outs = _timed(lambda b: llm.generate(b, params, use_tqdm=False),
+                         [batch(r) for r in range(repeats)])
+    first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first, _ = _timed(lambda b: llm.generate(b, first_params, use_tqdm=False),
+                      [batch(FIRST_TOKEN_RUNS + r) for r in range(repeats if cache else 0)])
+    _result(times, [list(o.outputs[0].token_ids) for o in outs], first)
 
 
 def worker_prefill(model: str, dtype: str) -> None:
@@ -267,6 +284,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{row['shape']:<10} {row['dtype']:<9} {row['cache']:<5} {ours['median_s']:>8.2f} "
               f"{vllm['median_s'] if vllm else float('nan'):>8.2f} "
               f"{ours['median_s'] / vllm['median_s'] if vllm else float('nan'):>9.2f}  {same}")
+        if "first_token_s" in ours:  # the phases: until the first token, then the decode steps
+            phases = [(e["first_token_s"], e["median_s"] - e["first_token_s"])
+                      for e in (ours, vllm) if e is not None]
+            text = ", ".join(f"{name} {a:.2f} + {b:.2f} s" for name, (a, b)
+                             in zip(("ours", "vLLM"), phases, strict=False))
+            print(f"{'':<26} first token + the other {MAX_TOKENS - 1} tokens: {text}")
 
 
 if __name__ == "__main__":

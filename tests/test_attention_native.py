@@ -224,11 +224,11 @@ def test_rejects_input_it_would_misread() -> None:
 @settings(max_examples=30, deadline=None)
 @given(
     kv_heads=st.sampled_from([1, 2, 4]),
-    group=st.sampled_from([1, 3, 8]),
+    group=st.sampled_from([1, 3, 8, 20]),
     head_dim=st.sampled_from([16, 64, 128]),
     num_seqs=st.integers(1, 40),
-    shared=st.integers(0, 200),
-    max_tail=st.integers(1, 50),
+    shared=st.just(0) | st.integers(1, 200),
+    max_tail=st.integers(1, 150),
     threads=st.sampled_from([1, 2, 3]),
     dtypes=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
@@ -236,8 +236,9 @@ def test_rejects_input_it_would_misread() -> None:
 def test_decode_equals_reference(
     kv_heads, group, head_dim, num_seqs, shared, max_tail, threads, dtypes, seed
 ) -> None:  # noqa: ANN001
-    # head_dim 64 on an AVX-512 build: the shared keys by the direct path's key blocks (no
-    # gather), each tail folded into the rows' running max and sums after them
+    # head_dim 64 or 128 on an AVX-512 build: the shared keys (if any) by the direct path's key
+    # blocks (no gather), then each tail the same way as a tile of its sequence's G rows (more
+    # than one vector at G = 20), folded into the rows' running max and sums
     gen = torch.Generator().manual_seed(seed)
     heads, num_slots = kv_heads * group, shared + num_seqs * max_tail + 11
     k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])

@@ -218,11 +218,10 @@ static void direct_decode(int D, const float *q, int64_t q_row_stride, const voi
                           const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
                           const int64_t *tail_slots, const int *tail_lens, int max_tail,
                           float *out, int b0, int nb, int h, int H, int KV, int G, float scale,
-                          float *buf, float *k_tail, float *v_tail, float *tail_scores,
-                          sgemm_fn sgemm) {
+                          float *buf) {
     (D == 64 ? direct_decode_64 : direct_decode_128)(
         q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared, tail_slots, tail_lens,
-        max_tail, out, b0, nb, h, H, KV, G, scale, buf, k_tail, v_tail, tail_scores, sgemm);
+        max_tail, out, b0, nb, h, H, KV, G, scale, buf);
 }
 #else
 #define GROUP_TILES 1
@@ -370,21 +369,19 @@ int pc_attention_path(int T, int S, int H, int KV, int D, int tile_tokens, int n
 /* Floats of scratch `pc_decode` needs: shared K and V per kv head (or per thread, whichever is
  * more), then per thread the stacked queries and outputs of one chunk, its scores, and one
  * tail's K and V. */
-static inline int decode_direct(int shared, int G, int D, int chunk) {
-    return shared > 0 && direct_applies(D, G * chunk);
-}
+static inline int decode_direct(int G, int D, int chunk) { return direct_applies(D, G * chunk); }
 
 static int64_t decode_thread_floats(int shared, int max_tail, int G, int D, int chunk) {
     const int64_t rows = (int64_t)G * chunk;
-    if (decode_direct(shared, G, D, chunk)) /* its tile, one tail's K and V, the tail scores */
-        return direct_floats(D, (int)rows) + (2 * (int64_t)D + G) * max_tail;
+    if (decode_direct(G, D, chunk)) /* its tiles */
+        return direct_floats(D, (int)rows);
     return rows * (2 * (int64_t)D + shared + max_tail) + 2 * (int64_t)max_tail * D;
 }
 
 int64_t pc_decode_scratch_floats(int shared, int max_tail, int H, int KV, int D, int chunk,
                                  int nthreads) {
     const int G = H / KV;
-    const int64_t gathered = decode_direct(shared, G, D, chunk) ? 0 : 2 * kv_copies(KV, nthreads) * (int64_t)shared * D;
+    const int64_t gathered = decode_direct(G, D, chunk) ? 0 : 2 * kv_copies(KV, nthreads) * (int64_t)shared * D;
     return gathered + (int64_t)nthreads * decode_thread_floats(shared, max_tail, G, D, chunk);
 }
 
@@ -449,9 +446,10 @@ static void decode_item(const float *q, int64_t q_row_stride, const void *k_cach
  * max_tail ..]). q: [B, H, D] with rows q_row_stride floats apart; out: [B, H, D] contiguous.
  * Work item = (kv head, chunk of `chunk` sequences): their G query heads stacked, one GEMM over
  * the shared keys for all of them, small GEMMs per tail, one softmax per row over both parts.
- * Where `direct_applies` (AVX-512, head_dim 64 or 128) the shared keys are read straight from the
- * cache by the direct path's key-block loops (`direct_decode`: no gather, and the register
- * tiles run near the GEMM's rate), each tail folded in after them. Otherwise, as in
+ * Where `direct_applies` (AVX-512, head_dim 64 or 128) the shared keys and then each tail are
+ * read straight from the cache by the direct path's key-block loops (`direct_decode`: no
+ * gather, and the register tiles run near the GEMM's rate), each tail's state folded into its
+ * rows after the shared keys. Otherwise, as in
  * pc_attention, where each thread gets whole kv heads, the thread gathers the shared keys of
  * the head it works on into its own buffer (read from L2 by that head's chunks), or the team
  * gathers every head's once. */
@@ -463,7 +461,7 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
     const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
     const int64_t head_floats = (int64_t)shared * D, chunk_rows = (int64_t)G * chunk;
     const int width = shared + max_tail;
-    const int direct = decode_direct(shared, G, D, chunk);
+    const int direct = decode_direct(G, D, chunk);
     float *kv_buffers = scratch;
     float *per_thread = scratch + (direct ? 0 : 2 * kv_copies(KV, nthreads) * head_floats);
     const int64_t thread_floats = decode_thread_floats(shared, max_tail, G, D, chunk);
@@ -479,14 +477,12 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
         float *k_tail = scores + chunk_rows * width, *v_tail = k_tail + (int64_t)max_tail * D;
         if (direct) {
             float *tile = per_thread + thread * thread_floats;
-            float *k_one = tile + direct_floats(D, (int)chunk_rows), *v_one = k_one + (int64_t)max_tail * D;
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < KV * num_chunks; item++) {
                 const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
                 direct_decode(D, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
                               tail_slots, tail_lens, max_tail, out, b0,
-                              B - b0 < chunk ? B - b0 : chunk, h, H, KV, G, scale, tile, k_one,
-                              v_one, v_one + (int64_t)max_tail * D, sgemm);
+                              B - b0 < chunk ? B - b0 : chunk, h, H, KV, G, scale, tile);
             }
         } else if (local) {
             float *k_h = kv_buffers + 2 * thread * head_floats, *v_h = k_h + head_floats;

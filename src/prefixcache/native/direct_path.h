@@ -433,26 +433,32 @@ static struct direct_buf D_(direct_layout)(float *buf, int tile_rows) {
 
 /* Tile `slot` of the buffer: rows r = g * m + t, query head h * G + g of token t0 + t (its
  * queries at q + (t0 + t) * q_row_stride), seeing keys 0 .. open + t - 1 of `keys` (causal
- * past `open`; open == keys: every row sees every key). */
+ * past `open`; open == keys: every row sees every key). `pad`: zero the panel's padding rows
+ * (0 where the slot's last tile had the same rows, which left them zero). */
 static void D_(tile_begin)(struct tile_state *ts, const struct direct_buf *b, int slot, int tile_rows,
                        const float *q, int64_t q_row_stride, int t0, int m, int open, int keys,
-                       int h, int G, int dot16) {
+                       int h, int G, int dot16, int pad) {
     enum { D = HD };
     ts->m = m, ts->t0 = t0, ts->rows = G * m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
     ts->open = open, ts->keys = keys;
     ts->qt = b->qts + slot * D_(panel_floats)(tile_rows), ts->o = b->os + (int64_t)slot * b->tile_ld * D;
+    const int packed = pad ? ts->ld : ts->rows;
 #if DOT16
     if (dot16) /* Q^T panels of bfloat16 pairs: [D/2][PANEL] lanes per panel */
-        for (int r = 0; r < ts->ld; r++) {
+        for (int r = 0; r < packed; r++) {
             uint32_t *dst = (uint32_t *)ts->qt + (int64_t)(r / PANEL) * (D / 2) * PANEL + r % PANEL;
+            uint32_t pairs[D / 2] = {0}; /* padding rows: zero queries, scores unused */
             const float *src = q + (int64_t)(t0 + r % m) * q_row_stride + (int64_t)(h * G + r / m) * D;
-            for (int p = 0; p < D / 2; p++)
-                dst[(int64_t)p * PANEL] = r >= ts->rows ? 0u : (uint32_t)to_bf16_1(src[2 * p]) |
-                                                         (uint32_t)to_bf16_1(src[2 * p + 1]) << 16;
+            for (int d = 0; r < ts->rows && d < D; d += 2 * LANES) { /* bfloat16-exact values */
+                const __m512i w = (__m512i)_mm512_cvtne2ps_pbh((__m512)load_vec(src + d + LANES),
+                                                               (__m512)load_vec(src + d));
+                memcpy(pairs + d / 2, &w, sizeof w);
+            }
+            for (int p = 0; p < D / 2; p++) dst[(int64_t)p * PANEL] = pairs[p];
         }
     else
 #endif
-    for (int r = 0; r < ts->ld; r++) {
+    for (int r = 0; r < packed; r++) {
         float *dst = ts->qt + (int64_t)(r / PANEL) * D * PANEL + r % PANEL;
         if (r >= ts->rows) { /* padding rows: zero queries, scores unused */
             for (int d = 0; d < D; d++) dst[(int64_t)d * PANEL] = 0.0f;
@@ -554,7 +560,7 @@ static void D_(direct_tiles)(const float *q, int64_t q_row_stride, const void *k
         for (int t0 = g0; t0 < g1 && nt < group; t0 += tile_tokens, nt++) {
             const int m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
             D_(tile_begin)(&tiles[nt], &b, nt, tile_rows, q, q_row_stride, t0, m, C + t0, C + t0 + m,
-                       h, G, bf16 == KV_BF16_PRODUCTS);
+                       h, G, bf16 == KV_BF16_PRODUCTS, 1);
         }
         D_(tiles_over_keys)(tiles, nt, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
         for (int t = 0; t < nt; t++) D_(tile_end)(&tiles[t], out, h, H, G);
@@ -562,60 +568,48 @@ static void D_(direct_tiles)(const float *q, int64_t q_row_stride, const void *k
 }
 
 /* Decode sequences b0 .. b0 + nb - 1 of kv head h as one tile (rows g * nb + b): the shared
- * keys (shared_slots) straight from the cache, in key blocks as above, then each sequence's own
- * tail keys (gathered into k_tail, v_tail; one small GEMM each for scores and values) folded
- * into its rows' running max, sum and output sums. buf: D_(direct_floats)(G * nb). */
+ * keys (shared_slots) straight from the cache, in key blocks as above; then each sequence's own
+ * tail keys the same way, through a second tile of its G rows (buffer slot 1), folded into its
+ * rows' running max, sum and output sums. buf: D_(direct_floats)(G * nb). */
 static void D_(direct_decode)(const float *q, int64_t q_row_stride, const void *k_cache,
                           const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
                           const int64_t *tail_slots, const int *tail_lens, int max_tail,
                           float *out, int b0, int nb, int h, int H, int KV, int G, float scale,
-                          float *buf, float *k_tail, float *v_tail, float *tail_scores,
-                          sgemm_fn sgemm) {
+                          float *buf) {
     enum { D = HD };
+    const int dot16 = bf16 == KV_BF16_PRODUCTS;
     const struct head_rows hr = D_(head_of)(k_cache, v_cache, bf16, shared_slots, h, KV);
     const struct direct_buf b = D_(direct_layout)(buf, G * nb);
-    struct tile_state ts;
-    D_(tile_begin)(&ts, &b, 0, G * nb, q, q_row_stride, b0, nb, shared, shared, h, G,
-               bf16 == KV_BF16_PRODUCTS);
+    struct tile_state ts, tail;
+    D_(tile_begin)(&ts, &b, 0, G * nb, q, q_row_stride, b0, nb, shared, shared, h, G, dot16, 1);
     D_(tiles_over_keys)(&ts, 1, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
-    const float one = 1.0f, zero = 0.0f;
-    int ld = D, g_rows = G, ldo = nb * D;
     for (int t = 0; t < nb; t++) {
-        int len = tail_lens[b0 + t];
-        const int64_t *slots = tail_slots + (int64_t)(b0 + t) * max_tail;
-        for (int j = 0; j < len; j++) {
-            const int64_t src = (slots[j] * KV + h) * D;
-            load_row(k_tail + (int64_t)j * D, k_cache, src, D, bf16);
-            load_row(v_tail + (int64_t)j * D, v_cache, src, D, bf16);
-        }
-        /* scores [G, len] (column-major [len, G]) = q rows of sequence b0 + t, K_tail^T */
-        sgemm("T", "N", &len, &g_rows, &ld, &one, k_tail, &ld,
-              q + (int64_t)(b0 + t) * q_row_stride + (int64_t)h * G * D, &ld, &zero,
-              tail_scores, &len);
-        for (int g = 0; g < G; g++) {
-            const int r = g * nb + t;
-            float *sc = tail_scores + (int64_t)g * len, *o = ts.o + (int64_t)r * D;
-            const float old = ts.max[r / LANES][r % LANES];
-            float mx = old;
-            for (int j = 0; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
-            vfloat x = {0};
-            x[0] = (old - mx) * scale;
-            const float alpha = exp_nonpositive(x)[0];
-            float sum = ts.sum[r / LANES][r % LANES] * alpha;
-            for (int d = 0; d < D; d++) o[d] *= alpha;
-            for (int j = 0; j < len; j += LANES) { /* the tail's weights, LANES at a time */
-                const int lanes = len - j < LANES ? len - j : LANES;
-                vfloat w = {0};
-                memcpy(&w, sc + j, (size_t)lanes * sizeof(float));
-                w = exp_nonpositive((w - mx) * scale);
-                for (int l = 0; l < lanes; l++) sum += w[l];
-                memcpy(sc + j, &w, (size_t)lanes * sizeof(float));
+        const int len = tail_lens[b0 + t];
+        const struct head_rows tr = D_(head_of)(k_cache, v_cache, bf16,
+                                                tail_slots + (int64_t)(b0 + t) * max_tail, h, KV);
+        D_(tile_begin)(&tail, &b, 1, G * nb, q, q_row_stride, b0 + t, 1, len, len, h, G, dot16,
+                       t == 0);
+        D_(tiles_over_keys)(&tail, 1, &tr, &b, k_cache, v_cache, bf16, KV, h, scale);
+        for (int g = 0; g < G; g++) { /* row r of the shared tile += row g of the tail's */
+            const int r = g * nb + t, v = r / LANES, l = r % LANES;
+            float *o = ts.o + (int64_t)r * D;
+            const float *o2 = tail.o + (int64_t)g * D;
+            const float m1 = ts.max[v][l], m2 = tail.max[g / LANES][g % LANES];
+            const float s2 = tail.sum[g / LANES][g % LANES];
+            if (shared == 0) { /* no shared keys: the tail's state is the row's */
+                memcpy(o, o2, D * sizeof(float));
+                ts.max[v][l] = m2, ts.sum[v][l] = s2;
+                continue;
             }
-            ts.max[r / LANES][r % LANES] = mx, ts.sum[r / LANES][r % LANES] = sum;
+            const float mx = m1 > m2 ? m1 : m2;
+            vfloat x = {0};
+            x[0] = (m1 - mx) * scale, x[1] = (m2 - mx) * scale;
+            x = exp_nonpositive(x);
+            const vfloat a1 = splat(x[0]), a2 = splat(x[1]);
+            for (int d = 0; d < D; d += LANES)
+                store_vec(o + d, load_vec(o + d) * a1 + load_vec(o2 + d) * a2);
+            ts.max[v][l] = mx, ts.sum[v][l] = ts.sum[v][l] * x[0] + s2 * x[1];
         }
-        /* output sums of its G rows (column-major [D, G], rows nb apart) += V_tail^T P^T */
-        sgemm("N", "N", &ld, &g_rows, &len, &one, v_tail, &ld, tail_scores, &len, &one,
-              ts.o + (int64_t)t * D, &ldo);
     }
     D_(tile_end)(&ts, out, h, H, G);
 }
