@@ -176,6 +176,7 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
 /* rows per PV register tile (PVR in direct_path.h): 6 at head_dim 64, 3 at 128 (24 vectors) */
 #define KEY_BLOCK 32    /* keys per online-softmax block */
 #define GROUP_TILES 4   /* tiles of one kv head that share each key block */
+#define PREFETCH_KEYS 64 /* how far ahead a key block's rows are prefetched */
 #define MAX_TILE_VECS 16 /* rows per tile on this path: at most 16 vectors (256 rows) */
 
 static inline int direct_applies(int D, int tile_rows) {

@@ -477,6 +477,21 @@ static void D_(tile_begin)(struct tile_state *ts, const struct direct_buf *b, in
     }
 }
 
+/* Start loading the K and V rows of the key block at b0 (if any: b0 < keys) of `size`-byte
+ * elements while the current one computes. A block's rows lie in the cache's pages wherever
+ * those are, one kv head's row every KV * HD elements: the hardware prefetchers miss most of
+ * them, and the register tiles' own prefetches (a few keys ahead) come too late for memory. */
+static inline __attribute__((always_inline)) void D_(prefetch_block)(const struct head_rows *hr,
+                                                                     int b0, int keys, int size) {
+    for (int j = b0; j < b0 + KEY_BLOCK && j < keys; j++) {
+        const int64_t offset = hr->slots[j] * hr->stride * size;
+        for (int c = 0; c < HD * size; c += 64) {
+            _mm_prefetch((const char *)hr->k + offset + c, _MM_HINT_T0);
+            _mm_prefetch((const char *)hr->v + offset + c, _MM_HINT_T0);
+        }
+    }
+}
+
 /* Every key block of kv head h (rows through hr) in turn through the nt tiles. */
 static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct head_rows *hr,
                             const struct direct_buf *b, const void *k_cache,
@@ -489,6 +504,7 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
     if (bf16 == KV_BF16_PRODUCTS) {
         for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
             const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
+            D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, 2);
             D_(pair_values)(hr, b0, block, b->v_pairs);
             for (int t = 0; t < nt; t++) {
                 struct tile_state *ts = &tiles[t];
@@ -505,6 +521,7 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
 #endif
     for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
         const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
+        D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, bf16 ? 2 : 4);
         if (bf16)
             for (int j = 0; j < block; j++) {
                 const int64_t src = (hr->slots[b0 + j] * KV + h) * D;
