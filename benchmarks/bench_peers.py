@@ -5,7 +5,9 @@ The workload of the issues' vLLM figures: 16 prompts = one 1,920-token prefix + 
 EOS ignored. Each configuration runs in its own process per engine (``--worker``), the engines
 alternating; each process warms up once and then runs ``--repeats`` repeats, and the table shows
 the median wall time of a repeat and the digest of all greedy outputs (equal digests: token for
-token the same answers).
+token the same answers). With the cache on, each process also times the same batch with one
+output token (fresh prefixes): the time to the first token, and from the rest the time of one
+decode step of the 16 sequences (the table's phases, and per shape our bfloat16 / float32 step).
 
 Shapes (random weights from a seed, written once under ``--models-dir`` as safetensors with a
 32,000-token tokenizer the workload never uses; ``smollm2`` is the built-in checkpoint):
@@ -285,11 +287,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{vllm['median_s'] if vllm else float('nan'):>8.2f} "
               f"{ours['median_s'] / vllm['median_s'] if vllm else float('nan'):>9.2f}  {same}")
         if "first_token_s" in ours:  # the phases: until the first token, then the decode steps
-            phases = [(e["first_token_s"], e["median_s"] - e["first_token_s"])
-                      for e in (ours, vllm) if e is not None]
-            text = ", ".join(f"{name} {a:.2f} + {b:.2f} s" for name, (a, b)
-                             in zip(("ours", "vLLM"), phases, strict=False))
-            print(f"{'':<26} first token + the other {MAX_TOKENS - 1} tokens: {text}")
+            text = ", ".join(f"{name} {e['first_token_s']:.2f} s + {1e3 * _step_s(e):.1f} ms"
+                             for name, e in (("ours", ours), ("vLLM", vllm)) if e is not None)
+            print(f"{'':<26} first token + each of the {MAX_TOKENS - 1} decode steps: {text}")
+    steps = {(row["shape"], row["dtype"]): _step_s(row["ours"]) for row in rows
+             if "ours" in row and "first_token_s" in row["ours"]}
+    for shape in dict.fromkeys(shape for shape, _ in steps):
+        if (shape, "float32") in steps and (shape, "bfloat16") in steps:
+            print(f"{shape:<10} decode step of {N_PROMPTS} sequences, ours: bfloat16 / float32 = "
+                  f"{steps[shape, 'bfloat16'] / steps[shape, 'float32']:.2f}")
+
+
+def _step_s(result: dict[str, Any]) -> float:
+    """One decode step of the batch: the time after the first token over the steps it took."""
+    return (result["median_s"] - result["first_token_s"]) / (MAX_TOKENS - 1)
 
 
 if __name__ == "__main__":
