@@ -147,14 +147,7 @@ def worker_prefill(model: str, dtype: str) -> None:
         start = time.perf_counter()
         llm.generate([prompt], params)
         times.append(time.perf_counter() - start)
-    config = llm.engine.config
-    tokens, layers, hidden = 2048, config.num_hidden_layers, config.hidden_size
-    q_dim = config.num_attention_heads * config.head_dim
-    kv_dim = config.num_key_value_heads * config.head_dim
-    per_token = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
-                          + 3 * hidden * config.intermediate_size)
-    attention = layers * 2 * tokens * tokens * q_dim  # QK^T and PV, causal half of 2 x 2
-    flops = 2 * per_token * tokens + attention + 2 * hidden * config.vocab_size  # one LM row
+    flops = forward_flops(_config(model), 2048, 0)
     torch_dtype = getattr(torch, dtype)
     a = torch.randn(4096, 4096, dtype=torch_dtype)
     b = torch.randn(4096, 4096, dtype=torch_dtype)
@@ -174,6 +167,31 @@ def worker_prefill(model: str, dtype: str) -> None:
     print("RESULT " + json.dumps({"prefill_s": statistics.median(times), "flops": flops,
                                   "prefill_gflops": rate / 1e9, "peak_gflops": peak / 1e9,
                                   "share_of_peak": rate / peak}), flush=True)
+
+
+def _config(model: str) -> dict[str, Any]:
+    return dict(json.loads((Path(model) / "config.json").read_text()))
+
+
+def forward_flops(config: dict[str, Any], new: int, cached: int) -> float:
+    """Multiply-adds x 2 of one sequence's forward pass over ``new`` tokens after ``cached``
+    ones: the projections and MLP of every new token, causal attention (QK^T and PV), and the
+    LM head for the last token only."""
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_dim = config["num_attention_heads"] * head_dim
+    kv_dim = config["num_key_value_heads"] * head_dim
+    per_token = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
+                          + 3 * hidden * config["intermediate_size"])
+    visible = new * cached + new * (new + 1) / 2  # keys seen, summed over the new tokens
+    return 2 * per_token * new + layers * 4 * q_dim * visible + 2 * hidden * config["vocab_size"]
+
+
+def first_token_flops(config: dict[str, Any]) -> float:
+    """The work until the first token of the workload: the first prompt whole (the others
+    wait for its prefix), then the other prompts' suffixes over the cached prefix."""
+    return (forward_flops(config, PREFIX + SUFFIX, 0)
+            + (N_PROMPTS - 1) * forward_flops(config, SUFFIX, PREFIX))
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -258,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                     sys.executable, ["prefill", model, dtype], env)})
                 print(json.dumps(rows[-1]), flush=True)
             for cache in args.cache.split(","):
-                row: dict[str, Any] = {"shape": shape, "dtype": dtype, "cache": cache}
+                row: dict[str, Any] = {"shape": shape, "dtype": dtype, "cache": cache,
+                                       "first_token_flops": first_token_flops(_config(model))}
                 order = engines if len(rows) % 2 == 0 else engines[::-1]  # alternate
                 for name, python in order:
                     row[name] = _run(python, [name, model, cache, dtype, str(args.repeats)], env)
@@ -270,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    peaks = {(row["shape"], row["dtype"]): row["prefill"]["peak_gflops"] * 1e9 for row in rows
+             if "prefill" in row}
     print(f"\n{'shape':<10} {'dtype':<9} {'cache':<5} {'ours s':>8} {'vLLM s':>8} "
           f"{'ours/vLLM':>9}  outputs")
     for row in rows:
@@ -287,9 +308,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{vllm['median_s'] if vllm else float('nan'):>8.2f} "
               f"{ours['median_s'] / vllm['median_s'] if vllm else float('nan'):>9.2f}  {same}")
         if "first_token_s" in ours:  # the phases: until the first token, then the decode steps
-            text = ", ".join(f"{name} {e['first_token_s']:.2f} s + {1e3 * _step_s(e):.1f} ms"
-                             for name, e in (("ours", ours), ("vLLM", vllm)) if e is not None)
-            print(f"{'':<26} first token + each of the {MAX_TOKENS - 1} decode steps: {text}")
+            peak = peaks.get((row["shape"], row["dtype"]))
+            for name, e in (("ours", ours), ("vLLM", vllm)):
+                if e is None:
+                    continue
+                rate = row["first_token_flops"] / e["first_token_s"]
+                share = f" = {100 * rate / peak:.0f}% of peak" if peak else ""
+                print(f"{'':<26} {name:<4} first token {e['first_token_s']:.2f} s "
+                      f"({rate / 1e9:.0f} GFLOP/s{share}), then {1e3 * _step_s(e):.1f} ms per "
+                      "decode step")
     steps = {(row["shape"], row["dtype"]): _step_s(row["ours"]) for row in rows
              if "ours" in row and "first_token_s" in row["ours"]}
     for shape in dict.fromkeys(shape for shape, _ in steps):
