@@ -188,8 +188,8 @@ PREFILL_PATHS = ("shared gather", "gather per kv head", "direct per kv head")
 def tile_tokens(num_heads: int, num_kv_heads: int) -> int:
     """New tokens per prefill tile for this shape: the largest power of two up to 128 whose G
     stacked query heads make at most `_TILE_ROWS` rows (at least one token), e.g. 32 at G = 3
-    or 4, 16 at G = 8, 128 without GQA. A fixed 32 left G = 16 off the direct path (512 rows)
-    and ran G = 1's register tiles half full."""
+    or 4, 16 at G = 8, 128 without GQA: up to G = 256 the tiles stay on the direct path, and
+    few query heads per kv head still fill its register tiles."""
     group, tokens = num_heads // num_kv_heads, 128
     while tokens > 1 and group * tokens > _TILE_ROWS:
         tokens //= 2
@@ -206,7 +206,7 @@ def prefill_path(
 ) -> str:
     """How `attend` splits a prefill of these sizes at the current thread count: one of
     `PREFILL_PATHS`: reading the cache straight in key blocks where an AVX-512 build has
-    head_dim 64 or 128 and at most 256 query rows per tile (8 query heads per kv head), cached
+    head_dim 64 or 128 and a tile's stacked query heads fit 256 rows (`tile_tokens`), cached
     context or not; else all kv heads gathered once for the team, or after a cache hit each
     thread gathering the head it works on where the threads divide the kv heads."""
     kernel = _kernel_or_raise()
