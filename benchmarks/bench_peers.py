@@ -78,9 +78,9 @@ def _result(times: list[float], outputs: list[list[int]], first: list[float]) ->
     """``first``: times of the same batch with one output token each (prefill and suffixes,
     no decode steps), measured with the cache on only."""
     digest = hashlib.sha1(json.dumps(outputs).encode()).hexdigest()
-    extra = {"first_token_s": statistics.median(first), "first_token_times_s": first}
-    if not first:
-        extra = {}
+    extra = {}
+    if first:
+        extra = {"first_token_s": statistics.median(first), "first_token_times_s": first}
     print("RESULT " + json.dumps({"median_s": statistics.median(times), "times_s": times,
                                   "outputs_sha1": digest, **extra}), flush=True)
 
