@@ -114,3 +114,19 @@ def test_the_server_opts_in_to_keeping_freed_memory(flags: list[str], tuned: str
         [sys.executable, "-c", code, *flags], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == tuned
+
+
+def test_kv_cache_space_flag_sizes_the_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for text, expected in (("4G", 4 << 30), ("512MiB", 512 << 20), ("1048576", 1 << 20)):
+        args = parser.parse_args(["--kv-cache-memory-bytes", text])
+        assert EngineConfig.from_args(args).kv_memory_bytes == expected
+    assert EngineConfig.from_args(parser.parse_args([])).kv_memory_bytes == 256 << 20
+    small = EngineConfig.from_args(parser.parse_args(["--kv-cache-memory-bytes", "64K"]))
+    assert LLMEngine(config=small).limits.num_kv_blocks < LLMEngine(config=dataclasses.replace(
+        small, kv_memory_bytes=1 << 20)).limits.num_kv_blocks
+    for bad in ("0", "-1G", "lots", "inf", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args([f"--kv-cache-memory-bytes={bad}"])
+        assert "not a size in bytes" in capsys.readouterr().err

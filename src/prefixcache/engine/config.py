@@ -128,6 +128,7 @@ class EngineConfig:
             enable_prefix_caching=not args.no_prefix_cache,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
+            kv_memory_bytes=getattr(args, "kv_cache_memory_bytes", None) or DEFAULT_KV_MEMORY_BYTES,
             hash_algo=args.hash_algo,
             eviction_policy=args.eviction_policy,
             zero_on_reuse=args.zero_on_reuse,
@@ -138,6 +139,24 @@ class EngineConfig:
             default_domain_limits=default_domain_limits,
             logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
         )
+
+
+_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def memory_bytes(text: str) -> int:
+    """``4G``, ``512M``, ``64K`` (binary units, an optional trailing ``iB`` or ``B``) or plain
+    bytes, >= 1; for argparse."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = _SUFFIXES.get(value[-1:], 1)
+    number = value[:-1] if scale > 1 else value
+    try:
+        result = int(float(number) * scale) if number else 0
+    except (ValueError, OverflowError):
+        result = 0
+    if result < 1:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4G, 512M)")
+    return result
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
@@ -151,6 +170,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=memory_bytes, default=None,
+                        help="KV cache space when --num-kv-blocks is not given, in bytes or "
+                             "with a binary suffix: 4G, 512M (default 256M)")
     parser.add_argument("--hash-algo", default="sha256", choices=sorted(HASH_ALGOS),
                         help="block digest (xxh3_128: fast, not collision-resistant)")
     parser.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
