@@ -367,9 +367,9 @@ int pc_attention_path(int T, int S, int H, int KV, int D, int tile_tokens, int n
     return S - T >= T && local_heads(KV, nthreads);
 }
 
-/* Floats of scratch `pc_decode` needs: shared K and V per kv head (or per thread, whichever is
- * more), then per thread the stacked queries and outputs of one chunk, its scores, and one
- * tail's K and V. */
+/* Floats of scratch `pc_decode` needs: on the direct path each thread's tiles only; otherwise
+ * shared K and V per kv head (or per thread, whichever is more), then per thread the stacked
+ * queries and outputs of one chunk, its scores, and one tail's K and V. */
 static inline int decode_direct(int G, int D, int chunk) { return direct_applies(D, G * chunk); }
 
 static int64_t decode_thread_floats(int shared, int max_tail, int G, int D, int chunk) {
