@@ -45,14 +45,21 @@ def native_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
 
 @pytest.fixture
 def gemm_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Force the start-up choice between MKL's packed GEMM and oneDNN's (per test): a model
-    loaded after ``gemm_library("mkl")`` or ``("onednn")`` packs its projections that way. The
-    choice is otherwise a timing, which on a tiny shape may go either way."""
-    from prefixcache.model import onednn_gemm
+    """Force the start-up choice of GEMM (per test): a model loaded after
+    ``gemm_library("mkl")``, ``("onednn")`` or ``("panel")`` packs its projections for MKL's
+    packed GEMM, oneDNN's or the panel GEMM (`model.panel_gemm`). The choice is otherwise a
+    timing, which on a tiny shape may go either way."""
+    from prefixcache.model import onednn_gemm, panel_gemm
+
+    def clear() -> None:
+        onednn_gemm.prefer_onednn.cache_clear()
+        panel_gemm.prefer_panel.cache_clear()
 
     def force(name: str) -> None:
+        assert name in ("mkl", "onednn", "panel")
         monkeypatch.setenv("PREFIXCACHE_ONEDNN_LINEAR", "1" if name == "onednn" else "0")
-        onednn_gemm.prefer_onednn.cache_clear()
+        monkeypatch.setenv("PREFIXCACHE_PANEL_GEMM", "1" if name == "panel" else "0")
+        clear()
 
     yield force
-    onednn_gemm.prefer_onednn.cache_clear()
+    clear()

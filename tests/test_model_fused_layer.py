@@ -10,22 +10,28 @@ import torch
 
 from native_support import require_native_layers
 from prefixcache.attention import AttentionMetadata, PagedKVCache
-from prefixcache.model import decoder, native_layers, packed_gemm, tuning
+from prefixcache.model import decoder, native_layers, packed_gemm, panel_gemm, tuning
 from prefixcache.model.config import ModelConfig, RopeConfig
 from prefixcache.model.fused_layers import FusedLayers
 
 BLOCK = 16
 
 
-@pytest.fixture(autouse=True)
-def _native(gemm_library) -> None:  # noqa: ANN001 - conftest's fixture
+@pytest.fixture(autouse=True, params=["mkl", "panel"])
+def _native(request: pytest.FixtureRequest, gemm_library) -> None:  # noqa: ANN001
+    """Each test over MKL-packed weights and over the panel GEMM's (the two the fused steps
+    multiply through)."""
     require_native_layers()
-    if not packed_gemm.available():
+    if request.param == "mkl" and not packed_gemm.available():
         pytest.skip("packed GEMM (MKL) is not available here")
-    gemm_library("mkl")  # the fused steps run over MKL-packed weights
+    if request.param == "panel" and not panel_gemm.available():
+        pytest.skip("the panel GEMM does not run here")
+    gemm_library(request.param)
 
 
-def _model(qkv_bias: bool, qk_norm: bool = False) -> decoder.CausalLM:
+def _model(
+    qkv_bias: bool, qk_norm: bool = False, dtype: torch.dtype = torch.float32
+) -> decoder.CausalLM:
     config = ModelConfig(
         architecture="Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM",
         vocab_size=97,
@@ -46,7 +52,7 @@ def _model(qkv_bias: bool, qk_norm: bool = False) -> decoder.CausalLM:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    model.prepare_cpu_projections()
+    model.to(dtype).prepare_cpu_projections()
     return model
 
 
@@ -63,8 +69,8 @@ def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch
         return result
 
     monkeypatch.setattr(decoder.FusedLayers, "prepare", record)
-    c = model.config
-    cache = PagedKVCache(c.num_hidden_layers, 12, BLOCK, c.num_key_value_heads, c.head_dim)
+    c, dtype = model.config, model.lm_head.weight.dtype
+    cache = PagedKVCache(c.num_hidden_layers, 12, BLOCK, c.num_key_value_heads, c.head_dim, dtype)
     tables = [[7, 2, 9, 4, 0], [5, 11, 3]]
     ids = torch.randint(0, c.vocab_size, (80,), generator=torch.Generator().manual_seed(1))
 
@@ -78,14 +84,28 @@ def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch
     out.append(step(tables, [70, 9], [1, 1], ids[[79, 0]]))
     out.append(step(tables, [71, 10], [1, 5], ids[:6]))  # a decode and a chunk together
     monkeypatch.undo()
-    # one call per layer for one sequence's prefill, two around paged_attention otherwise
-    assert calls == ([True, True, True, False, False] if fused else [None] * 5)
+    # one call per layer for one sequence's prefill (float32), two around paged_attention
+    # otherwise
+    one_call = [dtype == torch.float32] * 3
+    assert calls == ([*one_call, False, False] if fused else [None] * 5)
     return out
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_fused_steps_give_the_same_bits(qkv_bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(qkv_bias)
+    fused, plain = _steps(model, True, monkeypatch), _steps(model, False, monkeypatch)
+    for a, b in zip(fused, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("_native", ["panel"], indirect=True)  # MKL has no bfloat16 GEMM
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_bfloat16_fused_steps_give_the_same_bits(
+    qkv_bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bfloat16: two calls per layer around the attention, over the panel GEMM's weights
+    model = _model(qkv_bias, dtype=torch.bfloat16)
     fused, plain = _steps(model, True, monkeypatch), _steps(model, False, monkeypatch)
     for a, b in zip(fused, plain, strict=True):
         assert torch.equal(a, b)

@@ -100,13 +100,15 @@ def test_onednn_prepacked_projections_agree_with_unpacked(gemm_library) -> None:
     assert proj.onednn is None
 
 
-def test_bfloat16_projections_are_prepacked_and_give_the_same_bits() -> None:
-    # no MKL path in bfloat16: oneDNN's prepacked weight always, the same products F.linear
-    # computes (it calls oneDNN too), so the logits are bit for bit those of the plain model
+def test_bfloat16_projections_are_prepacked_and_give_the_same_bits(gemm_library) -> None:
+    # no MKL path in bfloat16: oneDNN's prepacked weight (where the panel GEMM is not chosen),
+    # the same products F.linear computes (it calls oneDNN too), so the logits are bit for bit
+    # those of the plain model
     from prefixcache.model import onednn_gemm
 
     if not onednn_gemm.available(torch.bfloat16):
         pytest.skip("oneDNN's prepacked bfloat16 linear does not run here")
+    gemm_library("onednn")
     packed = load_model("tiny", "bfloat16")
     plain = load_model("tiny", "bfloat16", pack_weights=False)
     projections = [*packed.model.projections(), packed.model.lm_head]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from native_support import require_native_attention, require_native_layers
 from prefixcache import native
 from prefixcache.attention import native_attention
-from prefixcache.model import native_layers
+from prefixcache.model import native_layers, panel_gemm
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def without_avx512(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     flags = native.compile_flags()
     monkeypatch.setattr(native, "compile_flags", lambda: [*flags, "-mno-avx512f"])
     caches = [native_layers._library, native_layers.available, native_attention._kernel]
-    caches.append(native_attention.available)
+    caches += [native_attention.available, panel_gemm._library, panel_gemm.available]
     for cached in caches:
         cached.cache_clear()
     yield
@@ -54,6 +54,9 @@ def test_portable_vector_code_passes_the_probes() -> None:
     gate_up = torch.tensor([[-200.0, -20.0, 0.0, 30.0, 1.0, 2.0, 3.0, 4.0]])
     gate, up = gate_up.split(4, dim=-1)
     torch.testing.assert_close(native_layers.silu_mul(gate_up), F.silu(gate) * up)
+    # the panel GEMM's plain loops read the same packed layout (never chosen: not vectorised)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert panel_gemm.available(dtype) and not panel_gemm.vectorised(dtype)
 
 
 def test_build_is_cached_by_its_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

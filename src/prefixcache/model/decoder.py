@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
-from prefixcache.model import native_layers, onednn_gemm, packed_gemm, tuning
+from prefixcache.model import native_layers, onednn_gemm, packed_gemm, panel_gemm, tuning
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.fused_layers import FusedLayers
 from prefixcache.model.onednn_gemm import OneDnnWeight
 from prefixcache.model.packed_gemm import PackedWeight
+from prefixcache.model.panel_gemm import PanelWeight
 from prefixcache.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["CausalLM", "RMSNorm"]
@@ -70,11 +71,11 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 class Projection(nn.Linear):
     """``nn.Linear`` that can also multiply through a packed copy of its weight.
 
-    ``pack()`` (CPU) keeps a packed copy next to the parameter: a float32 weight MKL's
-    `PackedWeight` or oneDNN's, a bfloat16 weight oneDNN's (bfloat16 products, float32
-    accumulation: the same bits as ``F.linear``, and no slower at any row count measured:
-    docs/performance.md). Forward then uses
-    it for 2-D input of the weight's dtype and any row count. Same parameters and state dict as
+    ``pack()`` (CPU) keeps a packed copy next to the parameter: the package's own panel GEMM's
+    (`panel_gemm`, float32 or bfloat16) where a start-up timing finds it no slower, else for a
+    float32 weight MKL's `PackedWeight` or oneDNN's, for a bfloat16 weight oneDNN's (bfloat16
+    products, float32 accumulation: the same bits as ``F.linear``). Forward then uses it for
+    2-D input of the weight's dtype and any row count. Same parameters and state dict as
     ``nn.Linear``; the packed copy is dropped, never used stale, once the weight is replaced or
     modified in place.
     """
@@ -83,17 +84,21 @@ class Projection(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.packed: PackedWeight | None = None
         self.onednn: OneDnnWeight | None = None
+        self.panel: PanelWeight | None = None
         self._packed_from = (0, -1)  # (data_ptr, version) of the weight that was packed
 
-    def pack(self, enable: bool = True, onednn: bool = False) -> bool:
-        """Keep a packed copy of the current weight (or drop it): for float32 MKL's, or with
-        ``onednn`` oneDNN's (`onednn_gemm`); for bfloat16 always oneDNN's. False where none
-        applies (not a float32 or bfloat16 CPU weight, or the library is missing)."""
-        self.packed = self.onednn = None
+    def pack(self, enable: bool = True, onednn: bool = False, panel: bool = False) -> bool:
+        """Keep a packed copy of the current weight (or drop it): with ``panel`` the panel
+        GEMM's (`panel_gemm`), else for float32 MKL's or, with ``onednn``, oneDNN's
+        (`onednn_gemm`), for bfloat16 oneDNN's. False where none applies (not a float32 or
+        bfloat16 CPU weight, or the library is missing)."""
+        self.packed = self.onednn = self.panel = None
         weight, dtype = self.weight, self.weight.dtype
         if not enable or weight.device.type != "cpu" or dtype not in _PACKED_DTYPES:
             return False
-        if (onednn or dtype == torch.bfloat16) and onednn_gemm.available(dtype):
+        if panel and panel_gemm.available(dtype):
+            self.panel = PanelWeight.pack(weight)
+        elif (onednn or dtype == torch.bfloat16) and onednn_gemm.available(dtype):
             self.onednn = OneDnnWeight.pack(weight)
         elif dtype == torch.float32 and packed_gemm.available():
             self.packed = PackedWeight.pack(weight)
@@ -104,18 +109,24 @@ class Projection(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            packed = self.current_packed()  # also drops a stale oneDNN copy
+            packed = self.current_packed()  # also drops a stale panel or oneDNN copy
             if packed is not None:
                 return packed.matmul(x, self.bias)
-            if self.onednn is not None:
-                return self.onednn.matmul(x, self.bias)
+            copy = self.panel or self.onednn
+            if copy is not None:
+                return copy.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def current_packed(self) -> PackedWeight | None:
         """The MKL-packed copy if it still holds the current weight, else None (and dropped)."""
         if not self._is_current():
-            self.packed = self.onednn = None  # the weight changed: never use a stale copy
+            self.packed = self.onednn = self.panel = None  # the weight changed: never stale
         return self.packed
+
+    def current_panel(self) -> PanelWeight | None:
+        """The panel GEMM's copy if it still holds the current weight, else None (and dropped)."""
+        self.current_packed()
+        return self.panel
 
     def _is_current(self) -> bool:
         return self._packed_from == (self.weight.data_ptr(), self.weight._version)
@@ -260,22 +271,26 @@ class CausalLM(nn.Module):
         Each float32 weight [out, in] becomes a view of its contiguous transpose [in, out], so
         that ``x @ W^T`` hands sgemm an untransposed right operand (same values, shapes and
         names); that is the layout ``F.linear`` uses where packed GEMM is off or unavailable.
-        With ``pack``, each also keeps a packed copy, which is faster still (float32: MKL's or,
-        where a start-up timing finds it faster, oneDNN's; bfloat16: oneDNN's); so does the LM
-        head (its weight left as it is: it may be the embedding's).
+        With ``pack``, each also keeps a packed copy, which is faster still: the panel GEMM's
+        where a start-up timing on the model's MLP shape finds it no slower than the library
+        otherwise used (`panel_gemm.prefer_panel`), else for float32 MKL's or, where a timing
+        finds it faster, oneDNN's, for bfloat16 oneDNN's; so does the LM head (its weight left
+        as it is: it may be the embedding's).
         """
         mlp = self.model.layers[0].mlp.gate_up_proj if self.model.layers else None
-        onednn = (pack and mlp is not None and mlp.weight.device.type == "cpu"
-                  and mlp.weight.dtype == torch.float32
+        cpu = pack and mlp is not None and mlp.weight.device.type == "cpu"
+        onednn = (cpu and mlp.weight.dtype == torch.float32
                   and onednn_gemm.prefer_onednn(mlp.in_features, mlp.out_features))
+        panel = (cpu and mlp.weight.dtype in _PACKED_DTYPES and panel_gemm.prefer_panel(
+            mlp.in_features, mlp.out_features, mlp.weight.dtype, onednn))
         for linear in self.projections():
             weight = linear.weight
             if weight.device.type != "cpu":
                 continue
             if weight.dtype == torch.float32 and weight.is_contiguous():
                 weight.data = weight.data.t().contiguous().t()
-            linear.pack(pack, onednn)
-        self.lm_head.pack(pack, onednn)
+            linear.pack(pack, onednn, panel)
+        self.lm_head.pack(pack, onednn, panel)
 
     def init_rotary(self) -> None:
         """Build rotary tables on the parameters' device (call after weights are in place)."""

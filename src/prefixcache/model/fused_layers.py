@@ -1,4 +1,5 @@
-"""The decoder's layers as compiled calls for one step (CPU, float32, packed weights).
+"""The decoder's layers as compiled calls for one step (CPU, float32, packed weights: MKL's or
+the panel GEMM's).
 
 Between two compiled calls the decoder would run 50-100 Python operations (checks, allocations,
 ctypes), and right after a GEMM has streamed megabytes of weights through the caches each of them
@@ -10,8 +11,8 @@ write, the attention kernel, o projection, add + norm, MLP) when the step is one
 prefill through the attention kernel, else two calls (`pc_layer_inputs`, `pc_layer_outputs`)
 around `paged_attention` (batches of sequences, decode, the torch attention paths); each takes
 the layer's `LayerArgs`, a C struct filled once per step. The operations, their order and the
-GEMMs (MKL's packed compute, called from C) are those of the separate steps, so the logits are
-the same bits. Figures: docs/performance.md.
+GEMMs (MKL's packed compute or the panel GEMM's, called from C) are those of the separate steps,
+so the logits are the same bits. Figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention, paged_attention
 from prefixcache.attention.plan import attention_plan
-from prefixcache.model import native_layers, packed_gemm, tuning
+from prefixcache.model import native_layers, packed_gemm, panel_gemm, tuning
 from prefixcache.model.packed_gemm import PackedWeight
+from prefixcache.model.panel_gemm import PanelWeight
 
 if TYPE_CHECKING:
     from prefixcache.model.decoder import CausalLM, DecoderLayer, RMSNorm
@@ -75,6 +77,9 @@ class FusedLayers:
         self._kv_cache, self._metadata, self._buffers = kv_cache, metadata, buffers
         self._attention = attention  # its slots and scratch: kept alive with the addresses
         self._addresses = [ctypes.addressof(a) for a in args]
+        suffix = "_bf16" if buffers["x"].dtype == torch.bfloat16 else ""
+        self._inputs = getattr(library, "pc_layer_inputs" + suffix)
+        self._outputs = getattr(library, "pc_layer_outputs" + suffix)
 
     @property
     def one_call_per_layer(self) -> bool:
@@ -91,7 +96,8 @@ class FusedLayers:
         metadata: AttentionMetadata,
     ) -> FusedLayers | None:
         """Check the step and fill each layer's arguments; None where the calls do not apply
-        (not float32 on the CPU, no packed weights or native layers, q/k norm, an empty step)."""
+        (not float32 or bfloat16 on the CPU, no packed weights of a kind the calls multiply
+        through, no native layers, q/k norm, an empty step)."""
         c = model.config
         library = native_layers.library()
         if (
@@ -100,13 +106,16 @@ class FusedLayers:
             or h.dim() != 2
             or not h.is_contiguous()
             or h.shape[0] == 0
-            or h.dtype != torch.float32
+            or h.dtype not in (torch.float32, torch.bfloat16)
             or not native_layers.applies(h)
         ):
             return None
         layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
-        parts = [_layer_parts(layer) for layer in layers]
+        parts = [_layer_parts(layer, h.dtype) for layer in layers]
         if any(p is None for p in parts):
+            return None
+        gemm = _gemm_address(parts)  # type: ignore[arg-type]
+        if gemm is None:
             return None
         _check_step(model, h, cos_sin, kv_cache, metadata, parts)  # type: ignore[arg-type]
         rows, heads, kv_heads, head_dim = (
@@ -122,11 +131,13 @@ class FusedLayers:
             "act": h.new_empty(chunk, c.intermediate_size),
             "attn": h.new_empty(rows, heads, head_dim),
         }
-        attention = _one_sequence_prefill(
-            buffers["qkv"][:, :heads], kv_cache, metadata, buffers["attn"]
-        )
+        attention = None  # the attention kernel inside the call: float32 only
+        if h.dtype == torch.float32:
+            attention = _one_sequence_prefill(
+                buffers["qkv"][:, :heads], kv_cache, metadata, buffers["attn"]
+            )
         template = LayerArgs(
-            gemm=packed_gemm.compute_address(), h=h.data_ptr(), eps=parts[0].norm.eps,  # type: ignore[union-attr]
+            gemm=gemm, h=h.data_ptr(), eps=parts[0].norm.eps,  # type: ignore[union-attr]
             rows=rows, hidden=c.hidden_size, H=heads, KV=kv_heads, D=head_dim,
             I=c.intermediate_size, chunk=chunk, nthreads=torch.get_num_threads(),
             cos=cos_sin[0].data_ptr(), signed_sin=cos_sin[1].data_ptr(),
@@ -158,36 +169,53 @@ class FusedLayers:
         if self._attention is not None:
             self._library.pc_layer(address)
             return buffers["out"]
-        self._library.pc_layer_inputs(address)
+        self._inputs(address)
         qkv, attn = buffers["qkv"], self._layers[i].self_attn
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         k_cache, v_cache = self._kv_cache.layer(i)
         attended = paged_attention(q, k, v, k_cache, v_cache, self._metadata, attn.scale)
         attended = attended.reshape(qkv.shape[0], attn.q_size).contiguous()
-        self._library.pc_layer_outputs(address, attended.data_ptr())
+        self._outputs(address, attended.data_ptr())
         return buffers["out"]
 
 
 class _Parts(NamedTuple):
     """What the calls read from one layer, looked up once (module attributes are slow)."""
 
-    packed: list[PackedWeight]  # qkv, o, gate/up, down
+    packed: list[PackedWeight] | list[PanelWeight]  # qkv, o, gate/up, down
     norm: RMSNorm
     post_norm: RMSNorm
     qkv_bias: torch.Tensor | None
     scale: float
 
 
-def _layer_parts(layer: DecoderLayer) -> _Parts | None:
-    """The layer's parts, or None if a projection has no packed weight (or a stale one)."""
+def _layer_parts(layer: DecoderLayer, dtype: torch.dtype) -> _Parts | None:
+    """The layer's parts, or None unless all four projections have a current packed copy of one
+    kind that the compiled calls multiply through for ``dtype`` (float32: MKL's or the panel
+    GEMM's; bfloat16: the panel GEMM's)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = attn.qkv_proj
-    packed = [p.current_packed() for p in (qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    projections = (qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    packed: list[PackedWeight] | list[PanelWeight] = [p.current_packed() for p in projections]
     if any(p is None for p in packed):
-        return None
+        packed = [p.current_panel() for p in projections]
+        if any(p is None or p.dtype != dtype for p in packed):
+            return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return _Parts(packed, *norms, qkv.bias, attn.scale)  # type: ignore[arg-type]
+
+
+def _gemm_address(parts: list[_Parts]) -> int | None:
+    """The C GEMM that multiplies every layer's float32 packed weights (0 for bfloat16: the
+    bfloat16 calls call the panel GEMM themselves), or None if the kinds differ."""
+    kinds = {type(w) for p in parts for w in p.packed}
+    if kinds == {PackedWeight}:
+        return packed_gemm.compute_address()
+    if kinds == {PanelWeight}:
+        bf16 = parts[0].packed[0].buffer.dtype == torch.bfloat16
+        return 0 if bf16 else panel_gemm.compute_address()
+    return None
 
 
 def _one_sequence_prefill(
@@ -215,7 +243,7 @@ def _check_step(
     parts: list[_Parts],
 ) -> None:
     """What the compiled calls read through raw pointers, checked once for all layers."""
-    c = model.config
+    c, dtype = model.config, h.dtype
     rows, hidden, head_dim = h.shape[0], c.hidden_size, c.head_dim
     heads, kv_heads, inter = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
     width, q_size = (heads + 2 * kv_heads) * head_dim, heads * head_dim
@@ -227,12 +255,12 @@ def _check_step(
     slots = metadata.slot_mapping
     ok = (
         h.shape[1] == hidden
-        and h.dtype == torch.float32
+        and all(w.dtype == dtype for p in parts for w in p.packed)
         and all(t.shape == (rows, 1, head_dim) and t.is_contiguous() for t in cos_sin)
-        and all(t.dtype == torch.float32 and t.is_cpu for t in cos_sin)
+        and all(t.dtype == dtype and t.is_cpu for t in cos_sin)
         and kv_cache.num_layers == len(parts)
         and all(
-            t.shape == cache_shape and t.is_contiguous() and t.dtype == torch.float32 and t.is_cpu
+            t.shape == cache_shape and t.is_contiguous() and t.dtype == dtype and t.is_cpu
             for t in caches
         )
         and slots.shape == (rows,)
@@ -240,12 +268,12 @@ def _check_step(
         and slots.is_contiguous()
         and all([(w.in_features, w.out_features) for w in p.packed] == shapes for p in parts)
         and all(
-            w.shape == (hidden,) and w.is_contiguous() and w.dtype == torch.float32
+            w.shape == (hidden,) and w.is_contiguous() and w.dtype == dtype
             for w in (n.weight for n in norms)
         )
         and all(n.eps == eps for n in norms)
         and all(
-            b is None or (b.shape == (width,) and b.is_contiguous() and b.dtype == torch.float32)
+            b is None or (b.shape == (width,) and b.is_contiguous() and b.dtype == dtype)
             for b in (p.qkv_bias for p in parts)
         )
     )

@@ -11,7 +11,8 @@ float32 and round to bfloat16 where torch's bfloat16 code does (the residual sum
 value before the weight, each product and sum of the rotary).
 
 The library also runs a whole layer as one call (`pc_layer`) or two around the attention
-(`pc_layer_inputs`, `pc_layer_outputs`), for `prefixcache.model.fused_layers`.
+(`pc_layer_inputs`, `pc_layer_outputs`, and their bfloat16 versions), for
+`prefixcache.model.fused_layers`, and holds the panel GEMM (`prefixcache.model.panel_gemm`).
 
 `available()` is False, and the decoder keeps its torch code, where there is no C compiler, the
 build or a one-time probe against torch fails, or ``PREFIXCACHE_NATIVE_LAYERS=0``;
@@ -76,12 +77,14 @@ def _library() -> ctypes.CDLL | None:
         for name in ("pc_add_rms_norm", "pc_silu_mul", "pc_rotary"):
             getattr(library, name + suffix).restype = None
     library.pc_layer.argtypes = [_P]  # a struct layer_args (`fused_layers.LayerArgs`)
-    library.pc_layer_inputs.argtypes = [_P]
-    library.pc_layer_outputs.argtypes = [_P, _P]
+    library.pc_layer_inputs.argtypes = library.pc_layer_inputs_bf16.argtypes = [_P]
+    library.pc_layer_outputs.argtypes = library.pc_layer_outputs_bf16.argtypes = [_P, _P]
     for function in (
         library.pc_layer,
         library.pc_layer_inputs,
         library.pc_layer_outputs,
+        library.pc_layer_inputs_bf16,
+        library.pc_layer_outputs_bf16,
     ):
         function.restype = None
     return library

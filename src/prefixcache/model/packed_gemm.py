@@ -102,6 +102,11 @@ class PackedWeight:
         )  # fmt: skip
         return cls(buffer, out_features, in_features)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it multiplies (float32 only)."""
+        return torch.float32
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] float32 CPU -> [rows, out] = x @ weight^T (+ bias)."""
         # MKL reads raw pointers: a wrong dtype or width would read out of bounds, not fail

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "panel_gemm.h"
 #include "vector_math.h"
 
 /* e^x, x clamped to [-87, 88] */
@@ -320,4 +321,51 @@ void pc_layer(const struct layer_args *a) {
                  a->attn, a->scratch, a->rows, a->S, a->H, a->KV, a->D, a->scale, a->tile_tokens,
                  a->nthreads, a->sgemm, a->set_threads);
     pc_layer_outputs(a, a->attn);
+}
+
+/* ---- The two calls in bfloat16 -----------------------------------------------------------
+ *
+ * The same steps on a bfloat16 model whose projections are packed for the panel GEMM: the
+ * layer_args pointers then hold bfloat16 arrays (the weights pc_panel_pack_bf16's), `gemm` is
+ * unused. Each step is the one the separate calls run (pc_add_rms_norm_bf16, pc_panel_gemm_bf16,
+ * pc_rotary_bf16, pc_silu_mul_bf16), in the same order: the same bits. */
+
+static void project_bf16(const bf16_t *x, int rows, int k, const void *w, int n,
+                         const bf16_t *bias, bf16_t *out, int nthreads) {
+    pc_panel_gemm_bf16(x, k, rows, k, (const bf16_t *)w, n, bias, out, n, nthreads);
+}
+
+void pc_layer_inputs_bf16(const struct layer_args *a) {
+    const int rows = a->rows, H = a->H, KV = a->KV, D = a->D, width = (H + 2 * KV) * D;
+    const size_t kv_bytes = (size_t)KV * D * sizeof(bf16_t);
+    bf16_t *h = (bf16_t *)a->h, *x = (bf16_t *)a->x, *qkv = (bf16_t *)a->qkv;
+    bf16_t *k_cache = (bf16_t *)a->k_cache, *v_cache = (bf16_t *)a->v_cache;
+    pc_add_rms_norm_bf16(h, (const bf16_t *)a->delta, (const bf16_t *)a->norm_w, x, rows,
+                         a->hidden, a->eps, a->nthreads);
+    project_bf16(x, rows, a->hidden, a->w_qkv, width, (const bf16_t *)a->qkv_bias, qkv,
+                 a->nthreads);
+    pc_rotary_bf16(qkv, width, rows, H + KV, D, (const bf16_t *)a->cos,
+                   (const bf16_t *)a->signed_sin, a->nthreads);
+#pragma omp parallel for num_threads(a->nthreads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const bf16_t *k = qkv + (int64_t)r * width + (int64_t)H * D;
+        memcpy(k_cache + a->slot_mapping[r] * KV * D, k, kv_bytes);
+        memcpy(v_cache + a->slot_mapping[r] * KV * D, k + (int64_t)KV * D, kv_bytes);
+    }
+}
+
+void pc_layer_outputs_bf16(const struct layer_args *a, const bf16_t *attended) {
+    const int rows = a->rows, hidden = a->hidden, I = a->I, chunk = a->chunk;
+    bf16_t *h = (bf16_t *)a->h, *x = (bf16_t *)a->x, *o = (bf16_t *)a->o;
+    bf16_t *gate_up = (bf16_t *)a->gate_up, *act = (bf16_t *)a->act, *out = (bf16_t *)a->out;
+    project_bf16(attended, rows, a->H * a->D, a->w_o, hidden, NULL, o, a->nthreads);
+    pc_add_rms_norm_bf16(h, o, (const bf16_t *)a->post_norm_w, x, rows, hidden, a->eps,
+                         a->nthreads);
+    for (int r0 = 0; r0 < rows; r0 += chunk) {
+        const int m = rows - r0 < chunk ? rows - r0 : chunk;
+        project_bf16(x + (int64_t)r0 * hidden, m, hidden, a->w_gate_up, 2 * I, NULL, gate_up,
+                     a->nthreads);
+        pc_silu_mul_bf16(gate_up, act, m, I, a->nthreads);
+        project_bf16(act, m, I, a->w_down, hidden, NULL, out + (int64_t)r0 * hidden, a->nthreads);
+    }
 }

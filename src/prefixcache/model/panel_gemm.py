@@ -1,0 +1,207 @@
+"""Projection weights packed into column panels for the package's own GEMM (CPU, float32 or
+bfloat16), and whether it beats the libraries on the model's shape, measured at start-up.
+
+A decode step multiplies a few rows by every weight of the model: the weights stream from
+memory once per step, and the GEMM libraries' small-row kernels keep neither the memory nor the
+FMA units busy while they do (oneDNN's and MKL's, on the 2-core AMD machine of
+docs/performance.md). `prefixcache/native/panel_gemm.h` (compiled into the layers library) lays
+each weight out once as panels of 48 output columns that stay in L2 while every 8-row tile of
+the input goes through them, prefetching the weight stream ahead of the first tile; in bfloat16
+it multiplies pairs with ``vdpbf16ps`` (float32 sums, one rounding at the end). Each output
+value is the same sequence of operations whatever the row or thread count, so a row's result
+does not depend on the batch it is in.
+
+`prefer_panel` times it against the library the model would use otherwise (at 16 and 128 rows
+on one projection of the model, once per shape and process) and keeps that library only where it
+is clearly faster; ``PREFIXCACHE_PANEL_GEMM=1`` or ``=0`` forces the choice. Where the
+CPU lacks AVX-512 (float32) or AVX512_BF16 (bfloat16) the kernels are plain loops and never
+chosen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefixcache.model import native_layers, onednn_gemm, packed_gemm
+
+__all__ = ["PanelWeight", "available", "compute_address", "prefer_panel", "vectorised"]
+
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_DTYPES = (torch.float32, torch.bfloat16)
+# The other library must be this much faster to be kept (timing noise; in float32 the panel GEMM
+# also lets the compiled whole-layer steps run).
+MIN_SPEEDUP = 1.1
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = native_layers.library()
+    if library is None:
+        return None
+    library.pc_panel_isa.restype = _I
+    library.pc_panel_isa.argtypes = []
+    library.pc_panel_size.restype = _I64
+    library.pc_panel_size.argtypes = [_I, _I]
+    for name in ("pc_panel_pack", "pc_panel_pack_bf16"):
+        getattr(library, name).restype = None
+        getattr(library, name).argtypes = [_P, _I, _I, _P]
+    library.pc_panel_gemm.restype = library.pc_panel_gemm_bf16.restype = None
+    library.pc_panel_gemm.argtypes = [_P, _I64, _I, _I, _P, _I, _P, _F, _P, _I64, _I]
+    library.pc_panel_gemm_bf16.argtypes = [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I]
+    return library
+
+
+def _library_or_raise() -> ctypes.CDLL:
+    library = _library()
+    if library is None:
+        raise RuntimeError("the panel GEMM needs the native layers library")
+    return library
+
+
+@dataclass(slots=True, eq=False)
+class PanelWeight:
+    """A linear weight [out, in] (float32 or bfloat16) in column panels; ``matmul(x, bias)``
+    equals ``F.linear(x, weight, bias)`` up to float rounding, for 2-D ``x`` of the weight's
+    dtype and any row count."""
+
+    buffer: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> PanelWeight:
+        library = _library_or_raise()
+        if weight.dim() != 2 or weight.dtype not in _DTYPES or weight.device.type != "cpu":
+            raise ValueError("the panel GEMM packs 2-D float32 or bfloat16 CPU weights")
+        weight = weight.detach().contiguous()
+        out_features, in_features = weight.shape
+        buffer = weight.new_empty(library.pc_panel_size(out_features, in_features))
+        bf16 = weight.dtype == torch.bfloat16
+        pack = library.pc_panel_pack_bf16 if bf16 else library.pc_panel_pack
+        pack(weight.data_ptr(), out_features, in_features, buffer.data_ptr())
+        return cls(buffer, out_features, in_features)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] of the weight's dtype on the CPU -> [rows, out] = x @ weight^T (+ bias)."""
+        # the kernel reads raw pointers: a wrong dtype or width would read out of bounds
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"expected x [rows, {self.in_features}], got {tuple(x.shape)}")
+        if x.dtype != self.dtype or x.device.type != "cpu":
+            raise ValueError(f"expected {self.dtype} CPU input, got {x.dtype} on {x.device}")
+        if bias is not None and (
+            bias.shape != (self.out_features,) or bias.dtype != self.dtype or not bias.is_cpu
+        ):
+            raise ValueError(f"expected a {self.dtype} bias [{self.out_features}]")
+        if x.stride(1) != 1 or x.stride(0) < self.in_features:
+            x = x.contiguous()
+        rows = x.shape[0]
+        out = x.new_empty(rows, self.out_features)
+        if rows == 0:
+            return out
+        if bias is not None:
+            bias = bias.contiguous()
+        library, threads = _library_or_raise(), torch.get_num_threads()
+        bias_ptr = None if bias is None else bias.data_ptr()
+        args = (x.data_ptr(), x.stride(0), rows, self.in_features, self.buffer.data_ptr(),
+                self.out_features, bias_ptr)  # fmt: skip
+        if self.dtype == torch.float32:
+            library.pc_panel_gemm(*args, 0.0, out.data_ptr(), self.out_features, threads)
+        else:
+            library.pc_panel_gemm_bf16(*args, out.data_ptr(), self.out_features, threads)
+        return out
+
+
+def vectorised(dtype: torch.dtype) -> bool:
+    """Whether this build's kernel for ``dtype`` is the vector one (AVX-512F for float32,
+    AVX512_BF16 for bfloat16), not the plain loops."""
+    library = _library()
+    if library is None or dtype not in _DTYPES:
+        return False
+    return bool(library.pc_panel_isa() & (1 if dtype == torch.float32 else 2))
+
+
+@functools.cache
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when the panel GEMM builds here and agrees with ``F.linear`` for ``dtype`` (probed
+    once per dtype)."""
+    if _library() is None or dtype not in _DTYPES:
+        return False
+    tol = 1e-4 if dtype == torch.float32 else 2**-7  # bfloat16: a rounding step of 2^-8
+    return packed_gemm.agrees_with_linear(PanelWeight.pack, tol, dtype)
+
+
+@functools.cache
+def compute_address() -> int:
+    """Address of ``pc_panel_compute`` (MKL's ``cblas_sgemm_compute`` signature over a float32
+    `PanelWeight`), for the compiled layer steps (`prefixcache.model.fused_layers`)."""
+    address = ctypes.cast(_library_or_raise().pc_panel_compute, ctypes.c_void_p).value
+    assert address
+    return address
+
+
+def _forced() -> bool | None:
+    value = os.environ.get("PREFIXCACHE_PANEL_GEMM", "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+@functools.cache
+def prefer_panel(in_features: int, out_features: int, dtype: torch.dtype, onednn: bool) -> bool:
+    """Whether this process multiplies projections of this shape and dtype through the panel
+    GEMM rather than the library it would use otherwise (float32: MKL's packed GEMM, or oneDNN's
+    with ``onednn``; bfloat16: oneDNN's, else ``F.linear``): forced by the environment, else
+    measured at 16 and 128 rows (medians of alternating calls); the other library must be
+    `MIN_SPEEDUP` times faster at one of them to be kept."""
+    forced = _forced()
+    if forced is not None:
+        return forced and available(dtype)
+    if not (vectorised(dtype) and available(dtype)):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    other, panel = _alternative(weight, onednn), PanelWeight.pack(weight).matmul
+    for rows in (16, 128):
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        panel_s, other_s = _alternating_medians(panel, other, x)
+        if other_s * MIN_SPEEDUP < panel_s:
+            return False
+    return True
+
+
+def _alternating_medians(
+    a: Callable[[torch.Tensor], torch.Tensor], b: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor, repeats: int = 9,
+) -> tuple[float, float]:
+    """Median seconds of a(x) and b(x), timed in turn (a drift in the machine's speed hits
+    both alike)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats + 2):
+        for f, spent in zip((a, b), times, strict=True):
+            start = time.perf_counter()
+            f(x)
+            if i >= 2:  # two warm-up rounds
+                spent.append(time.perf_counter() - start)
+    return sorted(times[0])[repeats // 2], sorted(times[1])[repeats // 2]
+
+
+def _alternative(weight: torch.Tensor, onednn: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    if weight.dtype == torch.float32 and not onednn and packed_gemm.available():
+        return packed_gemm.PackedWeight.pack(weight).matmul
+    if onednn_gemm.available(weight.dtype):
+        return onednn_gemm.OneDnnWeight.pack(weight).matmul
+    return functools.partial(F.linear, weight=weight)

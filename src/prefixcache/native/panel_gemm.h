@@ -1,0 +1,267 @@
+/* Panel GEMM: out [rows, n] = x [rows, k] W^T (+ bias), W [n, k] packed once into column
+ * panels, float32 or bfloat16 (float32 accumulation). Included by layers.c; used through
+ * prefixcache.model.panel_gemm and by the compiled layer steps.
+ *
+ * The weight is laid out as panels of PANEL_COLS output columns, each panel the k values of
+ * its columns one after another: float32 [n / 48][k][48]; bfloat16 [n / 48][k / 2][48][2] (pairs
+ * of k, the operand layout of vdpbf16ps), zero padded to whole panels and, in bfloat16, to an
+ * even k. A panel (k x 48 values) stays in the core's L2 cache while every PANEL_ROWS-row tile
+ * of x goes through it; a tile is 8 x 3 zmm accumulators, one weight load feeding 8 FMAs. The
+ * first tile of a panel streams its weights from memory and prefetches PREFETCH_BYTES ahead of
+ * that stream; the others read them from L2. Threads split the panels, so every output value is
+ * the same sequence of operations whatever the row count or thread count: a row's result does
+ * not depend on the batch it is in.
+ *
+ * AVX-512F (float32) and AVX512_BF16 (bfloat16) kernels where the compiler targets them; plain
+ * loops otherwise (correct, slow: pc_panel_isa says which are fast, and the caller picks its
+ * GEMM by timing). */
+#ifndef PREFIXCACHE_PANEL_GEMM_H
+#define PREFIXCACHE_PANEL_GEMM_H
+
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define PANEL_COLS 48
+#define PANEL_ROWS 8
+#define PANEL_VECS (PANEL_COLS / 16)
+#define PREFETCH_BYTES 2048
+
+typedef uint16_t panel_bf16_t;
+
+/* which kernels are vectorised: bit 0 float32, bit 1 bfloat16 */
+int pc_panel_isa(void) {
+    int isa = 0;
+#ifdef __AVX512F__
+    isa |= 1;
+#endif
+#ifdef __AVX512BF16__
+    isa |= 2;
+#endif
+    return isa;
+}
+
+static inline int panel_count(int n) { return (n + PANEL_COLS - 1) / PANEL_COLS; }
+static inline int even(int k) { return k + (k & 1); }
+
+/* elements of the packed copy of a [n, k] weight */
+int64_t pc_panel_size(int n, int k) { return (int64_t)panel_count(n) * even(k) * PANEL_COLS; }
+
+void pc_panel_pack(const float *w, int n, int k, float *out) {
+    for (int p = 0; p < panel_count(n); p++)
+        for (int kk = 0; kk < k; kk++)
+            for (int j = 0; j < PANEL_COLS; j++) {
+                const int col = p * PANEL_COLS + j;
+                out[((int64_t)p * k + kk) * PANEL_COLS + j] = col < n ? w[(int64_t)col * k + kk] : 0.0f;
+            }
+}
+
+void pc_panel_pack_bf16(const panel_bf16_t *w, int n, int k, panel_bf16_t *out) {
+    const int pairs = even(k) / 2;
+    for (int p = 0; p < panel_count(n); p++)
+        for (int kk = 0; kk < 2 * pairs; kk++)
+            for (int j = 0; j < PANEL_COLS; j++) {
+                const int col = p * PANEL_COLS + j;
+                out[(((int64_t)p * pairs + kk / 2) * PANEL_COLS + j) * 2 + (kk & 1)] =
+                    col < n && kk < k ? w[(int64_t)col * k + kk] : 0;
+            }
+}
+
+/* the panels thread t of nt takes */
+static inline void panel_share(int n, int *p0, int *p1) {
+    const int np = panel_count(n), t = omp_get_thread_num(), nt = omp_get_num_threads();
+    *p0 = (int)((int64_t)np * t / nt);
+    *p1 = (int)((int64_t)np * (t + 1) / nt);
+}
+
+#ifdef __AVX512F__
+static inline __mmask16 cols_mask(int left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* mb (constant after inlining) rows of x through one float32 panel wp; cols: the panel's real
+ * columns; out = acc (+ bias) (+ beta * out) */
+static inline __attribute__((always_inline)) void panel_tile(
+    const float *x, int64_t ldx, const float *wp, int k, const int mb, int prefetch,
+    const float *bias, float beta, float *out, int64_t ldo, int cols) {
+    __m512 acc[PANEL_ROWS][PANEL_VECS];
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < PANEL_VECS; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k; kk++) {
+        const float *wk = wp + (int64_t)kk * PANEL_COLS;
+        if (prefetch)
+            for (int line = 0; line < PANEL_VECS; line++)
+                _mm_prefetch((const char *)(wk + 16 * line) + PREFETCH_BYTES, _MM_HINT_T0);
+        __m512 wv[PANEL_VECS];
+        for (int j = 0; j < PANEL_VECS; j++) wv[j] = _mm512_loadu_ps(wk + 16 * j);
+#pragma GCC unroll 8
+        for (int m = 0; m < mb; m++) {
+            const __m512 xv = _mm512_set1_ps(x[m * ldx + kk]);
+            for (int j = 0; j < PANEL_VECS; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < PANEL_VECS && 16 * j < cols; j++) {
+            const __mmask16 mask = cols_mask(cols - 16 * j);
+            float *o = out + m * ldo + 16 * j;
+            __m512 v = acc[m][j];
+            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + 16 * j));
+            if (beta != 0.0f)
+                v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(mask, o), v);
+            _mm512_mask_storeu_ps(o, mask, v);
+        }
+}
+#endif
+
+#ifdef __AVX512BF16__
+/* the bfloat16 tile: k2 pairs of k, odd_k when the last pair has one real value */
+static inline __attribute__((always_inline)) void panel_tile_bf16(
+    const panel_bf16_t *x, int64_t ldx, const panel_bf16_t *wp, int k, const int mb,
+    int prefetch, const panel_bf16_t *bias, panel_bf16_t *out, int64_t ldo, int cols) {
+    __m512 acc[PANEL_ROWS][PANEL_VECS];
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < PANEL_VECS; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k; kk += 2) {
+        const panel_bf16_t *wk = wp + (int64_t)kk * PANEL_COLS;
+        if (prefetch)
+            for (int line = 0; line < PANEL_VECS; line++)
+                _mm_prefetch((const char *)(wk + 32 * line) + PREFETCH_BYTES, _MM_HINT_T0);
+        __m512bh wv[PANEL_VECS];
+        for (int j = 0; j < PANEL_VECS; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
+#pragma GCC unroll 8
+        for (int m = 0; m < mb; m++) {
+            uint32_t pair = x[m * ldx + kk]; /* k's value in the low half, k + 1's above */
+            if (kk + 1 < k) memcpy(&pair, x + m * ldx + kk, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int j = 0; j < PANEL_VECS; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < PANEL_VECS && 16 * j < cols; j++) {
+            const __mmask16 mask = cols_mask(cols - 16 * j);
+            __m512 v = acc[m][j];
+            if (bias != NULL) {
+                const __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j));
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+            }
+            _mm256_mask_storeu_epi16(out + m * ldo + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+}
+#endif
+
+/* one panel, all rows, PANEL_ROWS at a time (the row count of the last tile a constant in
+ * each case, so that the accumulators stay in registers) */
+#define PANEL_TILES(tile, ...)                                                                  \
+    switch (mb) {                                                                               \
+    case 8: tile(__VA_ARGS__, 8, m0 == 0, TILE_TAIL); break;                                     \
+    case 7: tile(__VA_ARGS__, 7, m0 == 0, TILE_TAIL); break;                                     \
+    case 6: tile(__VA_ARGS__, 6, m0 == 0, TILE_TAIL); break;                                     \
+    case 5: tile(__VA_ARGS__, 5, m0 == 0, TILE_TAIL); break;                                     \
+    case 4: tile(__VA_ARGS__, 4, m0 == 0, TILE_TAIL); break;                                     \
+    case 3: tile(__VA_ARGS__, 3, m0 == 0, TILE_TAIL); break;                                     \
+    case 2: tile(__VA_ARGS__, 2, m0 == 0, TILE_TAIL); break;                                     \
+    default: tile(__VA_ARGS__, 1, m0 == 0, TILE_TAIL); break;                                    \
+    }
+
+/* out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) W^T + bias (or NULL)
+ * + beta * out; w packed by pc_panel_pack */
+void pc_panel_gemm(const float *x, int64_t ldx, int rows, int k, const float *w, int n,
+                   const float *bias, float beta, float *out, int64_t ldo, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        int p0, p1;
+        panel_share(n, &p0, &p1);
+        for (int p = p0; p < p1; p++) {
+            const int c0 = p * PANEL_COLS, cols = n - c0 < PANEL_COLS ? n - c0 : PANEL_COLS;
+            const float *wp = w + (int64_t)p * k * PANEL_COLS;
+            const float *b = bias == NULL ? NULL : bias + c0;
+            for (int m0 = 0; m0 < rows; m0 += PANEL_ROWS) {
+                const int mb = rows - m0 < PANEL_ROWS ? rows - m0 : PANEL_ROWS;
+                const float *xm = x + m0 * ldx;
+                float *om = out + m0 * ldo + c0;
+#ifdef __AVX512F__
+#define TILE_TAIL b, beta, om, ldo, cols
+                PANEL_TILES(panel_tile, xm, ldx, wp, k)
+#undef TILE_TAIL
+#else
+                for (int m = 0; m < mb; m++)
+                    for (int j = 0; j < cols; j++) {
+                        float sum = 0.0f;
+                        for (int kk = 0; kk < k; kk++)
+                            sum += xm[m * ldx + kk] * wp[(int64_t)kk * PANEL_COLS + j];
+                        if (b != NULL) sum += b[j];
+                        om[m * ldo + j] = beta != 0.0f ? sum + beta * om[m * ldo + j] : sum;
+                    }
+#endif
+            }
+        }
+    }
+}
+
+#ifndef __AVX512BF16__
+static inline float panel_widen(panel_bf16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline panel_bf16_t panel_narrow(float f) { /* round to nearest even */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (panel_bf16_t)((bits >> 16) | 0x40u); /* NaN */
+    return (panel_bf16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+#endif
+
+/* the bfloat16 GEMM: float32 sums rounded to bfloat16 once (after the bias), as oneDNN does */
+void pc_panel_gemm_bf16(const panel_bf16_t *x, int64_t ldx, int rows, int k,
+                        const panel_bf16_t *w, int n, const panel_bf16_t *bias,
+                        panel_bf16_t *out, int64_t ldo, int nthreads) {
+    const int64_t panel_stride = (int64_t)even(k) * PANEL_COLS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int p0, p1;
+        panel_share(n, &p0, &p1);
+        for (int p = p0; p < p1; p++) {
+            const int c0 = p * PANEL_COLS, cols = n - c0 < PANEL_COLS ? n - c0 : PANEL_COLS;
+            const panel_bf16_t *wp = w + p * panel_stride;
+            const panel_bf16_t *b = bias == NULL ? NULL : bias + c0;
+            for (int m0 = 0; m0 < rows; m0 += PANEL_ROWS) {
+                const int mb = rows - m0 < PANEL_ROWS ? rows - m0 : PANEL_ROWS;
+                const panel_bf16_t *xm = x + m0 * ldx;
+                panel_bf16_t *om = out + m0 * ldo + c0;
+#ifdef __AVX512BF16__
+#define TILE_TAIL b, om, ldo, cols
+                PANEL_TILES(panel_tile_bf16, xm, ldx, wp, k)
+#undef TILE_TAIL
+#else
+                for (int m = 0; m < mb; m++)
+                    for (int j = 0; j < cols; j++) {
+                        float sum = 0.0f;
+                        for (int kk = 0; kk < k; kk++)
+                            sum += panel_widen(xm[m * ldx + kk]) *
+                                   panel_widen(wp[((int64_t)(kk / 2) * PANEL_COLS + j) * 2 + (kk & 1)]);
+                        if (b != NULL) sum += panel_widen(b[j]);
+                        om[m * ldo + j] = panel_narrow(sum);
+                    }
+#endif
+            }
+        }
+    }
+}
+
+/* pc_panel_gemm behind MKL's cblas_sgemm_compute signature (row-major, A untransposed, B
+ * packed by pc_panel_pack), for the compiled layers' projections; threads: OpenMP's default */
+void pc_panel_compute(int layout, int transa, int transb, int m, int n, int k, const float *a,
+                      int lda, const void *b, int ldb, float beta, float *c, int ldc) {
+    (void)layout, (void)transa, (void)transb, (void)ldb;
+    pc_panel_gemm(a, lda, m, k, (const float *)b, n, NULL, beta, c, ldc, omp_get_max_threads());
+}
+
+#endif
