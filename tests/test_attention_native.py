@@ -298,3 +298,31 @@ def test_prepared_attend_takes_only_tensors_like_the_first() -> None:
         prepared(q, k_flat.double(), v_flat.double(), 0.25, out)
     with pytest.raises(ValueError, match="unlike"):
         prepared(q, k_flat, v_flat, 0.25, torch.empty(4, 20, 16).transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepared_decode_takes_only_tensors_like_the_first(dtype: torch.dtype) -> None:
+    # the decode attention prepares a step's batch once (checks, scratch, widening buffers) and
+    # calls it in every layer: the same outputs as an unprepared decode, layer after layer
+    gen = torch.Generator().manual_seed(0)
+    k_flat = torch.randn(90, 2, 64, generator=gen).to(dtype)
+    v_flat = torch.randn(90, 2, 64, generator=gen).to(dtype)
+    order = torch.randperm(90, generator=gen)
+    shared, tails = order[:40].contiguous(), order[40:64].view(3, 8).contiguous()
+    lens = torch.tensor([8, 1, 5], dtype=torch.int32)
+    fused = torch.randn(3, 8 + 4, 64, generator=gen).to(dtype)
+    q = fused[:, :8]  # strided rows, as the model hands them over
+    out, expected = torch.empty(3, 8, 64, dtype=dtype), torch.empty(3, 8, 64, dtype=dtype)
+    prepared = native_attention.PreparedDecode(q, k_flat, v_flat, shared, tails, lens, out)
+    for layer in range(2):  # another layer's cache and queries: same shapes, other values
+        k_layer, v_layer = k_flat * (layer + 1), v_flat - layer
+        q_layer = (fused * (layer + 1))[:, :8]
+        prepared(q_layer, k_layer, v_layer, 0.125, out)
+        native_attention.decode(q_layer, k_layer, v_layer, shared, tails, lens, 0.125, expected)
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="unlike"):
+        prepared(q[:2], k_flat, v_flat, 0.125, out[:2])
+    with pytest.raises(ValueError, match="unlike"):
+        prepared(q, k_flat[:80], v_flat[:80], 0.125, out)  # a smaller cache: slots would overrun
+    with pytest.raises(ValueError, match="unlike"):
+        prepared(q.contiguous(), k_flat, v_flat, 0.125, out)

@@ -107,6 +107,8 @@ class _NativeInputs:
     tail_slots: torch.Tensor  # [B, R * block_size] int64: each tail's slots, padded
     tail_lens: torch.Tensor  # [B] int32: keys in each tail
     parts: list[tuple[torch.Tensor, torch.Tensor]]  # (rows, shared slots) per kernel call
+    # per part, the kernel call prepared in the step's first layer, for every layer
+    prepared: list[native_attention.PreparedDecode | None]
 
 
 def _native_inputs(plan: DecodePlan, block_size: int, device: torch.device) -> _NativeInputs:
@@ -125,7 +127,7 @@ def _native_inputs(plan: DecodePlan, block_size: int, device: torch.device) -> _
     if ungrouped.any():
         no_shared = torch.empty(0, dtype=torch.int64, device=device)
         parts.append((ungrouped.nonzero().view(-1), no_shared))
-    plan.native = _NativeInputs(tail_slots, tail_lens, parts)
+    plan.native = _NativeInputs(tail_slots, tail_lens, parts, [None] * len(parts))
     return plan.native
 
 
@@ -141,17 +143,20 @@ def _attend_native(
     inputs = _native_inputs(plan, block_size, q.device)
     tail_slots, tail_lens = inputs.tail_slots, inputs.tail_lens
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for rows, shared_slots in inputs.parts:
-        if len(rows) == num_seqs:  # rows are ascending: every sequence, in order
-            native_attention.decode(
-                q, k_flat, v_flat, shared_slots, tail_slots, tail_lens, scale, out
+    for i, (rows, shared_slots) in enumerate(inputs.parts):
+        every = len(rows) == num_seqs  # rows are ascending: every sequence, in order
+        q_part = q if every else q[rows]
+        part = out if every else torch.empty(q_part.shape, dtype=q.dtype, device=q.device)
+        prepared = inputs.prepared[i]
+        if prepared is None:  # the step's first layer
+            tails = (tail_slots, tail_lens) if every else (tail_slots[rows], tail_lens[rows])
+            prepared = native_attention.PreparedDecode(
+                q_part, k_flat, v_flat, shared_slots, *tails, part
             )
-            continue
-        part = torch.empty((len(rows), *q.shape[1:]), dtype=q.dtype, device=q.device)
-        native_attention.decode(
-            q[rows], k_flat, v_flat, shared_slots, tail_slots[rows], tail_lens[rows], scale, part
-        )
-        out[rows] = part
+            inputs.prepared[i] = prepared
+        prepared(q_part, k_flat, v_flat, scale, part)
+        if not every:
+            out[rows] = part
     return out
 
 

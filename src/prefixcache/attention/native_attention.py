@@ -47,6 +47,7 @@ __all__ = [
     "disabled_by_env",
     "enabled",
     "PreparedAttend",
+    "PreparedDecode",
     "prefill_path",
     "set_enabled",
 ]
@@ -343,41 +344,84 @@ def decode(
     int64, the keys every sequence starts with (P may be 0); tail_slots: [B, max_tail] int64,
     then each sequence's own keys, tail_lens[b] (int32, 1 .. max_tail) of them.
     """
-    kernel = _kernel_or_raise()
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, max_tail = k_flat.shape[1], tail_slots.shape[1]
-    threads = torch.get_num_threads()
-    chunk = decode_chunk(num_seqs, num_kv_heads, threads, num_heads // num_kv_heads)
-    _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], chunk, "decode")
-    if not (
-        tail_lens.dtype == torch.int32
-        and tail_lens.is_contiguous()
-        and tail_slots.shape[0] == tail_lens.shape[0] == num_seqs > 0
-        and max_tail > 0
-    ):
-        raise ValueError("native decode: unsupported shapes, strides or dtypes")
-    if int(tail_lens.min()) < 1 or int(tail_lens.max()) > max_tail:
-        raise ValueError("native decode: tail lengths out of range")
-    shared = shared_slots.shape[0]
-    scratch = torch.empty(
-        kernel.decode_scratch_floats(
-            shared, max_tail, num_heads, num_kv_heads, head_dim, chunk, threads
-        ),
-        dtype=torch.float32,
-    )
-    wide = q.dtype == torch.bfloat16  # widened here, the outputs rounded back after
-    function, extra = kernel.decode, ()
-    if k_flat.dtype == torch.bfloat16:
-        function, extra = kernel.decode_kv16, (int(wide),)
-    q32, out32 = (q.float(), torch.empty(q.shape)) if wide else (q, out)
-    function(
-        q32.data_ptr(), q32.stride(0), k_flat.data_ptr(), v_flat.data_ptr(),
-        shared_slots.data_ptr(), shared, tail_slots.data_ptr(), tail_lens.data_ptr(), max_tail,
-        out32.data_ptr(), scratch.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, scale,
-        chunk, threads, kernel.sgemm, kernel.set_threads, *extra,
-    )  # fmt: skip
-    if wide:
-        out.copy_(out32)
+    prepared = PreparedDecode(q, k_flat, v_flat, shared_slots, tail_slots, tail_lens, out)
+    prepared(q, k_flat, v_flat, scale, out)
+
+
+class PreparedDecode:
+    """`decode` for the same sequences in every layer of a step, its checks, scratch and
+    widening buffers done once (as `PreparedAttend` for a prefill): built from the first
+    layer's tensors, called with any layer's, which must match the first's shapes, strides,
+    dtypes and device."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        shared_slots: torch.Tensor,
+        tail_slots: torch.Tensor,
+        tail_lens: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        kernel = self._kernel = _kernel_or_raise()
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads, max_tail = k_flat.shape[1], tail_slots.shape[1]
+        threads = self._threads = torch.get_num_threads()
+        chunk = decode_chunk(num_seqs, num_kv_heads, threads, num_heads // num_kv_heads)
+        _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], chunk, "decode")
+        if not (
+            tail_lens.dtype == torch.int32
+            and tail_lens.is_contiguous()
+            and tail_slots.shape[0] == tail_lens.shape[0] == num_seqs > 0
+            and max_tail > 0
+        ):
+            raise ValueError("native decode: unsupported shapes, strides or dtypes")
+        if int(tail_lens.min()) < 1 or int(tail_lens.max()) > max_tail:
+            raise ValueError("native decode: tail lengths out of range")
+        shared = shared_slots.shape[0]
+        self._scratch = torch.empty(
+            kernel.decode_scratch_floats(
+                shared, max_tail, num_heads, num_kv_heads, head_dim, chunk, threads
+            ),
+            dtype=torch.float32,
+        )
+        self._slots = (shared_slots, tail_slots, tail_lens)
+        self._sizes = (shared, max_tail, num_seqs, num_heads, num_kv_heads, head_dim)
+        self._chunk = chunk
+        self._signature = PreparedAttend.signature(q, k_flat, v_flat, out)
+        # bfloat16 queries: widened before each call, the float32 outputs rounded back after
+        wide = q.dtype == torch.bfloat16
+        self._q32 = torch.empty(q.shape) if wide else None
+        self._out32 = torch.empty(q.shape) if wide else None
+        self._function, self._extra = kernel.decode, ()
+        if k_flat.dtype == torch.bfloat16:
+            self._function, self._extra = kernel.decode_kv16, (int(wide),)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        if PreparedAttend.signature(q, k_flat, v_flat, out) != self._signature:
+            raise ValueError("native decode: tensors unlike those it was prepared for")
+        kernel, q32, out32 = self._kernel, self._q32, self._out32
+        if q32 is not None:
+            q = q32.copy_(q)
+        shared_slots, tail_slots, tail_lens = self._slots
+        shared, max_tail, num_seqs, num_heads, num_kv_heads, head_dim = self._sizes
+        self._function(
+            q.data_ptr(), q.stride(0), k_flat.data_ptr(), v_flat.data_ptr(),
+            shared_slots.data_ptr(), shared, tail_slots.data_ptr(), tail_lens.data_ptr(), max_tail,
+            (out if out32 is None else out32).data_ptr(), self._scratch.data_ptr(), num_seqs,
+            num_heads, num_kv_heads, head_dim, scale, self._chunk, self._threads, kernel.sgemm,
+            kernel.set_threads, *self._extra,
+        )  # fmt: skip
+        if out32 is not None:
+            out.copy_(out32)
 
 
 def decode_chunk(num_seqs: int, num_kv_heads: int, threads: int, group: int = 1) -> int:

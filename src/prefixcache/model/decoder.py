@@ -4,9 +4,9 @@
 linear layers run over all T tokens of the step at once (the MLP over at most
 `tuning.MLP_CHUNK_ROWS` at a time); attention writes the new K/V through the slot mapping and
 reads context through block tables (`prefixcache.attention`). Parameter names follow
-transformers except the fused ``qkv_proj`` and ``gate_up_proj`` (see weights.py). On CPU in
-float32 the projections also hold an MKL-packed copy of their weight (`Projection`,
-`packed_gemm`), and the element-wise steps (residual add + RMSNorm, rotary, SwiGLU) run as
+transformers except the fused ``qkv_proj`` and ``gate_up_proj`` (see weights.py). On CPU the
+projections also hold a packed copy of their weight (`Projection`: the panel GEMM's, MKL's or
+oneDNN's), and the element-wise steps (residual add + RMSNorm, rotary, SwiGLU) run as
 compiled one-pass kernels (`native_layers`) where they build; the residual stream is updated in
 place, each add fused with the norm after it.
 With both, each layer runs as one or two compiled calls (`fused_layers`).
@@ -129,7 +129,8 @@ class Projection(nn.Linear):
         return self.panel
 
     def _is_current(self) -> bool:
-        return self._packed_from == (self.weight.data_ptr(), self.weight._version)
+        weight = self._parameters["weight"]  # not self.weight: nn.Module's slow lookup, per step
+        return weight is not None and self._packed_from == (weight.data_ptr(), weight._version)
 
 
 class Attention(nn.Module):

@@ -1,5 +1,5 @@
-"""The decoder's layers as compiled calls for one step (CPU, float32, packed weights: MKL's or
-the panel GEMM's).
+"""The decoder's layers as compiled calls for one step (CPU, packed weights: float32 MKL's or
+the panel GEMM's, bfloat16 the panel GEMM's).
 
 Between two compiled calls the decoder would run 50-100 Python operations (checks, allocations,
 ctypes), and right after a GEMM has streamed megabytes of weights through the caches each of them
@@ -8,11 +8,12 @@ the step once, in the first layer (shapes, dtypes, every layer's cache, the slot
 packed weights), allocates the buffers once, and builds each layer's arguments. A layer is then
 one call (`pc_layer` in prefixcache/native/layers.c: add + norm, qkv projection, rotary, K/V
 write, the attention kernel, o projection, add + norm, MLP) when the step is one sequence's
-prefill through the attention kernel, else two calls (`pc_layer_inputs`, `pc_layer_outputs`)
-around `paged_attention` (batches of sequences, decode, the torch attention paths); each takes
-the layer's `LayerArgs`, a C struct filled once per step. The operations, their order and the
-GEMMs (MKL's packed compute or the panel GEMM's, called from C) are those of the separate steps,
-so the logits are the same bits. Figures: docs/performance.md.
+prefill through the attention kernel in float32, else two calls (`pc_layer_inputs`,
+`pc_layer_outputs`, or their ``_bf16`` versions) around `paged_attention` (batches of sequences,
+decode, bfloat16, the torch attention paths); each takes the layer's `LayerArgs`, a C struct
+filled once per step. The operations, their order and the GEMMs (MKL's packed compute or the
+panel GEMM, called from C) are those of the separate steps, so the logits are the same bits.
+Figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def _layer_parts(layer: DecoderLayer, dtype: torch.dtype) -> _Parts | None:
     projections = (qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     packed: list[PackedWeight] | list[PanelWeight] = [p.current_packed() for p in projections]
     if any(p is None for p in packed):
-        packed = [p.current_panel() for p in projections]
+        packed = [p.panel for p in projections]  # current: current_packed dropped stale ones
         if any(p is None or p.dtype != dtype for p in packed):
             return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)

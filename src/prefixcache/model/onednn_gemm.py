@@ -28,7 +28,7 @@ import torch
 
 from prefixcache.model import packed_gemm
 
-__all__ = ["OneDnnWeight", "available", "prefer_onednn"]
+__all__ = ["OneDnnWeight", "alternating_medians", "available", "prefer_onednn"]
 
 # The row count the reorder is told to expect (as MKL's PACK_ROWS_HINT): any row count computes.
 PACK_ROWS_HINT = 128
@@ -86,8 +86,8 @@ def _forced() -> bool | None:
 @functools.cache
 def prefer_onednn(in_features: int, out_features: int) -> bool:
     """Whether this process should multiply float32 projections of this shape through oneDNN
-    rather than MKL's packed GEMM: forced by the environment, else measured (median of 5 at 16
-    and 128 rows; oneDNN must be `MIN_SPEEDUP` times faster at both)."""
+    rather than MKL's packed GEMM: forced by the environment, else measured (medians of
+    alternating calls at 16 and 128 rows; oneDNN must be `MIN_SPEEDUP` times faster at both)."""
     forced = _forced()
     if forced is not None:
         return forced and available()
@@ -100,17 +100,25 @@ def prefer_onednn(in_features: int, out_features: int) -> bool:
     mkl, dnnl = packed_gemm.PackedWeight.pack(weight), OneDnnWeight.pack(weight)
     for rows in (16, 128):
         x = torch.randn(rows, in_features, generator=gen)
-        if _median_s(dnnl.matmul, x) * MIN_SPEEDUP > _median_s(mkl.matmul, x):
+        dnnl_s, mkl_s = alternating_medians(dnnl.matmul, mkl.matmul, x)
+        if dnnl_s * MIN_SPEEDUP > mkl_s:
             return False
     return True
 
 
-def _median_s(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
-    for _ in range(2):
-        matmul(x)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        matmul(x)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[2]
+def alternating_medians(
+    a: Callable[[torch.Tensor], torch.Tensor],
+    b: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    repeats: int = 9,
+) -> tuple[float, float]:
+    """Median seconds of ``a(x)`` and ``b(x)``, timed in turn after two warm-up rounds, so that
+    a change in the machine's speed while they run hits both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats + 2):
+        for f, spent in zip((a, b), times, strict=True):
+            start = time.perf_counter()
+            f(x)
+            if i >= 2:
+                spent.append(time.perf_counter() - start)
+    return sorted(times[0])[repeats // 2], sorted(times[1])[repeats // 2]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -177,26 +176,10 @@ def prefer_panel(in_features: int, out_features: int, dtype: torch.dtype, onednn
     other, panel = _alternative(weight, onednn), PanelWeight.pack(weight).matmul
     for rows in (16, 128):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
-        panel_s, other_s = _alternating_medians(panel, other, x)
+        panel_s, other_s = onednn_gemm.alternating_medians(panel, other, x)
         if other_s * MIN_SPEEDUP < panel_s:
             return False
     return True
-
-
-def _alternating_medians(
-    a: Callable[[torch.Tensor], torch.Tensor], b: Callable[[torch.Tensor], torch.Tensor],
-    x: torch.Tensor, repeats: int = 9,
-) -> tuple[float, float]:
-    """Median seconds of a(x) and b(x), timed in turn (a drift in the machine's speed hits
-    both alike)."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in range(repeats + 2):
-        for f, spent in zip((a, b), times, strict=True):
-            start = time.perf_counter()
-            f(x)
-            if i >= 2:  # two warm-up rounds
-                spent.append(time.perf_counter() - start)
-    return sorted(times[0])[repeats // 2], sorted(times[1])[repeats // 2]
 
 
 def _alternative(weight: torch.Tensor, onednn: bool) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,6 +1,7 @@
 /* The decoder's element-wise steps on the CPU, float32 and bfloat16: residual add + RMSNorm,
- * rotary embedding in place, and the SwiGLU activation (silu(gate) * up); and whole float32
- * layers built from them and MKL's packed GEMM (at the end).
+ * rotary embedding in place, and the SwiGLU activation (silu(gate) * up); and whole layers
+ * built from them and a packed GEMM (at the end): float32 over MKL's or the panel GEMM
+ * (panel_gemm.h), bfloat16 over the panel GEMM.
  *
  * Built by prefixcache.native for prefixcache.model.native_layers (cc -O3 -march=native
  * -fopenmp) at first use and called through ctypes. Each is one pass over its rows where torch
