@@ -6,8 +6,10 @@ EOS ignored. Each configuration runs in its own process per engine (``--worker``
 alternating; each process warms up once and then runs ``--repeats`` repeats, and the table shows
 the median wall time of a repeat and the digest of all greedy outputs (equal digests: token for
 token the same answers). With the cache on, each process also times the same batch with one
-output token (fresh prefixes): the time to the first token, and from the rest the time of one
-decode step of the 16 sequences (the table's phases, and per shape our bfloat16 / float32 step).
+output token (fresh prefixes): the time to the first token, and from the rest an estimate of one
+decode step of the 16 sequences (the table's phases); our engine's own decode steps (every
+sequence, one token each) are also timed one by one, and per shape the table gives the median
+bfloat16 / float32 step.
 
 Shapes (random weights from a seed, written once under ``--models-dir`` as safetensors with a
 32,000-token tokenizer the workload never uses; ``smollm2`` is the built-in checkpoint):
@@ -77,13 +79,18 @@ def warmup_prompt() -> list[int]:
     return _ids(random.Random(7), PREFIX + SUFFIX)
 
 
-def _result(times: list[float], outputs: list[list[int]], first: list[float]) -> None:
+def _result(
+    times: list[float], outputs: list[list[int]], first: list[float], steps: list[float]
+) -> None:
     """``first``: times of the same batch with one output token each (prefill and suffixes,
-    no decode steps), measured with the cache on only."""
+    no decode steps), measured with the cache on only; ``steps``: our engine's decode steps of
+    the whole batch (empty for vLLM)."""
     digest = hashlib.sha1(json.dumps(outputs).encode()).hexdigest()
-    extra = {}
+    extra: dict[str, Any] = {}
     if first:
         extra = {"first_token_s": statistics.median(first), "first_token_times_s": first}
+    if steps:
+        extra["decode_step_s"] = statistics.median(steps)
     print("RESULT " + json.dumps({"median_s": statistics.median(times), "times_s": times,
                                   "outputs_sha1": digest, **extra}), flush=True)
 
@@ -104,11 +111,24 @@ def worker_ours(model: str, cache: bool, dtype: str, repeats: int) -> None:
               kv_memory_bytes=KV_CACHE_GIB << 30)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     llm.generate([warmup_prompt()], params)
+    engine, steps = llm.engine, []
+    engine_step = engine.step
+
+    def timed_step() -> Any:  # the engine's own decode steps: every sequence, one token each
+        start = time.perf_counter()
+        result = engine_step()
+        chunks = engine.last_scheduled.chunks
+        if len(chunks) == N_PROMPTS and all(c.num_new_tokens == 1 for c in chunks):
+            steps.append(time.perf_counter() - start)
+        return result
+
+    engine.step = timed_step  # type: ignore[method-assign]
     times, outs = _timed(lambda b: llm.generate(b, params), [prompts(r) for r in range(repeats)])
+    engine.step = engine_step  # type: ignore[method-assign]
     first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     first, _ = _timed(lambda b: llm.generate(b, first_params),
                       [prompts(FIRST_TOKEN_RUNS + r) for r in range(repeats if cache else 0)])
-    _result(times, [list(o.token_ids) for o in outs], first)
+    _result(times, [list(o.token_ids) for o in outs], first, steps if cache else [])
 
 
 def worker_vllm(model: str, cache: bool, dtype: str, repeats: int) -> None:
@@ -133,7 +153,7 @@ def worker_vllm(model: str, cache: bool, dtype: str, repeats: int) -> None:
     first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     first, _ = _timed(lambda b: llm.generate(b, first_params, use_tqdm=False),
                       [batch(FIRST_TOKEN_RUNS + r) for r in range(repeats if cache else 0)])
-    _result(times, [list(o.outputs[0].token_ids) for o in outs], first)
+    _result(times, [list(o.outputs[0].token_ids) for o in outs], first, [])
 
 
 def worker_prefill(model: str, dtype: str) -> None:
@@ -318,19 +338,24 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                     continue
                 rate = row["first_token_flops"] / e["first_token_s"]
                 share = f" = {100 * rate / peak:.0f}% of peak" if peak else ""
+                measured = (f" (the engine's own steps: {1e3 * e['decode_step_s']:.1f} ms)"
+                            if "decode_step_s" in e else "")
                 print(f"{'':<26} {name:<4} first token {e['first_token_s']:.2f} s "
                       f"({rate / 1e9:.0f} GFLOP/s{share}), then {1e3 * _step_s(e):.1f} ms per "
-                      "decode step")
-    steps = {(row["shape"], row["dtype"]): _step_s(row["ours"]) for row in rows
-             if "ours" in row and "first_token_s" in row["ours"]}
+                      f"decode step{measured}")
+    steps = {(row["shape"], row["dtype"]): row["ours"]["decode_step_s"] for row in rows
+             if "ours" in row and "decode_step_s" in row["ours"]}
     for shape in dict.fromkeys(shape for shape, _ in steps):
         if (shape, "float32") in steps and (shape, "bfloat16") in steps:
-            print(f"{shape:<10} decode step of {N_PROMPTS} sequences, ours: bfloat16 / float32 = "
+            print(f"{shape:<10} decode step of {N_PROMPTS} sequences, ours (median engine step): "
+                  f"bfloat16 {1e3 * steps[shape, 'bfloat16']:.1f} ms / float32 "
+                  f"{1e3 * steps[shape, 'float32']:.1f} ms = "
                   f"{steps[shape, 'bfloat16'] / steps[shape, 'float32']:.2f}")
 
 
 def _step_s(result: dict[str, Any]) -> float:
-    """One decode step of the batch: the time after the first token over the steps it took."""
+    """One decode step of the batch estimated from the totals: the time after the first token
+    over the steps it took (noisy: the difference of two medians)."""
     return (result["median_s"] - result["first_token_s"]) / (MAX_TOKENS - 1)
 
 
