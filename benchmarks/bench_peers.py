@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -258,12 +259,32 @@ def checkpoint(shape: str, models_dir: Path) -> str:
 
 
 def _run(python: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:
-    out = subprocess.run([python, __file__, "--worker", *args], capture_output=True, text=True,
-                         env=env, timeout=3600)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"worker {args} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    """One worker in a session of its own; whatever it leaves running (vLLM's engine-core
+    process can outlive its parent for seconds) is killed and waited for before the next
+    measurement starts, so that no worker shares the cores with the last one's leftovers."""
+    proc = subprocess.Popen([python, __file__, "--worker", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=3600)
+    finally:
+        _end_session(proc.pid)
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {args} failed ({proc.returncode}):\n{stderr[-3000:]}")
     return dict(json.loads(lines[-1][7:]))
+
+
+def _end_session(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    for _ in range(100):  # until the group is gone (at most ~10 s)
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
