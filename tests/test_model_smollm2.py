@@ -265,11 +265,11 @@ def test_bfloat16_stays_within_bfloat16s_own_distance_of_transformers(ours):
 
 def test_bfloat16_answers_identical_with_the_cache_off_and_on_one_at_a_time():
     # A bfloat16 row's result does not depend on where a cache hit split its prompt: the
-    # attention kernel's key blocks align to positions, and one cached prompt's rows through the
-    # GEMM do not change with the row count (the panel GEMM's never do). Decode steps of a batch whose sequences share cached blocks read
-    # those through the shared-prefix kernel, whose float32 sums run in another order than a
-    # lone sequence's; in bfloat16 that can flip a near-tie (docs/performance.md counts how
-    # often), so the requests here go one at a time.
+    # attention kernel's key blocks align to positions, and a prompt's rows through the GEMM do
+    # not change with the row count here (the panel GEMM's never do). Decode steps of a batch
+    # whose sequences share cached blocks read those through the shared-prefix kernel, whose
+    # float32 sums run in another order than a lone sequence's; in bfloat16 that can flip a
+    # near-tie (docs/performance.md counts how often), so the requests here go one at a time.
     def answers(llm: LLM) -> list[str]:
         params = SamplingParams(max_tokens=24, temperature=0.0)
         return [llm.chat([{"role": "user", "content": q}], params)[0].text for q in QUESTIONS]

@@ -59,6 +59,31 @@ def test_portable_vector_code_passes_the_probes() -> None:
         assert panel_gemm.available(dtype) and not panel_gemm.vectorised(dtype)
 
 
+def test_without_avx512_bf16_the_bfloat16_panel_gemm_is_plain_loops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an AVX-512 CPU without AVX512_BF16 (Skylake-X, Ice Lake): float32 vectorised, bfloat16 the
+    # plain loops, both right; the model then multiplies bfloat16 through oneDNN
+    if " avx512f" not in native.cpu_signature():
+        pytest.skip("needs an AVX-512 CPU")
+    require_native_layers()
+    flags = native.compile_flags()
+    monkeypatch.setattr(native, "compile_flags", lambda: [*flags, "-mno-avx512bf16"])
+    monkeypatch.delenv("PREFIXCACHE_PANEL_GEMM", raising=False)  # the choice measured, not forced
+    caches = [native_layers._library, native_layers.available, panel_gemm._library]
+    caches += [panel_gemm.available, panel_gemm.prefer_panel]
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        assert panel_gemm.vectorised(torch.float32) and not panel_gemm.vectorised(torch.bfloat16)
+        assert panel_gemm.available(torch.float32) and panel_gemm.available(torch.bfloat16)
+        assert not panel_gemm.prefer_panel(64, 128, torch.bfloat16, False)  # never the loops
+    finally:
+        monkeypatch.undo()
+        for cached in caches:
+            cached.cache_clear()
+
+
 def test_build_is_cached_by_its_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     require_native_layers()
     monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path))
