@@ -28,7 +28,7 @@ import torch
 
 from prefixcache.model import packed_gemm
 
-__all__ = ["OneDnnWeight", "alternating_medians", "available", "prefer_onednn"]
+__all__ = ["OneDnnWeight", "alternating_medians", "available", "forced_by_env", "prefer_onednn"]
 
 # The row count the reorder is told to expect (as MKL's PACK_ROWS_HINT): any row count computes.
 PACK_ROWS_HINT = 128
@@ -75,7 +75,13 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def _forced() -> bool | None:
-    value = os.environ.get("PREFIXCACHE_ONEDNN_LINEAR", "").strip().lower()
+    return forced_by_env("PREFIXCACHE_ONEDNN_LINEAR")
+
+
+def forced_by_env(variable: str) -> bool | None:
+    """A GEMM choice the environment forces: True for ``1``/``true``/``yes``/``on``, False for
+    ``0``/``false``/``no``/``off``, else None (measure)."""
+    value = os.environ.get(variable, "").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):

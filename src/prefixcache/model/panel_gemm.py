@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -150,15 +149,6 @@ def compute_address() -> int:
     return address
 
 
-def _forced() -> bool | None:
-    value = os.environ.get("PREFIXCACHE_PANEL_GEMM", "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return None
-
-
 @functools.cache
 def prefer_panel(in_features: int, out_features: int, dtype: torch.dtype, onednn: bool) -> bool:
     """Whether this process multiplies projections of this shape and dtype through the panel
@@ -166,7 +156,7 @@ def prefer_panel(in_features: int, out_features: int, dtype: torch.dtype, onednn
     with ``onednn``; bfloat16: oneDNN's, else ``F.linear``): forced by the environment, else
     measured at 16 and 128 rows (medians of alternating calls); the other library must be
     `MIN_SPEEDUP` times faster at one of them to be kept."""
-    forced = _forced()
+    forced = onednn_gemm.forced_by_env("PREFIXCACHE_PANEL_GEMM")
     if forced is not None:
         return forced and available(dtype)
     if not (vectorised(dtype) and available(dtype)):
