@@ -175,11 +175,14 @@ def test_tile_size_follows_the_query_heads_per_kv_head() -> None:
 
 
 def test_decode_work_items_spread_evenly_over_the_threads() -> None:
-    # kv heads x chunks of sequences: the chunk size that leaves the busiest thread the fewest
-    # rows, the larger one on a tie
+    # kv heads x chunks of sequences: the chunk size that leaves the busiest thread the least
+    # work (its rows, plus a fixed cost per item: each reads the shared keys again), the larger
+    # one on a tie
     assert native_attention.decode_chunk(16, 4, 2) == 16  # 4 items: 2 per thread
-    assert native_attention.decode_chunk(16, 3, 2) == 8  # 6 items, not 3 (2 on one thread)
+    # SmolLM2 (3 kv heads of 3): 3 items (2 on one thread) cost less than 6 (3 per thread)
+    assert native_attention.decode_chunk(16, 3, 2, group=3) == 16
     assert native_attention.decode_chunk(16, 1, 2) == 8  # MQA: 2 items, not 1
+    assert native_attention.decode_chunk(16, 1, 2, group=8) == 8  # Qwen2-style, one kv head
     assert native_attention.decode_chunk(3, 2, 2) == 16  # few sequences: one chunk per head
     assert native_attention.decode_chunk(16, 3, 1) == 16  # one thread: the largest GEMMs
     # 32 query heads per kv head: chunks of at most 8 (256 stacked rows, a direct-path tile)

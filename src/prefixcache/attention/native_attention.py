@@ -63,6 +63,9 @@ _DIRECT_ROWS = 256  # MAX_TILE_VECS * LANES in attention.c: most rows of a direc
 # Most decode sequences per work item: their G query heads stack into one GEMM over the shared
 # keys; more per item means larger GEMMs, fewer items to spread over threads (`decode_chunk`).
 MAX_DECODE_CHUNK = 16
+# A decode work item's fixed cost in stacked query rows (measured over the benchmark shapes:
+# docs/performance.md)
+_ITEM_ROWS = 32
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -427,16 +430,18 @@ class PreparedDecode:
 def decode_chunk(num_seqs: int, num_kv_heads: int, threads: int, group: int = 1) -> int:
     """Sequences per decode work item (the three largest of 16, 8, 4, 2, 1 whose ``group``
     stacked query heads fit a direct-path tile): the work items are kv heads x chunks of
-    sequences, and the busiest thread's rows should be fewest, e.g. 16 sequences over 3 kv heads
-    on 2 threads: chunks of 8 (6 items, 3 per thread; chunks of 16 leave one thread 2 of 3).
-    Ties go to the larger chunk (larger GEMMs)."""
+    sequences, and the busiest thread's work should be least, counted as its items' stacked rows
+    plus `_ITEM_ROWS` per item (each item reads, and in bfloat16 pairs, the shared keys' K and V
+    again). E.g. 16 sequences over 3 kv heads of 3 query heads on 2 threads: chunks of 16 (3
+    items of 48 rows, 2 on one thread) rather than 8 (6 items of 24, 3 per thread); one kv head
+    of 8: chunks of 8 (one item per thread). Ties go to the larger chunk (larger GEMMs)."""
     sizes = [c for c in (16, 8, 4, 2, 1) if c <= MAX_DECODE_CHUNK and group * c <= _DIRECT_ROWS]
-    best, best_rows = 1, -1
+    best, best_cost = 1, -1
     for chunk in sizes[:3] or [1]:
         items = num_kv_heads * -(-num_seqs // chunk)
-        rows = -(-items // threads) * min(chunk, num_seqs)
-        if best_rows < 0 or rows < best_rows:
-            best, best_rows = chunk, rows
+        cost = -(-items // threads) * (group * min(chunk, num_seqs) + _ITEM_ROWS)
+        if best_cost < 0 or cost < best_cost:
+            best, best_cost = chunk, cost
     return best
 
 
