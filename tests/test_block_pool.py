@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.cache import AllBlocksCleared, BlockRemoved
 from prefixcache.cache.block_hash import BlockHasher
 from prefixcache.cache.block_pool import BlockPool, KVBlock
 from prefixcache.cache.hash_cache import HashIndex
@@ -17,14 +16,18 @@ def pool_with(num_blocks: int = 6, **kwargs: object) -> BlockPool:
     return pool
 
 
+def index_of(pool: BlockPool) -> HashIndex:
+    assert isinstance(pool.evictor, HashIndex)
+    return pool.evictor
+
+
 def store(pool: BlockPool, block: KVBlock, digest: bytes, token_bytes: bytes) -> bool:
     """What the hash index does on commit: map the digest unless it is already mapped."""
-    cached = pool.index.digest_map  # type: ignore[union-attr]
+    cached = index_of(pool).digest_map
     if digest in cached:
         return False
     cached[digest] = block
     block.digest, block.token_bytes = digest, token_bytes
-    pool.num_cached += 1
     return True
 
 
@@ -37,10 +40,10 @@ def check(pool: BlockPool, held: list[int]) -> None:
 
 def test_take_pops_lowest_first_and_release_orders_by_digest() -> None:
     pool = pool_with()
-    blocks = pool.take(4)
-    assert [b.block_id for b in blocks] == [0, 1, 2, 3]
+    taken = pool.take(4)
+    blocks = taken.blocks
+    assert taken.block_ids == [0, 1, 2, 3] and not taken.evicted_ids
     assert pool.free_block_ids() == [4, 5] and pool.num_free == 2
-    assert pool.stats.min_free_blocks == 2
     assert store(pool, blocks[0], b"d0", b"t0") and store(pool, blocks[1], b"d1", b"t1")
     assert not store(pool, blocks[2], b"d0", b"t0")  # a duplicate stays out of the map
     check(pool, [0, 1, 2, 3])
@@ -51,32 +54,34 @@ def test_take_pops_lowest_first_and_release_orders_by_digest() -> None:
 
 def test_touch_removes_from_the_middle_without_eviction() -> None:
     pool = pool_with()
-    blocks = pool.take(3)
+    blocks = pool.take(3).blocks
     store(pool, blocks[1], b"d1", b"t1")
     pool.release(reversed(blocks))
     assert pool.free_block_ids() == [0, 2, 3, 4, 5, 1]
     pool.touch([pool.blocks[3], pool.blocks[1]])
     assert pool.free_block_ids() == [0, 2, 4, 5]
-    assert pool.index.digest_map[b"d1"] is pool.blocks[1]  # type: ignore[union-attr]
+    assert index_of(pool).digest_map[b"d1"] is pool.blocks[1]
     check(pool, [3, 1])
     pool.touch([pool.blocks[1]])  # already held: only the count moves
     check(pool, [3, 1, 1])
 
 
-def test_lazy_eviction_on_pop_emits_removed_and_bumps_epoch() -> None:
+def test_lazy_eviction_on_pop_returns_the_evicted_and_bumps_epoch() -> None:
     pool = pool_with(num_blocks=2)
-    blocks = pool.take(2)
+    blocks = pool.take(2).blocks
     store(pool, blocks[0], b"d0", b"t0")
     pool.release(reversed(blocks))
     assert pool.free_block_ids() == [1, 0]
     epoch = pool.epoch
-    assert [b.block_id for b in pool.take(1)] == [1]
-    assert pool.epoch == epoch and pool.events.take() == []
-    assert [b.block_id for b in pool.take(1)] == [0]
-    assert pool.events.take() == [BlockRemoved(block_hashes=[b"d0"], block_ids=[0])]
-    assert pool.epoch == epoch + 1 and pool.stats.num_evictions == 1
-    assert b"d0" not in pool.index.digest_map  # type: ignore[union-attr]
-    assert pool.blocks[0].digest is None and pool.num_cached == 0
+    first = pool.take(1)
+    assert first.block_ids == [1] and not first.evicted_ids and pool.epoch == epoch
+    second = pool.take(1)
+    assert second.block_ids == [0]
+    assert (second.evicted_ids, second.evicted_digests) == ([0], [b"d0"])
+    assert pool.epoch == epoch + 1
+    assert b"d0" in index_of(pool).digest_map  # the map is the index's: the cache forgets it
+    index_of(pool).forget(second.evicted_digests)
+    assert pool.blocks[0].digest is None and index_of(pool).num_cached == 0
     check(pool, [0, 1])
     with pytest.raises(RuntimeError, match="free blocks"):
         pool.take(1)
@@ -84,24 +89,23 @@ def test_lazy_eviction_on_pop_emits_removed_and_bumps_epoch() -> None:
 
 def test_reset_refuses_while_held() -> None:
     pool = pool_with()
-    (block,) = pool.take(1)
+    (block,) = pool.take(1).blocks
     store(pool, block, b"d", b"t")
-    assert pool.reset() is False and pool.num_cached == 1
+    assert pool.reset() is False and index_of(pool).num_cached == 1
     pool.release([block])
     assert pool.reset() is True
-    assert not pool.index.digest_map and pool.blocks[0].digest is None  # type: ignore[union-attr]
-    assert pool.events.take() == [AllBlocksCleared()]
+    assert not index_of(pool).digest_map and pool.blocks[0].digest is None
     check(pool, [])
 
 
 def test_zero_on_reuse_tracks_owner_namespace() -> None:
     pool = pool_with(num_blocks=2, zero_on_reuse=True)
-    blocks = pool.take(2, b"ns-a")
+    blocks = pool.take(2, b"ns-a").blocks
     assert pool.take_blocks_to_zero() == [0, 1]
     pool.release(blocks)  # both undigested: each goes to the head
     assert pool.free_block_ids() == [1, 0]
-    assert [b.block_id for b in pool.take(1, b"ns-a")] == [1]
-    assert [b.block_id for b in pool.take(1, b"ns-b")] == [0]
+    assert pool.take(1, b"ns-a").block_ids == [1]
+    assert pool.take(1, b"ns-b").block_ids == [0]
     pool.cancel_zero(1)  # not queued: nothing happens
     assert pool.take_blocks_to_zero() == [0]
 
@@ -112,7 +116,7 @@ def test_integrity_catches_broken_links_and_stale_map() -> None:
     with pytest.raises(AssertionError, match="links consistent"):
         check(pool, [])
     pool = pool_with()
-    (block,) = pool.take(1)
+    (block,) = pool.take(1).blocks
     store(pool, block, b"d", b"t")
     block.digest = None
     with pytest.raises(AssertionError, match="keeps its tokens exactly while it has a digest"):

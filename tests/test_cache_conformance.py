@@ -574,3 +574,28 @@ def test_an_over_share_domain_cannot_evict_a_quiet_domains_cache(kind: str) -> N
         cache.free(seq)
     assert cache.allocate(big, 3 * BS) is not None  # its own cached blocks are free again
     assert cache.match(again).num_tokens == 2 * BS
+
+
+def test_statistics_follow_what_the_pool_and_index_did(kind: str) -> None:
+    """The cache's counters (one writer: the cache) agree with what a caller saw happen: the
+    free-block low watermark, blocks stored, duplicates computed twice, evictions, resets."""
+    cache = new_cache(kind, num_blocks=10)
+    prompt = list(range(3 * BS)) + [7]
+    a, b = Sequence("a", prompt), Sequence("b", prompt)
+    hit_a, hit_b = cache.match(a), cache.match(b)  # both miss: both compute the prompt
+    assert cache.allocate(a, a.num_tokens, hit_a) and cache.allocate(b, b.num_tokens, hit_b)
+    assert cache.stats.min_free_blocks == 10 - 8
+    cache.commit(a, a.num_tokens)
+    cache.commit(b, b.num_tokens)
+    stats = cache.stats
+    assert (stats.num_committed_blocks, stats.num_duplicate_blocks) == (3, 3)
+    assert cache.num_cached_blocks == 3
+    cache.free(a)
+    cache.free(b)
+    removed_ids(cache)  # drain
+    c = Sequence("c", list(range(100, 100 + 9 * BS)) + [7])  # needs every block: evicts all 3
+    assert run_prompt(cache, c)
+    assert stats.num_evictions == 3 == len(removed_ids(cache)) and cache.num_cached_blocks == 9
+    assert stats.min_free_blocks == 0
+    cache.free(c)
+    assert cache.reset() and stats.num_resets == 1 and cache.num_cached_blocks == 0

@@ -286,10 +286,10 @@ def test_integrity_check_names_broken_invariants() -> None:
     with pytest.raises(AssertionError, match="lock_ref"):
         cache.check_integrity()
     node.lock_ref -= 1
-    cache.pool.num_parked += 1
+    cache.index.num_parked += 1
     with pytest.raises(AssertionError, match="parked"):
         cache.check_integrity()
-    cache.pool.num_parked -= 1
+    cache.index.num_parked -= 1
     block = cache.pool.blocks[node.block_ids[0]]
     block.digest, block.token_bytes = node.digests[0], node.tokens[0]
     with pytest.raises(AssertionError, match="its node keeps the digest"):

@@ -15,8 +15,9 @@ Life of a sequence::
     cache.free(seq)
 
 The pool (``block_pool.py``) owns the blocks, the index (``index.py``) what is cached; this class
-owns the sequences' block tables, the contract's rules and the statistics. `match` is a pure
-lookup: a request's lookup is counted once, when `allocate` admits it with its hit.
+owns the sequences' block tables, the contract's rules, the statistics and the KV events, all
+written here from what the pool and the index return. `match` is a pure lookup: a request's
+lookup is counted once, when `allocate` admits it with its hit.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from collections import Counter
 from typing import Any, Protocol
 
 from prefixcache.cache.block_hash import BlockHasher
-from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
+from prefixcache.cache.block_pool import BlockPool, KVBlock, Taken, check_invariant
 from prefixcache.cache.config import CacheConfig
-from prefixcache.cache.events import KVCacheEvent
-from prefixcache.cache.index import CacheHit, ChainKeys, PrefixIndex, SeqBlocks
+from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer, KVCacheEvent
+from prefixcache.cache.index import NOTHING_INSERTED, CacheHit, ChainKeys, PrefixIndex, SeqBlocks
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 
@@ -79,10 +80,8 @@ class PrefixCache:
         self.hasher = BlockHasher(block_size, hash_algo)
         self.keys = ChainKeys(self.hasher, config.model_id, config.events_with_tokens)
         self.stats = CacheStats()
-        self.pool = BlockPool(
-            num_blocks, block_size, stats=self.stats, enable_kv_events=config.enable_kv_events,
-            max_events=config.max_events, zero_on_reuse=config.zero_on_reuse,
-        )  # fmt: skip
+        self.events = EventBuffer(config.enable_kv_events, config.max_events)
+        self.pool = BlockPool(num_blocks, block_size, zero_on_reuse=config.zero_on_reuse)
         self.index = self._make_index()
         self.pool.attach(self.index)
         self._index_admits = type(self.index).admit is not PrefixIndex.admit  # (radix)
@@ -105,7 +104,7 @@ class PrefixCache:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"free={self.pool.num_free}, cached={self.pool.num_cached})"
+            f"free={self.pool.num_free}, cached={self.index.num_cached})"
         )
 
     def add_observer(self, observer: CacheObserver) -> None:
@@ -187,15 +186,15 @@ class PrefixCache:
             reused = self.index.num_free_in(hit, hit_blocks) if num_hit else 0
             if num_new + reused > num_free:
                 return None
-        table = SeqBlocks(seq, hit_blocks, list(hit.block_ids), computed, end, num_hit)
+        seq.num_computed_tokens = computed
+        table = SeqBlocks(seq, hit_blocks, list(hit.block_ids), end, num_hit)
         if num_hit and self._index_admits:
             self.index.admit(table, hit)
         if table.num_path < num_hit:  # radix holds its path through the index
             pool.touch(hit_blocks[table.num_path :] if table.num_path else hit_blocks)
-        new_blocks, new_ids = pool.take_with_ids(num_new, self._owner_root(seq), protected)
-        table.blocks += new_blocks
-        table.block_ids += new_ids
-        seq.num_computed_tokens = computed
+        taken = self._take(num_new, self._owner_root(seq), protected)
+        table.blocks += taken.blocks
+        table.block_ids += taken.block_ids
         self._tables[seq.seq_id] = table
         self._add_held(seq.domain, len(table.blocks))
         self._count_lookup(seq, hit)
@@ -258,18 +257,37 @@ class PrefixCache:
             return None
         root = self._owner_root(table.seq)
         for i in shared:  # a shared block is never written: the table gets its own copy
-            dst = self.pool.copy_on_write(
-                blocks[i], root, copy=i * bs < computed, protected=protected
-            )
+            (dst,) = self._take(1, root, protected).blocks
+            self.pool.copy_on_write(blocks[i], dst, copy=i * bs < computed)
             blocks[i] = dst
             table.block_ids[i] = dst.block_id
-        new_blocks, new_ids = self.pool.take_with_ids(num_new, root, protected)
-        if new_blocks:
-            self._add_held(domain, len(new_blocks))
-            blocks += new_blocks
-            table.block_ids += new_ids
+        taken = self._take(num_new, root, protected)
+        if taken.blocks:
+            self._add_held(domain, len(taken.blocks))
+            blocks += taken.blocks
+            table.block_ids += taken.block_ids
         table.num_alloc_tokens = max(table.num_alloc_tokens, end)
         return list(table.block_ids)
+
+    def _take(self, num: int, owner_root: bytes | None, protected: frozenset[str]) -> Taken:
+        """``num`` new blocks from the pool; evictions are counted, announced and forgotten by
+        the index here, and the free-block low watermark kept."""
+        taken = self.pool.take(num, owner_root, protected)
+        if taken.evicted_ids:
+            self.stats.num_evictions += len(taken.evicted_ids)
+            self.index.forget(taken.evicted_digests)
+            if self.events.enabled:
+                self.events.emit(
+                    BlockRemoved(block_hashes=taken.evicted_digests, block_ids=taken.evicted_ids)
+                )
+        self._note_watermark()
+        return taken
+
+    def _note_watermark(self) -> None:
+        stats = self.stats
+        num_free = self.pool.num_free
+        if stats.min_free_blocks < 0 or num_free < stats.min_free_blocks:
+            stats.min_free_blocks = num_free
 
     def _owner_root(self, seq: Sequence) -> bytes | None:
         if not self.pool.zero_on_reuse:
@@ -293,12 +311,19 @@ class PrefixCache:
                 f"{table.num_computed_tokens} and the allocated {table.num_alloc_tokens} tokens "
                 f"(of {len(seq.token_ids)})"
             )
-        seq.num_computed_tokens = table.num_computed_tokens = num_computed_tokens
+        seq.num_computed_tokens = num_computed_tokens
         start = table.num_committed_blocks
         end = num_computed_tokens // self.block_size
         table.num_committed_blocks = end
         if self.enable_caching and seq.use_cache:
-            self.index.insert(table, start, end)
+            inserted = self.index.insert(table, start, end)
+            if inserted is not NOTHING_INSERTED:
+                stats = self.stats
+                stats.num_committed_blocks += inserted.num_stored
+                stats.num_duplicate_blocks += inserted.num_duplicates
+                if self.events.enabled:
+                    for run_start, run_end in inserted.runs:
+                        self.keys.emit_stored(self.events, table, run_start, run_end)
             if end > start:
                 for observer in self._observers:
                     observer.on_commit(seq, start, end, list(table.block_ids))
@@ -342,7 +367,7 @@ class PrefixCache:
         self.pool.touch(table.blocks[table.num_path :])
         child_table = SeqBlocks(
             child, list(table.blocks), list(table.block_ids), table.num_computed_tokens,
-            table.num_computed_tokens, table.num_committed_blocks, table.num_path, table.node,
+            table.num_committed_blocks, table.num_path, table.node,
         )  # fmt: skip
         if table.node is not None:
             self.index.fork(table, child_table)
@@ -352,7 +377,11 @@ class PrefixCache:
 
     def reset(self) -> bool:
         """Drop every cached block. Refuses (False, nothing changed) while any block is in use."""
-        return self.pool.reset()
+        if not self.pool.reset():
+            return False
+        self.stats.num_resets += 1
+        self.events.emit(AllBlocksCleared())
+        return True
 
     # -- views and drains -----------------------------------------------------------------------
 
@@ -373,7 +402,7 @@ class PrefixCache:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks that are hittable now (held or free)."""
-        return self.pool.num_cached
+        return self.index.num_cached
 
     @property
     def usage(self) -> float:
@@ -390,15 +419,15 @@ class PrefixCache:
 
     @property
     def enable_kv_events(self) -> bool:
-        return self.pool.events.enabled
+        return self.events.enabled
 
     @property
     def num_dropped_events(self) -> int:
-        return self.pool.events.num_dropped
+        return self.events.num_dropped
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the KV events since the last call."""
-        return self.pool.events.take()
+        return self.events.take()
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Drain pending copy-on-write instructions ``(src_block_id, dst_block_id)``; the runner
@@ -434,7 +463,7 @@ class PrefixCache:
         )
         computed, allocated = table.num_computed_tokens, table.num_alloc_tokens
         check_invariant(
-            computed == table.seq.num_computed_tokens <= allocated <= len(blocks) * bs,
+            computed <= allocated <= len(blocks) * bs,
             "computed <= allocated <= table size for {!r}",
             seq_id,
         )

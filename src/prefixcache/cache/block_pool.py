@@ -1,19 +1,20 @@
 """The block pool, the only allocator: every KV block, its ref count, the free queues, the owner
-roots for zero-on-reuse, the copy-on-write and zeroing lists, and the KV event buffer.
+roots for zero-on-reuse, and the copy-on-write and zeroing lists.
 
 The pool knows block ids, ref counts and whether a block is cached (its digest and the token bytes
-the digest stands for); not sequences, block tables, hashing or tensors. A `PrefixCache`
-(``base.py``) drives it; its prefix index decides which blocks are cached.
+the digest stands for); not sequences, block tables, hashing, statistics or tensors. A
+`PrefixCache` (``base.py``) drives it and counts what its calls return; the prefix index decides
+which blocks are cached and is seen here only through `Evictor`, the interface the pool defines.
 
 - Blocks are created once (``__slots__``). Free blocks wait in intrusive doubly-linked queues
-  between a head and a tail sentinel (pop, append, remove from the middle: O(1), no allocation):
-  one of uncached blocks, handed out first (they are worth nothing), and per isolation domain
-  one of its cached blocks, least recently used first. Eviction takes from the domain with the
-  most free cached blocks, so one tenant's churn evicts its own cache before a quiet tenant's
-  prefix. With one domain this is one LRU queue: uncached blocks, then cached ones in release
-  order (the head goes first).
+  (`FreeBlockQueue`: pop, append, remove from the middle in O(1), no allocation): one of uncached
+  blocks, handed out first (they are worth nothing), and per isolation domain one of its cached
+  blocks, least recently used first. Eviction takes from the domain with the most free cached
+  blocks, so one tenant's churn evicts its own cache before a quiet tenant's prefix. With one
+  domain this is one LRU queue: uncached blocks, then cached ones in release order.
 - A free cached block stays hittable until it is reused (lazy eviction): queued (hash), or
-  parked in the index (radix: see ``index.py``).
+  parked in the index (radix: the index keeps its free cached blocks and gives them up through
+  `Evictor.evict`, in its own order).
 - ``num_free`` = queued + parked: what can be handed out now. ``epoch`` counts the moments a
   digest was dropped (eviction, reset): a hit found at the current epoch is still valid.
 """
@@ -21,18 +22,12 @@ the digest stands for); not sequences, block tables, hashing or tensors. A `Pref
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer
-from prefixcache.cache.stats import CacheStats
+__all__ = ["BlockPool", "Evictor", "FreeBlockQueue", "KVBlock", "Taken", "check_invariant"]
 
-if TYPE_CHECKING:
-    from prefixcache.cache.index import PrefixIndex
-
-__all__ = ["DEFAULT_MAX_EVENTS", "BlockPool", "KVBlock", "check_invariant"]
-
-DEFAULT_MAX_EVENTS = 100_000
 _NONE: frozenset[str] = frozenset()
 _count = attrgetter("count")
 
@@ -65,8 +60,62 @@ class KVBlock:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, digest={digest})"
 
 
-class _Queue:
-    """An intrusive doubly-linked list of free blocks between two sentinels, with its length."""
+class Evictor(Protocol):
+    """What the pool needs from a prefix index; the pool imports nothing of the indexes.
+
+    ``keeps_free_blocks``: the index holds its free cached blocks itself (radix), ``num_parked``
+    of them, ``parked_by_domain()`` per domain, and hands them over through `evict`; otherwise
+    (hash) every free block is queued here and the index parks nothing. `clear` drops every
+    cached block (the pool's `reset`)."""
+
+    keeps_free_blocks: bool
+    num_parked: int
+
+    def parked_by_domain(self) -> Mapping[str, int]: ...
+
+    def evict(
+        self, num: int, out: list[KVBlock], protected: frozenset[str]
+    ) -> tuple[list[int], list[bytes]]:
+        """Append ``num`` parked blocks (none of ``protected`` domains') to ``out`` in eviction
+        order, handing over the index's reference on each; returns their ids and digests."""
+        ...
+
+    def clear(self) -> None: ...
+
+
+class _NoEvictor:
+    """A pool without an index: nothing is parked."""
+
+    keeps_free_blocks = False
+    num_parked = 0
+
+    def parked_by_domain(self) -> Mapping[str, int]:
+        return {}
+
+    def evict(
+        self, num: int, out: list[KVBlock], protected: frozenset[str]
+    ) -> tuple[list[int], list[bytes]]:
+        raise RuntimeError("no index parks blocks in this pool")
+
+    def clear(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class Taken:
+    """What `BlockPool.take` handed out: ``blocks`` (``ref_cnt`` 1) and their ids, and the cached
+    blocks among them that lost their digest (evicted), for the caller's counters and events."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    evicted_ids: list[int] = field(default_factory=list)
+    evicted_digests: list[bytes] = field(default_factory=list)
+
+
+class FreeBlockQueue:
+    """An intrusive doubly-linked list of free blocks between two sentinels, with its length.
+
+    Every edit of the links happens in these methods; none allocates per block."""
 
     __slots__ = ("head", "tail", "count", "domain")
 
@@ -85,65 +134,116 @@ class _Queue:
             block = block.next
         return out
 
+    def link(self, blocks: list[KVBlock]) -> None:
+        """The queue holds exactly ``blocks``, in order."""
+        chain = [self.head, *blocks, self.tail]
+        for left, right in zip(chain, chain[1:], strict=False):
+            left.next = right
+            right.prev = left
+        self.count = len(blocks)
+
+    @staticmethod
+    def remove_free(
+        blocks: Iterable[KVBlock], free: FreeBlockQueue, lru: Mapping[str, FreeBlockQueue]
+    ) -> int:
+        """Take a reference on each of ``blocks``, unlinking the free ones from their queue
+        (``free`` for uncached blocks, else their domain's in ``lru``); returns how many were
+        unlinked. Counts are kept per run of one domain, not per block."""
+        num_uncached = num_cached = 0
+        # the queue of the current run of free cached blocks, its domain, and the run's length
+        queue: FreeBlockQueue | None = None
+        domain: str | None = None
+        run = 0
+        for block in blocks:
+            ref_cnt = block.ref_cnt
+            if not ref_cnt:
+                prev, nxt = block.prev, block.next
+                prev.next = nxt
+                nxt.prev = prev
+                if block.digest is None:
+                    num_uncached += 1
+                else:
+                    if block.domain is not domain:
+                        if queue is not None:
+                            queue.count -= run
+                            num_cached += run
+                        domain, run = block.domain, 0
+                        queue = lru[domain]
+                    run += 1
+            block.ref_cnt = ref_cnt + 1
+        if queue is not None:
+            queue.count -= run
+        free.count -= num_uncached
+        return num_uncached + num_cached + run
+
+    def pop_front(self, num: int, out: list[KVBlock], ids: list[int]) -> None:
+        """Move the first ``num`` (<= ``count``) blocks to ``out`` with ``ref_cnt`` 1 (their ids
+        to ``ids``)."""
+        block = self.head.next
+        for _ in range(num):
+            block.ref_cnt = 1
+            out.append(block)
+            ids.append(block.block_id)
+            block = block.next
+        self.head.next = block
+        block.prev = self.head
+        self.count -= num
+
+    def push_front(self, block: KVBlock) -> None:
+        first = self.head.next
+        block.next = first
+        first.prev = block
+        block.prev = self.head
+        self.head.next = block
+        self.count += 1
+
+    def append_run(self, first: KVBlock, last: KVBlock, num: int) -> None:
+        """Append the ``num`` blocks already chained from ``first`` to ``last`` at the tail."""
+        tail = self.tail
+        before = tail.prev
+        before.next = first
+        first.prev = before
+        last.next = tail
+        tail.prev = last
+        self.count += num
+
 
 class BlockPool:
     """``num_blocks`` blocks with ids ``0..num_blocks-1``; the initial free queue is ``0, 1, 2...``.
 
-    Counters go to ``stats``. `attach` names the prefix index that caches blocks in this pool.
+    `attach` names the `Evictor` (the prefix index) that caches blocks in this pool.
     """
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        stats: CacheStats | None = None,
-        enable_kv_events: bool = True,
-        max_events: int = DEFAULT_MAX_EVENTS,
-        zero_on_reuse: bool = False,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, zero_on_reuse: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks, block_size must be >= 1: {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.stats = stats if stats is not None else CacheStats()
-        self.events = EventBuffer(enable_kv_events, max_events)
         self.zero_on_reuse = zero_on_reuse
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.index: PrefixIndex | None = None
+        self.evictor: Evictor = _NoEvictor()
         self.num_queued = num_blocks  # free blocks in the queues
-        self.num_parked = 0  # evictable cached blocks the index keeps (it maintains this count)
-        self.num_cached = 0  # blocks with a digest (hittable), held or free
         self.epoch = 0
-        self._mapped: dict[bytes, KVBlock] = {}  # the index's digest map (hash)
-        self._parked: dict[str, int] | None = None  # the index's parked blocks per domain (radix)
         self._to_zero: list[int] = []
         self._copies: list[tuple[int, int]] = []
-        self._free = _Queue()  # free uncached blocks: handed out first
-        self._lru: dict[str, _Queue] = {}  # per domain: its free cached blocks, LRU first
+        self._free = FreeBlockQueue()  # free uncached blocks: handed out first
+        self._lru: dict[str, FreeBlockQueue] = {}  # per domain: its free cached blocks, LRU first
         self._link_all(self.blocks)
 
-    def attach(self, index: PrefixIndex) -> None:
-        """``index`` caches blocks of this pool (before any block is cached)."""
-        self.index = index
-        if index.digest_map is not None:
-            self._mapped = index.digest_map
-        self._parked = index.parked
+    def attach(self, evictor: Evictor) -> None:
+        """``evictor`` (a prefix index) caches blocks of this pool (before any block is cached)."""
+        self.evictor = evictor
 
     def _link_all(self, blocks: list[KVBlock]) -> None:
         """Every block free and uncached, queued in the order of ``blocks``."""
-        queue = self._free
-        chain = [queue.head, *blocks, queue.tail]
-        for left, right in zip(chain, chain[1:], strict=False):
-            left.next = right
-            right.prev = left
-        queue.count = self.num_queued = len(blocks)
+        self._free.link(blocks)
+        self.num_queued = len(blocks)
         self._lru.clear()
 
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now: queued, or parked and evictable."""
-        return self.num_queued + self.num_parked
+        return self.num_queued + self.evictor.num_parked
 
     def free_block_ids(self) -> list[int]:
         """The queues in the order they are handed out with one domain: uncached blocks, then
@@ -155,136 +255,71 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on each block, pulling free ones out of their queue (no eviction)."""
-        num_uncached = num_cached = 0
-        # the queue of the current run of free cached blocks, its domain, and the run's length
-        queue: _Queue | None = None
-        domain: str | None = None
-        run = 0
-        for block in blocks:
-            ref_cnt = block.ref_cnt
-            if not ref_cnt:
-                prev = block.prev
-                nxt = block.next
-                prev.next = nxt
-                nxt.prev = prev
-                if block.digest is None:
-                    num_uncached += 1
-                else:
-                    if block.domain is not domain:
-                        if queue is not None:
-                            queue.count -= run
-                            num_cached += run
-                        domain, run = block.domain, 0
-                        queue = self._lru[domain]
-                    run += 1
-            block.ref_cnt = ref_cnt + 1
-        if queue is not None:
-            queue.count -= run
-        self._free.count -= num_uncached
-        self.num_queued -= num_uncached + num_cached + run
-        self._note_watermark()
+        self.num_queued -= FreeBlockQueue.remove_free(blocks, self._free, self._lru)
 
     def take(
         self, num: int, owner_root: bytes | None = None, protected: frozenset[str] = _NONE
-    ) -> list[KVBlock]:
-        """``num`` blocks with ``ref_cnt = 1`` (see `take_with_ids`)."""
-        return self.take_with_ids(num, owner_root, protected)[0]
-
-    def take_with_ids(
-        self, num: int, owner_root: bytes | None = None, protected: frozenset[str] = _NONE
-    ) -> tuple[list[KVBlock], list[int]]:
-        """``num`` blocks with ``ref_cnt = 1``, and their ids: queued ones first, then parked
-        ones the index evicts; a cached block taken loses its digest (an eviction). The caller
-        checked ``num <= num_free``, less the free cached blocks of the ``protected`` domains
-        (never evicted here). ``owner_root``: the new owner's namespace (zero-on-reuse)."""
+    ) -> Taken:
+        """``num`` blocks with ``ref_cnt = 1``: queued ones first, then parked ones the evictor
+        hands over; a cached block taken loses its digest (an eviction, returned in `Taken`).
+        The caller checked ``num <= num_free``, less the free cached blocks of the ``protected``
+        domains (never evicted here). ``owner_root``: the new owner's namespace (zero-on-reuse)."""
         if num > self.num_free:
             raise RuntimeError(f"take({num}) with only {self.num_free} free blocks")
-        out: list[KVBlock] = []
-        ids: list[int] = []
-        if num > 0:
-            queued = self.num_queued
-            if protected:
-                queued -= sum(q.count for d, q in self._lru.items() if d in protected)
-            if queued:
-                self._take_queued(min(num, queued), out, ids, protected)
-            if len(out) < num:
-                assert self.index is not None
-                parked_ids, digests = self.index.evict(num - len(out), out, protected)
-                self.num_parked -= len(parked_ids)
-                self._dropped(parked_ids, digests)
-                ids += parked_ids
-            if self.zero_on_reuse:
-                self._note_owner(out, owner_root)
-        self._note_watermark()
-        return out, ids
+        taken = Taken()
+        if num <= 0:
+            return taken
+        queued = self.num_queued
+        if protected:
+            queued -= sum(q.count for d, q in self._lru.items() if d in protected)
+        if queued:
+            self._take_queued(min(num, queued), taken, protected)
+        out = taken.blocks
+        if len(out) < num:
+            ids, digests = self.evictor.evict(num - len(out), out, protected)
+            taken.block_ids += ids
+            taken.evicted_ids += ids
+            taken.evicted_digests += digests
+        if taken.evicted_ids:
+            self.epoch += 1
+        if self.zero_on_reuse:
+            self._note_owner(out, owner_root)
+        return taken
 
-    def _take_queued(
-        self, num: int, out: list[KVBlock], ids: list[int], protected: frozenset[str]
-    ) -> None:
-        """``num`` queued blocks into ``out`` (their ids into ``ids``): uncached ones first,
-        then cached ones from the domain with the most of them (its least recently used first)."""
+    def _take_queued(self, num: int, taken: Taken, protected: frozenset[str]) -> None:
+        """``num`` queued blocks into ``taken``: uncached ones first, then cached ones from the
+        domain with the most of them (its least recently used first)."""
         free = self._free
         left = min(num, free.count)
-        block = free.head.next
-        for _ in range(left):
-            block.ref_cnt = 1
-            out.append(block)
-            ids.append(block.block_id)
-            block = block.next
-        free.head.next = block
-        block.prev = free.head
-        free.count -= left
+        free.pop_front(left, taken.blocks, taken.block_ids)
         left = num - left
         self.num_queued -= num
-        if not left:
-            return
         lru = self._lru
-        evicted: list[int] = []
-        digests: list[bytes] = []
-        if len(lru) == 1 and not protected:  # one domain: its LRU order
-            left -= self._evict_queued(next(iter(lru.values())), left, out, evicted, digests)
-        else:
+        if left and len(lru) == 1 and not protected:  # one domain: its LRU order
+            queue = next(iter(lru.values()))
+            left -= self._evict_queued(queue, left, taken)
+        elif left:
             for domain in [d for d, q in lru.items() if not q.count]:
                 del lru[domain]  # empty: no block refers to it
         while left:  # several domains compete: the one with the most free cached blocks gives one
             queue = max((q for d, q in lru.items() if d not in protected), key=_count)
-            left -= self._evict_queued(queue, 1, out, evicted, digests)
+            left -= self._evict_queued(queue, 1, taken)
             if not queue.count:
                 del lru[queue.domain]
-        self._dropped(evicted, digests)
-        ids += evicted
 
-    def _evict_queued(
-        self, queue: _Queue, num: int, out: list[KVBlock], ids: list[int], digests: list[bytes]
-    ) -> int:
-        """Pop ``num`` cached blocks off ``queue``: each loses its digest and its map entry."""
+    @staticmethod
+    def _evict_queued(queue: FreeBlockQueue, num: int, taken: Taken) -> int:
+        """Pop ``num`` cached blocks off ``queue`` into ``taken``: each loses its digest."""
         num = min(num, queue.count)
-        mapped = self._mapped
-        block = queue.head.next
-        for _ in range(num):
-            digest = block.digest
-            if mapped.get(digest) is block:  # type: ignore[arg-type]  # queued cached: a digest
-                del mapped[digest]  # type: ignore[arg-type]
-            digests.append(digest)  # type: ignore[arg-type]
+        out = taken.blocks
+        start = len(out)
+        queue.pop_front(num, out, taken.block_ids)
+        ids, digests = taken.evicted_ids, taken.evicted_digests
+        for block in out[start:]:
+            digests.append(block.digest)  # type: ignore[arg-type]  # queued cached: a digest
             ids.append(block.block_id)
             block.digest = block.token_bytes = None
-            block.ref_cnt = 1
-            out.append(block)
-            block = block.next
-        queue.head.next = block
-        block.prev = queue.head
-        queue.count -= num
         return num
-
-    def _dropped(self, ids: list[int], digests: list[bytes]) -> None:
-        """Blocks ``ids`` (with these ``digests``) stopped being cached: count and announce it."""
-        if not ids:
-            return
-        self.num_cached -= len(ids)
-        self.epoch += 1
-        self.stats.num_evictions += len(ids)
-        if self.events.enabled:
-            self.events.emit(BlockRemoved(block_hashes=digests, block_ids=ids))
 
     def _note_owner(self, blocks: list[KVBlock], owner_root: bytes | None) -> None:
         for block in blocks:
@@ -292,106 +327,87 @@ class BlockPool:
                 self._to_zero.append(block.block_id)
             block.owner_root = owner_root
 
-    def _note_watermark(self) -> None:
-        stats = self.stats
-        num_free = self.num_queued + self.num_parked
-        if stats.min_free_blocks < 0 or num_free < stats.min_free_blocks:
-            stats.min_free_blocks = num_free
-
     def release(self, blocks_in_order: Iterable[KVBlock]) -> None:
         """Drop one reference on each block, in the given order (callers pass a table reversed):
         a block reaching ``ref_cnt == 0`` goes to its domain's queue tail if it is cached (it
         stays hittable), or to the head of the uncached queue if not (worth nothing)."""
         free = self._free
-        head = free.head
-        num_free = num_cached = 0
-        # the queue the current run of cached blocks joins, its last block, and the run's length
-        lru: _Queue | None = None
+        num_freed = 0
+        # the queue the current run of cached blocks joins, the run's ends and its length
+        lru: FreeBlockQueue | None = None
         lru_domain: str | None = None
-        last = head
+        first = last = free.head
         run = 0
         for block in blocks_in_order:
             ref_cnt = block.ref_cnt - 1
             block.ref_cnt = ref_cnt
             if ref_cnt:
                 continue
+            num_freed += 1
             if block.digest is None:
-                first = head.next
-                block.next = first
-                first.prev = block
-                block.prev = head
-                head.next = block
-                num_free += 1
+                free.push_front(block)
                 continue
             domain = block.domain
             if domain is not lru_domain and domain != lru_domain:
                 if lru is not None:
-                    last.next = lru.tail
-                    lru.tail.prev = last
-                    lru.count += run
-                    num_cached += run
+                    lru.append_run(first, last, run)
                 lru = self._lru.get(domain)
                 if lru is None:
-                    lru = self._lru[domain] = _Queue(domain)
-                lru_domain, run, last = domain, 0, lru.tail.prev
-            last.next = block
-            block.prev = last
+                    lru = self._lru[domain] = FreeBlockQueue(domain)
+                lru_domain, run, first = domain, 0, block
+            else:
+                last.next = block
+                block.prev = last
             last = block
             run += 1
         if lru is not None:
-            last.next = lru.tail
-            lru.tail.prev = last
-            lru.count += run
-        free.count += num_free
-        self.num_queued += num_free + num_cached + run
+            lru.append_run(first, last, run)
+        self.num_queued += num_freed
 
-    def copy_on_write(
-        self, src: KVBlock, root: bytes | None, *, copy: bool, protected: frozenset[str] = _NONE
-    ) -> KVBlock:
-        """A private block to write instead of the shared ``src`` (whose reference is dropped);
+    def copy_on_write(self, src: KVBlock, dst: KVBlock, *, copy: bool) -> None:
+        """``dst`` (just taken) replaces the shared ``src``, whose reference is dropped;
         ``copy``: its KV must be copied from ``src`` first (queued for the runner)."""
-        (dst,) = self.take(1, root, protected)
         if copy:
             self._copies.append((src.block_id, dst.block_id))
             self.cancel_zero(dst.block_id)  # the copy overwrites the whole block
         self.release((src,))
-        return dst
 
     # -- domains --------------------------------------------------------------------------------
+
+    def _cached_domains(self) -> Mapping[str, object]:
+        evictor = self.evictor
+        return evictor.parked_by_domain() if evictor.keeps_free_blocks else self._lru
 
     def other_cache_domains(self, domain: str) -> bool:
         """Whether a domain other than ``domain`` may have free cached blocks (cheap; may say
         True for a domain whose count dropped to 0)."""
-        keys = self._parked if self._parked is not None else self._lru
+        keys = self._cached_domains()
         return len(keys) > 1 or (len(keys) == 1 and domain not in keys)
 
     def free_cached_by_domain(self) -> dict[str, int]:
         """Free (evictable) cached blocks per domain."""
-        if self._parked is not None:
-            return {d: n for d, n in self._parked.items() if n}
+        if self.evictor.keeps_free_blocks:
+            return {d: n for d, n in self.evictor.parked_by_domain().items() if n}
         return {d: q.count for d, q in self._lru.items() if q.count}
 
     # -- reset, copies and zero-on-reuse ------------------------------------------------
 
     def reset(self) -> bool:
-        """Drop every digest. Refuses (False, nothing changed) while any block is in use."""
+        """Drop every digest (and the evictor's cached blocks). Refuses (False, nothing changed)
+        while any block is in use."""
         if self.num_free != self.num_blocks:
             return False
         # hash: the queue order stays (uncached, then each domain's, LRU first); radix: parked
         # blocks rejoin the queue, all in id order
         order = self.blocks
-        if self._parked is None:
+        if not self.evictor.keeps_free_blocks:
             order = [b for q in (self._free, *self._lru.values()) for b in q.blocks()]
         for block in self.blocks:  # radix: the tree's references go too
             block.digest = block.token_bytes = None
             block.ref_cnt = 0
-        if self.index is not None:
-            self.index.clear()
+        self.evictor.clear()
         self._link_all(order)
-        self.num_parked = self.num_cached = 0
         self.epoch += 1
-        self.stats.num_resets += 1
-        self.events.emit(AllBlocksCleared())
         return True
 
     def take_block_copies(self) -> list[tuple[int, int]]:
@@ -426,27 +442,9 @@ class BlockPool:
                 "a block keeps its tokens exactly while it has a digest: {!r}",
                 block,
             )
-        num_cached = sum(1 for b in blocks if b.digest is not None)
-        if self._parked is None:  # radix: the tree's blocks carry no digest (the index checks)
-            check_invariant(num_cached == self.num_cached, "cached count {} kept", num_cached)
         seen: set[int] = set()
         for queue in [self._free, *self._lru.values()]:
-            prev, block, count = queue.head, queue.head.next, 0
-            while block is not queue.tail and len(seen) <= self.num_blocks:
-                check_invariant(block.prev is prev, "free queue links consistent at {!r}", block)
-                check_invariant(
-                    block.ref_cnt == 0 and block.block_id not in seen
-                    and (block.digest is None) == (queue is self._free)
-                    and (queue is self._free or self._lru.get(block.domain) is queue),
-                    "a queued block is free and queued once: uncached ones together, cached ones "
-                    "in their domain's queue: {!r}",
-                    block,
-                )  # fmt: skip
-                seen.add(block.block_id)
-                count += 1
-                prev, block = block, block.next
-            check_invariant(queue.tail.prev is prev, "free queue links consistent at the tail")
-            check_invariant(queue.count == count, "queue length {} kept", count)
+            self._check_queue(queue, seen)
         free = sum(1 for b in blocks if b.ref_cnt == 0)
         check_invariant(
             len(seen) == self.num_queued == free,
@@ -455,6 +453,24 @@ class BlockPool:
             self.num_queued,
             free,
         )
+
+    def _check_queue(self, queue: FreeBlockQueue, seen: set[int]) -> None:
+        prev, block, count = queue.head, queue.head.next, 0
+        while block is not queue.tail and len(seen) <= self.num_blocks:
+            check_invariant(block.prev is prev, "free queue links consistent at {!r}", block)
+            check_invariant(
+                block.ref_cnt == 0 and block.block_id not in seen
+                and (block.digest is None) == (queue is self._free)
+                and (queue is self._free or self._lru.get(block.domain) is queue),
+                "a queued block is free and queued once: uncached ones together, cached ones "
+                "in their domain's queue: {!r}",
+                block,
+            )  # fmt: skip
+            seen.add(block.block_id)
+            count += 1
+            prev, block = block, block.next
+        check_invariant(queue.tail.prev is prev, "free queue links consistent at the tail")
+        check_invariant(queue.count == count, "queue length {} kept", count)
 
 
 def check_invariant(condition: bool, invariant: str, *args: object) -> None:

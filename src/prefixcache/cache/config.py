@@ -10,7 +10,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 from prefixcache.cache.block_hash import HASH_ALGOS
-from prefixcache.cache.block_pool import DEFAULT_MAX_EVENTS
+from prefixcache.cache.events import DEFAULT_MAX_EVENTS
 
 __all__ = ["CACHE_KINDS", "EVICTION_POLICIES", "CacheConfig", "one_of"]
 

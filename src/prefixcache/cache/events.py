@@ -39,6 +39,7 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+DEFAULT_MAX_EVENTS = 100_000
 DEFAULT_MAX_EVENT_BYTES = 64 * 1024 * 1024
 
 
@@ -61,7 +62,7 @@ class EventBuffer:
     def __init__(
         self,
         enabled: bool = True,
-        max_events: int = 100_000,
+        max_events: int = DEFAULT_MAX_EVENTS,
         max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self.enabled = enabled

@@ -3,8 +3,9 @@ with a digest -> block map as its index.
 
 A lookup walks the sequence's chained digests (``block_hash.py``) through the map and stops at the
 first miss; each hit is verified against the block's stored token bytes, so a digest collision can
-cost a miss, never wrong KV. Free cached blocks wait in the pool's LRU queues (lazy eviction): the
-pool drops a block's map entry when it reuses the block.
+cost a miss, never wrong KV. Free cached blocks wait in the pool's LRU queues (lazy eviction);
+when the pool reuses one, the cache tells the index to `forget` its digest. The map is the index's
+alone.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from operator import attrgetter
 
 from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
-from prefixcache.cache.index import CacheHit, ChainKeys, PrefixIndex, SeqBlocks
+from prefixcache.cache.index import (
+    NOTHING_INSERTED,
+    CacheHit,
+    ChainKeys,
+    Inserted,
+    PrefixIndex,
+    SeqBlocks,
+)  # fmt: skip
 from prefixcache.cache.sequence import Sequence
 
 __all__ = ["HashIndex", "HashPrefixCache"]
@@ -50,6 +58,10 @@ class HashIndex(PrefixIndex):
         self.pool = pool
         self.keys = keys
         self.digest_map: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.digest_map)
 
     def lookup(self, seq: Sequence) -> CacheHit:
         digests = self.keys.digests(seq)
@@ -91,42 +103,45 @@ class HashIndex(PrefixIndex):
             blocks.append(block)
         return blocks
 
-    def insert(self, table: SeqBlocks, start: int, end: int) -> None:
+    def insert(self, table: SeqBlocks, start: int, end: int) -> Inserted:
+        if start >= end:
+            return NOTHING_INSERTED
         seq = table.seq
         digests = self.keys.digests(seq)
         chunks = seq.block_token_bytes
         cached = self.digest_map
         domain = seq.domain
         blocks = table.blocks
+        result = Inserted()
         run_start = -1  # the first block of the current run of newly stored blocks
-        num_stored = num_dups = 0
         for i in range(start, end):
             block = blocks[i]
             digest = digests[i]
             if block.digest == digest:
                 stored = False
             elif digest in cached:
-                num_dups += 1  # the same blocks computed twice: this copy stays out
+                result.num_duplicates += 1  # the same blocks computed twice: this copy stays out
                 stored = False
             else:
                 cached[digest] = block
                 block.digest = digest
                 block.token_bytes = chunks[i]
                 block.domain = domain
-                num_stored += 1
                 stored = True
             if stored != (run_start >= 0):
                 if stored:
                     run_start = i
                 else:
-                    self.keys.emit_stored(self.pool.events, table, run_start, i)
+                    result.runs.append((run_start, i))
                     run_start = -1
         if run_start >= 0:
-            self.keys.emit_stored(self.pool.events, table, run_start, end)
-        pool = self.pool
-        pool.num_cached += num_stored
-        pool.stats.num_committed_blocks += num_stored
-        pool.stats.num_duplicate_blocks += num_dups
+            result.runs.append((run_start, end))
+        return result
+
+    def forget(self, digests: list[bytes]) -> None:
+        pop = self.digest_map.pop
+        for digest in digests:
+            pop(digest, None)
 
     def clear(self) -> None:
         self.digest_map.clear()
@@ -136,8 +151,9 @@ class HashIndex(PrefixIndex):
             check_invariant(
                 block.digest == digest, "map entry points to a block with its digest: {!r}", block
             )
+        num_with_digest = sum(1 for b in self.pool.blocks if b.digest is not None)
         check_invariant(
-            len(self.digest_map) == self.pool.num_cached, "every block with a digest is in the map"
+            len(self.digest_map) == num_with_digest, "every block with a digest is in the map"
         )
         bs = self.pool.block_size
         for seq_id, table in tables.items():

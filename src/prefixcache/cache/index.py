@@ -1,14 +1,16 @@
 """The prefix index: the one part where the hash and radix caches differ, and what both share.
 
 The block pool (``block_pool.py``) owns every block; the `PrefixCache` (``base.py``) owns the
-sequences' block tables and the contract's rules. An index answers "which cached blocks does this
-sequence start with?", decides which committed blocks become hittable, and (radix) which parked
-block is evicted next. It sees blocks and tables, never tensors.
+sequences' block tables, the contract's rules, the statistics and the events. An index answers
+"which cached blocks does this sequence start with?", decides which committed blocks become
+hittable, and owns its own maps and counts: nothing else edits them, and it writes no counter,
+statistic or event of anyone else's (what it did comes back as return values). It sees blocks
+and tables, never tensors. To the pool it is an `Evictor` (the interface the pool defines).
 
-- hash (``digest_map`` set): a free cached block waits in the pool's queues, whose order is the
-  eviction order; the pool drops a reused block's map entry.
-- radix (``parked`` set): the index keeps its cached blocks itself, holding one reference on
-  each; a table's first ``num_path`` blocks are held through the index (the locks of its tree
+- hash: a free cached block waits in the pool's queues, whose order is the eviction order; when
+  the pool reuses one, the cache tells the index to `forget` its digest.
+- radix (``keeps_free_blocks``): the index keeps its cached blocks itself, holding one reference
+  on each; a table's first ``num_path`` blocks are held through the index (the locks of its tree
   path), not through ref counts of their own; unlocked ones are parked and given up through
   `evict`, in the index's own order.
 """
@@ -23,10 +25,12 @@ from prefixcache.cache.block_hash import BlockHasher
 from prefixcache.cache.events import BlockStored, EventBuffer
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from prefixcache.cache.block_pool import KVBlock
     from prefixcache.cache.sequence import Sequence
 
-__all__ = ["CacheHit", "ChainKeys", "PrefixIndex", "SeqBlocks"]
+__all__ = ["NOTHING_INSERTED", "CacheHit", "ChainKeys", "Inserted", "PrefixIndex", "SeqBlocks"]
 
 
 @dataclass(slots=True)
@@ -57,20 +61,40 @@ class CacheHit:
 class SeqBlocks:
     """A live sequence's block table.
 
-    Tokens ``[0, num_computed_tokens)`` have written KV; ``[num_computed_tokens,
-    num_alloc_tokens)`` are allocated and about to be written. ``num_committed_blocks`` full
-    blocks were handed to the index by `commit`. ``num_path`` leading blocks and ``node`` are
-    the index's place for this sequence (radix: the locked tree path; hash: unused).
+    Tokens ``[0, num_computed_tokens)`` have written KV (the count is the sequence's, set by the
+    cache); ``[num_computed_tokens, num_alloc_tokens)`` are allocated and about to be written.
+    ``num_committed_blocks`` full blocks were handed to the index by `commit`. ``num_path``
+    leading blocks and ``node`` are the index's place for this sequence (radix: the locked tree
+    path; hash: unused).
     """
 
     seq: Sequence
     blocks: list[KVBlock]
     block_ids: list[int]
-    num_computed_tokens: int
     num_alloc_tokens: int
     num_committed_blocks: int
     num_path: int = 0
     node: object = None
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.seq.num_computed_tokens
+
+
+@dataclass(slots=True)
+class Inserted:
+    """What `PrefixIndex.insert` did: the runs ``[start, end)`` of the table's blocks that became
+    hittable, in order, and how many computed blocks were duplicates of cached ones."""
+
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    num_duplicates: int = 0
+
+    @property
+    def num_stored(self) -> int:
+        return sum(end - start for start, end in self.runs)
+
+
+NOTHING_INSERTED = Inserted()  # shared: never mutated
 
 
 class ChainKeys:
@@ -111,10 +135,16 @@ class ChainKeys:
 
 
 class PrefixIndex(abc.ABC):
-    """What the hash and radix indexes implement for the `PrefixCache` written over them."""
+    """What the hash and radix indexes implement for the `PrefixCache` written over them, and
+    the pool's `Evictor`."""
 
-    digest_map: dict[bytes, KVBlock] | None = None  # hash: digest -> the block carrying it
-    parked: dict[str, int] | None = None  # radix: parked (evictable) blocks per domain
+    keeps_free_blocks = False  # radix: free cached blocks stay in the index (parked)
+    num_parked = 0  # parked (evictable) blocks the index keeps
+
+    @property
+    @abc.abstractmethod
+    def num_cached(self) -> int:
+        """Blocks that are hittable now (held or free)."""
 
     @abc.abstractmethod
     def lookup(self, seq: Sequence) -> CacheHit:
@@ -134,7 +164,7 @@ class PrefixIndex(abc.ABC):
         cache then references ``blocks[num_path:]`` of them."""
 
     @abc.abstractmethod
-    def insert(self, table: SeqBlocks, start: int, end: int) -> None:
+    def insert(self, table: SeqBlocks, start: int, end: int) -> Inserted:
         """``table``'s blocks ``start..end-1`` are full and computed: make them hittable (or
         adopt the copies already cached, releasing the duplicates)."""
 
@@ -145,12 +175,20 @@ class PrefixIndex(abc.ABC):
     def release(self, table: SeqBlocks) -> None:  # noqa: B027 - optional hook
         """``table`` let go of its blocks (radix: unlock the path; for a table with a ``node``)."""
 
+    def forget(self, digests: list[bytes]) -> None:  # noqa: B027 - optional hook
+        """The pool reused free cached blocks queued there: these digests are cached no more
+        (hash: drop their map entries; radix never queues a cached block)."""
+
+    def parked_by_domain(self) -> Mapping[str, int]:
+        """Parked (evictable) blocks per domain."""
+        return {}
+
     def evict(
         self, num: int, out: list[KVBlock], protected: frozenset[str]
     ) -> tuple[list[int], list[bytes]]:
         """Append ``num`` parked blocks (none of ``protected`` domains') to ``out`` in eviction
         order, handing over the index's reference on each; returns their ids and digests."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} parks no blocks")
 
     def held_block_ids(self) -> list[int]:
         """Blocks the index itself holds a reference on (radix: its tree's)."""

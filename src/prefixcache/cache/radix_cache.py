@@ -16,8 +16,8 @@ is locked), or held by sequences outside the tree (the uncommitted tail of a tab
 holds the one reference of each of its blocks (``ref_cnt`` 1, handed over from the table that
 committed it and on to the table that evicts it; the node keeps the digests). ``lock_ref``
 counts the live sequences whose locked path (deepest node to the root) runs through a node; a
-table starts with exactly its locked path, held through the locks. The pool's ``num_parked``
-counts the blocks of unlocked nodes, kept by `_lock` incrementally. Eviction takes the tail
+table starts with exactly its locked path, held through the locks. ``num_parked`` counts the
+blocks of unlocked nodes (the pool reads it), kept by `_lock` incrementally. Eviction takes the tail
 blocks of the least recently (``lfu``: least frequently) used unlocked leaf, from a heap with
 lazy invalidation; a parent becomes a candidate once its last child is gone.
 
@@ -37,7 +37,7 @@ from itertools import chain
 from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
 from prefixcache.cache.config import EVICTION_POLICIES
-from prefixcache.cache.index import CacheHit, ChainKeys, PrefixIndex, SeqBlocks
+from prefixcache.cache.index import CacheHit, ChainKeys, Inserted, PrefixIndex, SeqBlocks
 from prefixcache.cache.sequence import Sequence
 
 __all__ = ["EVICTION_POLICIES", "RadixIndex", "RadixPrefixCache"]
@@ -56,7 +56,7 @@ class RadixPrefixCache(PrefixCache):
     @property
     def num_evictable_blocks(self) -> int:
         """Cached blocks no live sequence locks (reusable after eviction)."""
-        return self.pool.num_parked
+        return self.index.num_parked
 
     @property
     def num_protected_blocks(self) -> int:
@@ -111,7 +111,10 @@ class _HitHandle:
 
 class RadixIndex(PrefixIndex):
     """A radix tree of block runs; ``eviction_policy`` is ``lru`` or ``lfu`` (hit count, then
-    recency)."""
+    recency). Its cached blocks (``num_cached``) and, among them, the parked ones (``num_parked``,
+    per domain in ``parked``) are counted here alone."""
+
+    keeps_free_blocks = True
 
     def __init__(self, pool: BlockPool, keys: ChainKeys, eviction_policy: str = "lru") -> None:
         self.pool = pool
@@ -123,6 +126,8 @@ class RadixIndex(PrefixIndex):
         # per isolation domain: its eviction heap and its parked (unlocked) blocks
         self._heaps: dict[str, list[tuple[int, int, int, _Node]]] = {}
         self.parked: dict[str, int] = {}
+        self.num_parked = 0
+        self._num_cached = 0
         self._clock = 0
         self._stamp = 0
 
@@ -130,6 +135,13 @@ class RadixIndex(PrefixIndex):
     def num_nodes(self) -> int:
         """Tree nodes that own blocks."""
         return self._num_nodes
+
+    @property
+    def num_cached(self) -> int:
+        return self._num_cached
+
+    def parked_by_domain(self) -> dict[str, int]:
+        return self.parked
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -216,6 +228,8 @@ class RadixIndex(PrefixIndex):
             dropped += reversed(digests[cut:])
             num -= len(taken)
             parked[domain] -= len(taken)
+            self.num_parked -= len(taken)
+            self._num_cached -= len(taken)
             del block_ids[cut:], node.blocks[cut:], digests[cut:], node.tokens[cut:]
             if not block_ids:
                 heapq.heappop(heap)
@@ -275,7 +289,7 @@ class RadixIndex(PrefixIndex):
             if count_hit:
                 node.hit_count += 1
             node = node.parent  # type: ignore[assignment]
-        self.pool.num_parked -= num_parked
+        self.num_parked -= num_parked
 
     def _unlock(self, node: _Node) -> None:
         """Drop one lock on every node from ``node`` up: one left unlocked is parked."""
@@ -290,7 +304,7 @@ class RadixIndex(PrefixIndex):
                 if not node.children:
                     self._push(node)
             node = node.parent  # type: ignore[assignment]
-        self.pool.num_parked += num_parked
+        self.num_parked += num_parked
 
     def fork(self, parent: SeqBlocks, child: SeqBlocks) -> None:
         if isinstance(parent.node, _Node):
@@ -302,14 +316,15 @@ class RadixIndex(PrefixIndex):
 
     # -- insert ---------------------------------------------------------------------------------
 
-    def insert(self, table: SeqBlocks, start: int, end: int) -> None:
+    def insert(self, table: SeqBlocks, start: int, end: int) -> Inserted:
         """Put blocks ``num_path..end-1`` of ``table`` into the tree and move its lock.
 
         Runs already in the tree (another sequence inserted them meanwhile) are walked, not
         copied: the table switches to the tree's blocks and its duplicates go free.
         """
+        result = Inserted()
         if end <= table.num_path:
-            return
+            return result
         seq = table.seq
         digests = self.keys.digests(seq)
         tokens = seq.block_token_bytes
@@ -318,19 +333,20 @@ class RadixIndex(PrefixIndex):
         while i < end:
             child = node.children.get(digests[i])
             if child is None:
-                node, i = self._add_node(table, node, i, end)
+                node, i = self._add_node(table, node, i, end, result)
                 break
             num_common = _num_common(child, digests, tokens, i, end)
             if not num_common:
                 break  # digest collision: these blocks stay private to the sequence
             node = self._split(child, i + num_common)
-            self._adopt(table, node, i)
+            result.num_duplicates += self._adopt(table, node, i)
             i = node.end
         if node is not first:
             # the sequence's lock moves down: the nodes above ``first`` keep the one it had
             self._lock(node, first)
             table.node = node
             table.num_path = i
+        return result
 
     def _namespace(self, seq: Sequence) -> _Node:
         root = self.keys.root(seq)
@@ -341,9 +357,10 @@ class RadixIndex(PrefixIndex):
         return node
 
     def _add_node(
-        self, table: SeqBlocks, parent: _Node, start: int, stop: int
+        self, table: SeqBlocks, parent: _Node, start: int, stop: int, result: Inserted
     ) -> tuple[_Node, int]:
-        """A new child of ``parent`` owning ``table``'s blocks ``start..stop-1`` (held by it)."""
+        """A new child of ``parent`` owning ``table``'s blocks ``start..stop-1`` (held by it),
+        recorded as a stored run in ``result``."""
         blocks = table.blocks
         end = start
         while end < stop and blocks[end].ref_cnt == 1:  # a shared block is never cached
@@ -363,25 +380,23 @@ class RadixIndex(PrefixIndex):
             domain=seq.domain,  # whose churn evicts it first
         )
         parent.children[node.key] = node  # the table's references are the tree's now
-        self.pool.num_cached += end - start
-        self.pool.num_parked += end - start  # unlocked until the caller locks it
+        self._num_cached += end - start
+        self.num_parked += end - start  # unlocked until the caller locks it
         self.parked[node.domain] = self.parked.get(node.domain, 0) + end - start
         self._num_nodes += 1
-        self.pool.stats.num_committed_blocks += end - start
-        if self.pool.events.enabled:
-            self.keys.emit_stored(self.pool.events, table, start, end)
+        result.runs.append((start, end))
         return node, end
 
-    def _adopt(self, table: SeqBlocks, node: _Node, start: int) -> None:
+    def _adopt(self, table: SeqBlocks, node: _Node, start: int) -> int:
         """``node``'s run was already cached by another sequence: point the table at it and
-        release the sequence's duplicates (the insert "reports" them by this count)."""
+        release the sequence's duplicates; returns how many there were."""
         pool = self.pool
         cached = node.blocks[start - node.start :]
         dups = table.blocks[start : node.end]
         table.blocks[start : node.end] = cached  # held through the lock the insert moves here
         table.block_ids[start : node.end] = node.block_ids[start - node.start :]
         pool.release(reversed(dups))
-        pool.stats.num_duplicate_blocks += len(dups)
+        return len(dups)
 
     def _split(self, node: _Node, num_blocks: int) -> _Node:
         """Make the first ``num_blocks - node.start`` blocks of ``node`` a node of their own.
@@ -424,6 +439,7 @@ class RadixIndex(PrefixIndex):
         self._root.children.clear()
         self._heaps.clear()
         self.parked.clear()
+        self.num_parked = self._num_cached = 0
         self._num_nodes = 0
 
     # -- invariants -----------------------------------------------------------------------------
@@ -491,12 +507,12 @@ class RadixIndex(PrefixIndex):
                 )
                 tree.add(block_id)
         check_invariant(len(nodes) == self._num_nodes, "node count kept incrementally")
-        check_invariant(len(tree) == self.pool.num_cached, "cached count kept (tree blocks)")
+        check_invariant(len(tree) == self._num_cached, "cached count kept (tree blocks)")
         num_parked = sum(parked.values())
         check_invariant(
-            num_parked == self.pool.num_parked and parked == +Counter(self.parked),
+            num_parked == self.num_parked and parked == +Counter(self.parked),
             "parked (evictable) blocks {} == {} unlocked cached blocks, per domain {} == {}",
-            self.pool.num_parked,
+            self.num_parked,
             num_parked,
             self.parked,
             parked,
