@@ -134,7 +134,7 @@ def replay_one(cache: HashPrefixCache, tokens: list[int], seq_id: str) -> tuple[
     """One request through the cache: (full ns, cache-only ns)."""
     start = time.perf_counter_ns()
     seq = Sequence(seq_id, tokens, copy=False)  # a fresh list per request, as the simulator's
-    seq.digests(cache.hasher, cache.model_id)
+    cache.identity.block_digests(seq)
     hashed = time.perf_counter_ns()
     hit = cache.match(seq)
     table = cache.allocate(seq, seq.num_tokens - hit.num_tokens, hit)

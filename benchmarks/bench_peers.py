@@ -118,7 +118,8 @@ def worker_ours(model: str, cache: bool, dtype: str, repeats: int) -> None:
     def timed_step() -> Any:  # the engine's own decode steps: every sequence, one token each
         start = time.perf_counter()
         result = engine_step()
-        chunks = engine.last_scheduled.chunks
+        batch = engine.inspect().last_batch
+        chunks = batch.chunks if batch is not None else []
         if len(chunks) == N_PROMPTS and all(c.num_new_tokens == 1 for c in chunks):
             steps.append(time.perf_counter() - start)
         return result

@@ -56,8 +56,12 @@ def decode_step_time(
               else SamplingParams(max_tokens=steps + 2, **fields))
     for i, p in enumerate(batch):
         engine.add_request(f"d{i}", prompt_token_ids=p, sampling_params=params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+    def prefilling() -> bool:
+        view = engine.inspect()
+        return bool(view.waiting) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in view.running)
+
+    while prefilling():
         engine.step()
     engine.step()  # every sequence has its first token: the next steps are pure decodes
     times = []

@@ -1,6 +1,6 @@
 """Serving benchmark in the manner of `vllm bench serve`: prefix-repetition load, cache on vs off.
 
-Starts ``prefixcache serve`` twice (prefix cache on, then ``--no-prefix-cache``) on a free
+Starts ``prefixcache serve`` twice (prefix cache on, then ``--prefix-cache off``) on a free
 127.0.0.1 port, sends the same ``prefix_repetition`` workload to each over streaming
 ``/v1/completions`` (prompts as token ids, so lengths are exact) at a request rate (Poisson
 arrivals, ``inf`` = all at once) under a concurrency cap, and reports TTFT / TPOT / E2E p50, p90,
@@ -199,7 +199,7 @@ def bench_mode(args: argparse.Namespace, cache_on: bool, prompts: list[list[int]
     if args.num_kv_blocks:
         server_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if not cache_on:
-        server_args.append("--no-prefix-cache")
+        server_args += ["--prefix-cache", "off"]
     log_path = Path(args.out).with_suffix(f".server-{label}.log")
     with ServerProcess(server_args, log_path) as server:
         warmup = [[65] * (args.prefix_len + args.suffix_len)] * 2  # no shared prefix with data
@@ -216,7 +216,7 @@ def bench_mode_vllm_client(args: argparse.Namespace, cache_on: bool) -> dict:
     server_args = ["--model", args.model, "--block-size", str(args.block_size),
                    "--max-num-seqs", str(args.max_num_seqs), "--log-interval", "30"]
     if not cache_on:
-        server_args.append("--no-prefix-cache")
+        server_args += ["--prefix-cache", "off"]
     out = Path(args.out).resolve()
     log_path = out.with_suffix(f".server-{label}.log")
     result_name = out.with_suffix(f".vllm-{label}.json").name

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.cache.block_hash import BlockHasher
 from prefixcache.cache.block_pool import BlockPool, KVBlock
 from prefixcache.cache.hash_cache import HashIndex
-from prefixcache.cache.index import ChainKeys
+from prefixcache.cache.identity import CacheIdentity
 
 
 def pool_with(num_blocks: int = 6, **kwargs: object) -> BlockPool:
     pool = BlockPool(num_blocks, 4, **kwargs)  # type: ignore[arg-type]
-    pool.attach(HashIndex(pool, ChainKeys(BlockHasher(4), "", False)))
+    pool.attach(HashIndex(pool, CacheIdentity("", 4)))
     return pool
 
 

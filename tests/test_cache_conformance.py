@@ -304,7 +304,7 @@ def test_stale_hit_is_rejected_without_changes(kind: str) -> None:
 
 
 def test_disabled_caching_and_isolation_none(kind: str) -> None:
-    cache = new_cache(kind, enable_caching=False)
+    cache = new_cache(kind, enable_prefix_caching=False)
     run_prompt(cache, Sequence("a", range(40)))
     hit = cache.match(Sequence("b", range(40)))
     assert hit.num_tokens == 0 and cache.stats.num_requests == 1  # match alone counts nothing

@@ -16,7 +16,7 @@ import pytest
 
 from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixcache.cluster.asgi import ForwardedRequest, ResponseHead, run_asgi
-from prefixcache.cluster.digests import CacheIdentity, PromptDigester
+from prefixcache.cluster.digests import PromptDigester
 from prefixcache.cluster.feed import EventFeed
 from prefixcache.cluster.metrics import merge_replica_metrics
 from prefixcache.server.cli import add_arguments, tenant_registry
@@ -46,9 +46,8 @@ def _digester(server: RunningServer, argv: list[str]) -> PromptDigester:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     engine = server.engine
-    identity = CacheIdentity(engine.cache.model_id, engine.block_size,
-                             engine.engine_config.cache.hash_algo)
-    return PromptDigester(engine.tokenizer, tenant_registry(parser.parse_args(argv)), identity)
+    return PromptDigester(engine.tokenizer, tenant_registry(parser.parse_args(argv)),
+                          engine.cache_identity)
 
 
 def _cached(server: RunningServer) -> set[bytes]:

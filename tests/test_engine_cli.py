@@ -29,7 +29,11 @@ def test_generate_reports_cached_tokens(tmp_path, capsys):
     assert records[1]["num_cached_tokens"] == (records[1]["num_prompt_tokens"] - 1) // 4 * 4
     assert records[2]["token_ids"] == records[0]["token_ids"]
 
-    assert _run([*argv, "--no-prefix-cache", "--prefix-cache", "radix"]) == 0
+    assert _run([*argv, "--prefix-cache", "off"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(r["num_cached_tokens"] == 0 for r in records)
+    with pytest.warns(FutureWarning, match="--prefix-cache off"):  # the old flag still works
+        assert _run([*argv, "--no-prefix-cache", "--prefix-cache", "radix"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert all(r["num_cached_tokens"] == 0 for r in records)
 

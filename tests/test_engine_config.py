@@ -21,7 +21,7 @@ def test_flat_keywords_land_in_their_parts() -> None:
         seed=5, default_domain_limits=DomainLimits(max_seqs=2),
     )  # fmt: skip
     assert (config.cache.kind, config.cache.block_size, config.cache.num_blocks) == ("radix", 8, 40)
-    assert config.cache.eviction_policy == "lfu" and not config.cache.enable_caching
+    assert config.cache.eviction_policy == "lfu" and not config.cache.enable_prefix_caching
     assert not config.cache.enable_kv_events  # an engine keeps no events without a consumer
     assert (config.scheduler.max_num_seqs, config.scheduler.schedule_policy) == (3, "lpm")
     assert not config.scheduler.dedup and config.scheduler.default_domain_limits.max_seqs == 2

@@ -229,7 +229,9 @@ def test_stale_hit_is_rejected_without_changes() -> None:
 
 
 def test_disabled_caching_and_isolation_none() -> None:
-    cache = new_cache(enable_caching=False)
+    with pytest.warns(DeprecationWarning, match="enable_prefix_caching"):
+        cache = new_cache(enable_caching=False)  # the old name still works
+    assert not cache.enable_prefix_caching and not cache.enable_caching
     run_prompt(cache, Sequence("a", range(40)))
     hit = cache.match(Sequence("b", range(40)))
     assert hit.num_tokens == 0 and cache.stats.num_requests == 1  # match alone counts nothing

@@ -5,6 +5,8 @@ a step it would misread refused. (The HF parity tests run the whole model throug
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -54,6 +56,10 @@ def _model(
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     model.to(dtype).prepare_cpu_projections()
     return model
+
+
+def _prepare(model: decoder.CausalLM, *args: Any) -> FusedLayers | None:
+    return FusedLayers.prepare(model.config, model.layer_parts(), *args)
 
 
 def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list:
@@ -123,19 +129,19 @@ def _step_inputs(model: decoder.CausalLM, rows: int, num_blocks: int = 12):  # n
 def test_fused_where_it_applies() -> None:
     model = _model(qkv_bias=True)
     h, cos_sin, cache, meta = _step_inputs(model, 5)
-    assert FusedLayers.prepare(model, h, cos_sin, cache, meta) is not None
-    assert FusedLayers.prepare(model, h.double(), cos_sin, cache, meta) is None
-    assert FusedLayers.prepare(model, h[:0], cos_sin, cache, meta) is None
+    assert _prepare(model, h, cos_sin, cache, meta) is not None
+    assert _prepare(model, h.double(), cos_sin, cache, meta) is None
+    assert _prepare(model, h[:0], cos_sin, cache, meta) is None
     qwen3 = _model(qkv_bias=False, qk_norm=True)  # q/k norm: the separate steps
-    assert FusedLayers.prepare(qwen3, h, cos_sin, cache, meta) is None
+    assert _prepare(qwen3, h, cos_sin, cache, meta) is None
     native_layers.set_enabled(False)
     try:
-        assert FusedLayers.prepare(model, h, cos_sin, cache, meta) is None
+        assert _prepare(model, h, cos_sin, cache, meta) is None
     finally:
         native_layers.set_enabled(True)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(2)  # its packed copy is now stale
-    assert FusedLayers.prepare(model, h, cos_sin, cache, meta) is None
+    assert _prepare(model, h, cos_sin, cache, meta) is None
 
 
 def test_refuses_a_step_it_would_misread() -> None:
@@ -143,12 +149,12 @@ def test_refuses_a_step_it_would_misread() -> None:
     h, cos_sin, cache, meta = _step_inputs(model, 5)
     small_cache = _step_inputs(model, 5, num_blocks=8)[2]  # block 9 of the table is beyond it
     with pytest.raises(ValueError, match="slot out of range"):
-        FusedLayers.prepare(model, h, cos_sin, small_cache, meta)
+        _prepare(model, h, cos_sin, small_cache, meta)
     with pytest.raises(ValueError, match="unsupported"):
-        FusedLayers.prepare(model, h, (cos_sin[0][:4], cos_sin[1][:4]), cache, meta)
+        _prepare(model, h, (cos_sin[0][:4], cos_sin[1][:4]), cache, meta)
     with pytest.raises(ValueError, match="unsupported"):
-        FusedLayers.prepare(model, torch.randn(5, 32), cos_sin, cache, meta)  # wrong width
+        _prepare(model, torch.randn(5, 32), cos_sin, cache, meta)  # wrong width
     c = model.config
     wrong_heads = PagedKVCache(c.num_hidden_layers, 12, BLOCK, 1, c.head_dim)
     with pytest.raises(ValueError, match="unsupported"):
-        FusedLayers.prepare(model, h, cos_sin, wrong_heads, meta)
+        _prepare(model, h, cos_sin, wrong_heads, meta)

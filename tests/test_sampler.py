@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from prefixcache.cache import Sequence
-from prefixcache.engine.request import Request, RequestStatus
+from prefixcache.engine.request import Request
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stop import check_stop, emittable_text
 from prefixcache.model.byte_tokenizer import write_byte_tokenizer
 from prefixcache.model.detokenizer import IncrementalDetokenizer
 from prefixcache.model.tokenizer import Tokenizer
+from prefixcache.sched.request import RequestStatus
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.cache import Sequence, make_prefix_cache
-from prefixcache.engine.request import Request, RequestStatus
+from prefixcache.engine.request import Request
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.sched import Scheduler, SchedulerOutput
+from prefixcache.sched.request import RequestStatus
 
 SAMPLED_TOKEN = 7
 

@@ -36,7 +36,7 @@ def server(logs: list[str]) -> RunningServer:
 
 @pytest.fixture(scope="module")
 def cache_off() -> RunningServer:
-    running = start_server([*ARGS, "--no-prefix-cache"])
+    running = start_server([*ARGS, "--prefix-cache", "off"])
     yield running
     running.stop()
 

@@ -144,7 +144,7 @@ def test_lm_eval_local_completions_same_with_cache_on_and_off(
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     _write_tasks(tmp_path)
-    off = start_server([*ARGS, "--no-prefix-cache"])
+    off = start_server([*ARGS, "--prefix-cache", "off"])
     try:
         runs = [_evaluate(server, tmp_path), _evaluate(server, tmp_path),  # cold, then warm
                 _evaluate(off, tmp_path)]

@@ -1,5 +1,6 @@
-"""`prefixcache check`: exit 0 on the healthy engine (both caches), 1 when a cached block's KV is
-corrupted by the test-only fault injection, 2 on a bad workload."""
+"""`prefixcache check`: exit 0 on the healthy engine (both caches), a divergence when a cached
+block's KV is corrupted (a fault this test injects through the check's step hook), 2 on a bad
+workload."""
 
 from __future__ import annotations
 
@@ -7,9 +8,20 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from prefixcache.cache import BlockRemoved, BlockStored
 from prefixcache.cli import main
-from prefixcache.tools.check import FAULT_CORRUPT_BLOCK, FAULT_ENV, RunOutput, WorkItem, compare
+from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.tools.check import (
+    RunOutput,
+    StepHook,
+    WorkItem,
+    compare,
+    format_result,
+    load_workload,
+    run_check,
+)  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,14 +62,36 @@ def test_check_passes_on_the_healthy_engine(
         assert int(line.split("cached prompt tokens")[1].split()[0]) > 0  # the cache was used
 
 
-def test_check_catches_a_corrupted_cached_block(
-    workload: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(FAULT_ENV, FAULT_CORRUPT_BLOCK)
-    argv = ("--workload", workload, "--num-kv-blocks", "16", "--prefix-cache", "hash")
-    code, out, _ = run_cli(capsys, *argv)
-    assert code == 1
-    line = next(x for x in out.splitlines() if x.startswith("DIVERGENCE in hash cache"))
+def corrupt_first_committed_block() -> StepHook:
+    """The fault: once the first wave is done, noise over the K/V of the oldest block that is
+    still cached, so the next request that hits it reads wrong KV."""
+    cached: list[int] = []  # block ids in the order they became hittable
+    done: list[bool] = []
+
+    def hook(engine: LLMEngine) -> None:
+        if done:
+            return
+        for event in engine.take_kv_events():
+            if isinstance(event, BlockStored):
+                cached.extend(event.block_ids)
+            elif isinstance(event, BlockRemoved):
+                cached[:] = [b for b in cached if b not in event.block_ids]
+        if cached and not engine.has_unfinished():
+            gen = torch.Generator().manual_seed(0)
+            kv = engine.kv_cache
+            for cache in (*kv.k_caches, *kv.v_caches):
+                noise = torch.randn(cache[cached[0]].shape, generator=gen) * 10.0
+                cache[cached[0]] = noise.to(cache.dtype)
+            done.append(True)
+
+    return hook
+
+
+def test_check_catches_a_corrupted_cached_block(workload: str) -> None:
+    items = load_workload(workload)
+    result = run_check("tiny", items, 16, ("hash",), step_hook=corrupt_first_committed_block)
+    out = format_result(result, len(items))
+    line = next(x for x in out if x.startswith("DIVERGENCE in hash cache"))
     assert "request 4," in line  # the first request of the second wave, which hit the block
     assert "cached prompt tokens" in line and "hit 0 cached" not in line
 

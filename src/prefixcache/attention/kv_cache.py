@@ -7,18 +7,64 @@ requests. Writes go through a slot mapping; copy-on-write and zero-on-reuse act 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-__all__ = ["PagedKVCache", "bytes_per_block"]
+__all__ = ["KVLayout", "PagedKVCache", "bytes_per_block"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of a model's KV per token: every KV size (bytes per block, blocks in a budget,
+    the tensors to allocate) is computed from this one place."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, config: ModelShape, dtype: torch.dtype) -> KVLayout:
+        """The layout of a model config (anything with the Hugging Face field names)."""
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes of K and V, over all layers, that one block of ``block_size`` tokens holds."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+
+    def blocks_in(self, memory_bytes: int, block_size: int) -> int:
+        """How many blocks fit in ``memory_bytes`` (at least one, else a clear error)."""
+        per_block = self.bytes_per_block(block_size)
+        num_blocks = int(memory_bytes // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV memory budget of {memory_bytes} bytes holds no block "
+                f"({per_block} bytes per block of {block_size} tokens)"
+            )
+        return num_blocks
+
+    def allocate(
+        self, num_blocks: int, block_size: int, device: str | torch.device = "cpu"
+    ) -> PagedKVCache:
+        """Paged K/V tensors of this layout."""
+        return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
+                            self.head_dim, self.dtype, device)
+
+
+class ModelShape(Protocol):
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
 
 
 def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    """Bytes of K and V, over all layers, that one block holds."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+    """Bytes of K and V, over all layers, that one block holds (`KVLayout.bytes_per_block`)."""
+    return KVLayout(num_layers, num_kv_heads, head_dim, dtype).bytes_per_block(block_size)
 
 
 class PagedKVCache:
@@ -67,21 +113,17 @@ class PagedKVCache:
         device: str | torch.device = "cpu",
     ) -> PagedKVCache:
         """As many blocks as fit in ``memory_bytes`` (at least one, else a clear error)."""
-        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        num_blocks = memory_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV memory budget of {memory_bytes} bytes holds no block "
-                f"({per_block} bytes per block of {block_size} tokens)"
-            )
-        return cls(num_layers, int(num_blocks), block_size, num_kv_heads, head_dim, dtype, device)
+        layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype)
+        return layout.allocate(layout.blocks_in(memory_bytes, block_size), block_size, device)
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def num_bytes(self) -> int:
         """Total bytes of K and V storage."""
-        return self.num_blocks * bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
+        return self.num_blocks * self.layout.bytes_per_block(self.block_size)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -1,5 +1,4 @@
-"""`PrefixCache`: the contract API, written once over the block pool and a prefix index (and,
-under the names they have always had here, `CacheHit` and `Sequence`).
+"""`PrefixCache`: the contract API, written once over the block pool and a prefix index.
 
 The cache knows nothing about tensors: it hands out block ids and decides which blocks are
 reusable. The scheduler is its only caller; the runner consumes the block ids (and the copy and
@@ -29,12 +28,19 @@ from typing import Any, Protocol
 from prefixcache.cache.block_hash import BlockHasher
 from prefixcache.cache.block_pool import BlockPool, KVBlock, Taken, check_invariant
 from prefixcache.cache.config import CacheConfig
-from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, EventBuffer, KVCacheEvent
-from prefixcache.cache.index import NOTHING_INSERTED, CacheHit, ChainKeys, PrefixIndex, SeqBlocks
+from prefixcache.cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBuffer,
+    KVCacheEvent,
+)  # fmt: skip
+from prefixcache.cache.identity import CacheIdentity
+from prefixcache.cache.index import NOTHING_INSERTED, CacheHit, PrefixIndex, SeqBlocks
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 
-__all__ = ["CacheHit", "CacheObserver", "PrefixCache", "Sequence"]
+__all__ = ["CacheObserver", "PrefixCache"]
 
 _NONE: frozenset[str] = frozenset()
 
@@ -73,12 +79,14 @@ class PrefixCache:
         self, num_blocks: int, block_size: int, hash_algo: str = "sha256", **settings: Any
     ) -> None:
         """``settings``: the other `CacheConfig` fields, by keyword."""
-        config = self.config = CacheConfig(self.kind, num_blocks, block_size, hash_algo, **settings)
+        config = self.config = CacheConfig.of(self.kind, num_blocks, block_size, hash_algo,
+                                              **settings)
         self.num_blocks, self.block_size, self.model_id = num_blocks, block_size, config.model_id
-        self.enable_caching, self.eviction_policy = config.enable_caching, config.eviction_policy
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.eviction_policy = config.eviction_policy
         self.events_with_tokens = config.events_with_tokens
-        self.hasher = BlockHasher(block_size, hash_algo)
-        self.keys = ChainKeys(self.hasher, config.model_id, config.events_with_tokens)
+        self.identity = CacheIdentity(config.model_id, block_size, hash_algo)
+        self.hasher: BlockHasher = self.identity.hasher
         self.stats = CacheStats()
         self.events = EventBuffer(config.enable_kv_events, config.max_events)
         self.pool = BlockPool(num_blocks, block_size, zero_on_reuse=config.zero_on_reuse)
@@ -88,6 +96,11 @@ class PrefixCache:
         self._tables: dict[str, SeqBlocks] = {}
         self._held: dict[str, int] = {}  # per domain: blocks in live tables (not a Counter: slow)
         self._observers: list[CacheObserver] = []
+
+    @property
+    def enable_caching(self) -> bool:
+        """Deprecated name of ``enable_prefix_caching``."""
+        return self.enable_prefix_caching
 
     @classmethod
     def from_config(cls, config: CacheConfig) -> PrefixCache:
@@ -127,7 +140,7 @@ class PrefixCache:
         Pure: changes no ref count and no statistic. Empty for a sequence that does not read
         the cache."""
         start_ns = time.perf_counter_ns()
-        reads = self.enable_caching and seq.use_cache and seq.read_cache
+        reads = self.enable_prefix_caching and seq.use_cache and seq.read_cache
         hit = self.index.lookup(seq) if reads else CacheHit()
         hit.lookup_time_ns = time.perf_counter_ns() - start_ns
         hit.epoch = self.pool.epoch
@@ -231,7 +244,7 @@ class PrefixCache:
         """The hit's blocks, verified to still be cached for ``seq``."""
         if not hit.block_ids:
             return []
-        if not (self.enable_caching and seq.use_cache):
+        if not (self.enable_prefix_caching and seq.use_cache):
             raise ValueError("a cache hit was given for a sequence that does not use the cache")
         num_hit = len(hit.block_ids)
         if hit.num_tokens != num_hit * self.block_size:
@@ -292,8 +305,8 @@ class PrefixCache:
     def _owner_root(self, seq: Sequence) -> bytes | None:
         if not self.pool.zero_on_reuse:
             return None
-        if seq.use_cache and self.enable_caching:
-            return self.keys.root(seq)
+        if seq.use_cache and self.enable_prefix_caching:
+            return self.identity.root(seq)
         return self.hasher.root(seq.namespace(self.model_id))
 
     # -- commit ---------------------------------------------------------------------------------
@@ -315,7 +328,7 @@ class PrefixCache:
         start = table.num_committed_blocks
         end = num_computed_tokens // self.block_size
         table.num_committed_blocks = end
-        if self.enable_caching and seq.use_cache:
+        if self.enable_prefix_caching and seq.use_cache:
             inserted = self.index.insert(table, start, end)
             if inserted is not NOTHING_INSERTED:
                 stats = self.stats
@@ -323,10 +336,26 @@ class PrefixCache:
                 stats.num_duplicate_blocks += inserted.num_duplicates
                 if self.events.enabled:
                     for run_start, run_end in inserted.runs:
-                        self.keys.emit_stored(self.events, table, run_start, run_end)
+                        self._emit_stored(table, run_start, run_end)
             if end > start:
                 for observer in self._observers:
                     observer.on_commit(seq, start, end, list(table.block_ids))
+
+    def _emit_stored(self, table: SeqBlocks, start: int, end: int) -> None:
+        """`BlockStored` for ``table``'s blocks ``start..end-1``, now hittable (token ids only
+        if ``events_with_tokens``: they are tenant data)."""
+        seq = table.seq
+        bs = self.block_size
+        digests = seq.block_digests
+        self.events.emit(
+            BlockStored(
+                block_hashes=digests[start:end],
+                parent_block_hash=digests[start - 1] if start else self.identity.root(seq),
+                token_ids=seq.token_ids[start * bs : end * bs] if self.events_with_tokens else [],
+                block_size=bs,
+                block_ids=table.block_ids[start:end],
+            )
+        )
 
     def _table_of(self, seq: Sequence) -> SeqBlocks | None:
         table = self._tables.get(seq.seq_id)

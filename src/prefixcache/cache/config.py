@@ -6,6 +6,7 @@ implementation reads only what it uses.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
@@ -34,7 +35,7 @@ class CacheConfig:
     num_blocks: int | None = None
     block_size: int = 16
     hash_algo: str = "sha256"
-    enable_caching: bool = True
+    enable_prefix_caching: bool = True
     model_id: str = ""
     zero_on_reuse: bool = False
     enable_kv_events: bool = True
@@ -52,6 +53,17 @@ class CacheConfig:
             value, least = getattr(self, name), 0 if name == "max_events" else 1
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
+
+    @classmethod
+    def of(cls, kind: str, num_blocks: int | None, block_size: int, hash_algo: str,
+           **settings: object) -> CacheConfig:
+        """From keyword settings, taking the deprecated ``enable_caching`` (now
+        ``enable_prefix_caching``, vLLM's name) with a warning."""
+        if "enable_caching" in settings:
+            warnings.warn("enable_caching is deprecated: use enable_prefix_caching",
+                          DeprecationWarning, stacklevel=3)
+            settings["enable_prefix_caching"] = settings.pop("enable_caching")
+        return cls(kind, num_blocks, block_size, hash_algo, **settings)  # type: ignore[arg-type]
 
     def as_kwargs(self) -> dict[str, object]:
         """The settings as `PrefixCache` keyword arguments (without ``kind``)."""

@@ -15,10 +15,10 @@ from operator import attrgetter
 
 from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
+from prefixcache.cache.identity import CacheIdentity
 from prefixcache.cache.index import (
     NOTHING_INSERTED,
     CacheHit,
-    ChainKeys,
     Inserted,
     PrefixIndex,
     SeqBlocks,
@@ -37,7 +37,7 @@ class HashPrefixCache(PrefixCache):
     kind = "hash"
 
     def _make_index(self) -> PrefixIndex:
-        return HashIndex(self.pool, self.keys)
+        return HashIndex(self.pool, self.identity)
 
 
 @dataclass(slots=True)
@@ -54,9 +54,9 @@ class _HitHandle:
 class HashIndex(PrefixIndex):
     """``digest_map`` maps a digest to the one block that carries it; a duplicate stays out."""
 
-    def __init__(self, pool: BlockPool, keys: ChainKeys) -> None:
+    def __init__(self, pool: BlockPool, identity: CacheIdentity) -> None:
         self.pool = pool
-        self.keys = keys
+        self.identity = identity
         self.digest_map: dict[bytes, KVBlock] = {}
 
     @property
@@ -64,7 +64,7 @@ class HashIndex(PrefixIndex):
         return len(self.digest_map)
 
     def lookup(self, seq: Sequence) -> CacheHit:
-        digests = self.keys.digests(seq)
+        digests = self.identity.block_digests(seq)
         get = self.digest_map.get
         blocks: list[KVBlock] = []
         append = blocks.append
@@ -81,7 +81,7 @@ class HashIndex(PrefixIndex):
         return CacheHit(len(blocks) * bs, block_ids, len(blocks), num_matched, handle)
 
     def checked_hit(self, seq: Sequence, hit: CacheHit) -> list[KVBlock]:
-        digests = self.keys.digests(seq)
+        digests = self.identity.block_digests(seq)
         handle = hit.handle
         pool = self.pool
         if (
@@ -107,7 +107,7 @@ class HashIndex(PrefixIndex):
         if start >= end:
             return NOTHING_INSERTED
         seq = table.seq
-        digests = self.keys.digests(seq)
+        digests = self.identity.block_digests(seq)
         chunks = seq.block_token_bytes
         cached = self.digest_map
         domain = seq.domain
@@ -165,7 +165,7 @@ class HashIndex(PrefixIndex):
                 seq_id,
             )
             if any(b.digest is not None for b in table.blocks[:committed]):
-                digests, chunks = self.keys.digests(seq), seq.block_token_bytes
+                digests, chunks = self.identity.block_digests(seq), seq.block_token_bytes
                 for i, block in enumerate(table.blocks[:committed]):
                     check_invariant(
                         block.digest is None

@@ -21,16 +21,13 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prefixcache.cache.block_hash import BlockHasher
-from prefixcache.cache.events import BlockStored, EventBuffer
-
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from prefixcache.cache.block_pool import KVBlock
     from prefixcache.cache.sequence import Sequence
 
-__all__ = ["NOTHING_INSERTED", "CacheHit", "ChainKeys", "Inserted", "PrefixIndex", "SeqBlocks"]
+__all__ = ["NOTHING_INSERTED", "CacheHit", "Inserted", "PrefixIndex", "SeqBlocks"]
 
 
 @dataclass(slots=True)
@@ -95,43 +92,6 @@ class Inserted:
 
 
 NOTHING_INSERTED = Inserted()  # shared: never mutated
-
-
-class ChainKeys:
-    """How a cache names blocks: its hasher, the model identity that roots every namespace, and
-    whether `BlockStored` events carry the blocks' token ids (tenant data)."""
-
-    __slots__ = ("hasher", "model_id", "events_with_tokens")
-
-    def __init__(self, hasher: BlockHasher, model_id: str, events_with_tokens: bool) -> None:
-        self.hasher = hasher
-        self.model_id = model_id
-        self.events_with_tokens = events_with_tokens
-
-    def digests(self, seq: Sequence) -> list[bytes]:
-        """``seq``'s digest chain, extended incrementally."""
-        return seq.digests(self.hasher, self.model_id)
-
-    def root(self, seq: Sequence) -> bytes:
-        """The namespace root: the parent of ``seq``'s first block."""
-        return seq.root_digest(self.hasher, self.model_id)
-
-    def emit_stored(self, events: EventBuffer, table: SeqBlocks, start: int, end: int) -> None:
-        """`BlockStored` for ``table``'s blocks ``start..end-1``, now hittable (if enabled)."""
-        if not events.enabled:
-            return
-        seq = table.seq
-        bs = self.hasher.block_size
-        digests = seq.block_digests
-        events.emit(
-            BlockStored(
-                block_hashes=digests[start:end],
-                parent_block_hash=digests[start - 1] if start else self.root(seq),
-                token_ids=seq.token_ids[start * bs : end * bs] if self.events_with_tokens else [],
-                block_size=bs,
-                block_ids=table.block_ids[start:end],
-            )
-        )
 
 
 class PrefixIndex(abc.ABC):

@@ -37,7 +37,8 @@ from itertools import chain
 from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
 from prefixcache.cache.config import EVICTION_POLICIES
-from prefixcache.cache.index import CacheHit, ChainKeys, Inserted, PrefixIndex, SeqBlocks
+from prefixcache.cache.identity import CacheIdentity
+from prefixcache.cache.index import CacheHit, Inserted, PrefixIndex, SeqBlocks
 from prefixcache.cache.sequence import Sequence
 
 __all__ = ["EVICTION_POLICIES", "RadixIndex", "RadixPrefixCache"]
@@ -51,7 +52,7 @@ class RadixPrefixCache(PrefixCache):
     index: RadixIndex
 
     def _make_index(self) -> PrefixIndex:
-        return RadixIndex(self.pool, self.keys, self.eviction_policy)
+        return RadixIndex(self.pool, self.identity, self.eviction_policy)
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -116,9 +117,11 @@ class RadixIndex(PrefixIndex):
 
     keeps_free_blocks = True
 
-    def __init__(self, pool: BlockPool, keys: ChainKeys, eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, pool: BlockPool, identity: CacheIdentity, eviction_policy: str = "lru"
+    ) -> None:
         self.pool = pool
-        self.keys = keys
+        self.identity = identity
         self.eviction_policy = eviction_policy
         self._lfu = eviction_policy == "lfu"
         self._root = _Node(None, b"", 0, [], [], [], [])
@@ -146,8 +149,8 @@ class RadixIndex(PrefixIndex):
     # -- lookup ---------------------------------------------------------------------------------
 
     def lookup(self, seq: Sequence) -> CacheHit:
-        digests = self.keys.digests(seq)
-        root = self.keys.root(seq)
+        digests = self.identity.block_digests(seq)
+        root = self.identity.root(seq)
         ns = self._root.children.get(root)
         if ns is None:
             return CacheHit()
@@ -183,7 +186,7 @@ class RadixIndex(PrefixIndex):
         if (
             not isinstance(handle, _HitHandle)
             or handle.index is not self
-            or handle.root != self.keys.root(seq)
+            or handle.root != self.identity.root(seq)
         ):
             raise ValueError("the hit was not produced by this cache's match() for this sequence")
         return _resolve(hit)
@@ -326,7 +329,7 @@ class RadixIndex(PrefixIndex):
         if end <= table.num_path:
             return result
         seq = table.seq
-        digests = self.keys.digests(seq)
+        digests = self.identity.block_digests(seq)
         tokens = seq.block_token_bytes
         first = table.node if isinstance(table.node, _Node) else self._namespace(seq)
         node, i = first, table.num_path
@@ -349,7 +352,7 @@ class RadixIndex(PrefixIndex):
         return result
 
     def _namespace(self, seq: Sequence) -> _Node:
-        root = self.keys.root(seq)
+        root = self.identity.root(seq)
         node = self._root.children.get(root)
         if node is None:
             node = _Node(self._root, root, 0, [], [], [], [])

@@ -58,9 +58,7 @@ class EngineReplica:
         self.app = build_app(args, secret)
         self.async_engine = self.app.state.async_engine
         self.async_engine.start()
-        engine = self.async_engine.engine
-        self.identity = {"model_id": engine.cache.model_id, "block_size": engine.block_size,
-                         "hash_algo": engine.engine_config.cache.hash_algo}
+        self.identity = self.async_engine.cache_identity.as_dict()
         publisher = getattr(self.app.state, "kv_event_publisher", None)
         self.events = None if publisher is None else {
             "kv_events_endpoint": publisher.endpoint,
@@ -160,10 +158,11 @@ class Ingress:
 
     async def _get_digester(self) -> Any:
         if self._digester is None:
-            from prefixcache.cluster.digests import CacheIdentity, PromptDigester
+            from prefixcache.cache import CacheIdentity
+            from prefixcache.cluster.digests import PromptDigester
 
             info = await self.replicas.describe.remote()
-            identity = CacheIdentity(info["model_id"], info["block_size"], info["hash_algo"])
+            identity = CacheIdentity.from_dict(info)
             self._digester = PromptDigester(self.tokenizer, self.tenants, identity,
                                             self.literal_content)
         return self._digester

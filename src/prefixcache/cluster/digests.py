@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prefixcache.cache.block_hash import BlockHasher
+from prefixcache.cache.identity import CacheIdentity
 from prefixcache.cache.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -26,15 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["CacheIdentity", "PromptDigester"]
 
 logger = logging.getLogger("prefixcache.cluster")
-
-
-@dataclass(frozen=True, slots=True)
-class CacheIdentity:
-    """What roots and cuts a replica's block chains (every replica reports the same)."""
-
-    model_id: str
-    block_size: int
-    hash_algo: str
 
 
 class PromptDigester:
@@ -48,7 +38,6 @@ class PromptDigester:
         self.tenants = tenants
         self.identity = identity
         self.literal_content = literal_content
-        self.hasher = BlockHasher(identity.block_size, identity.hash_algo)
 
     def digests(self, path: str, api_key: str | None, body: bytes) -> list[bytes]:
         from pydantic import ValidationError
@@ -71,4 +60,4 @@ class PromptDigester:
         if not scope.use_cache:
             return []
         seq = Sequence("route", token_ids, scope.salt, copy=False)
-        return list(seq.digests(self.hasher, self.identity.model_id))
+        return list(self.identity.block_digests(seq))

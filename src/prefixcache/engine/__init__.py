@@ -18,11 +18,8 @@ __all__ = [
     "LLMEngine",
     "Request",
     "RequestOutput",
-    "RequestStatus",
     "Sampler",
     "SamplingParams",
-    "Scheduler",
-    "SchedulerOutput",
 ]
 
 _WHERE = {
@@ -33,11 +30,8 @@ _WHERE = {
     "GenerationOutput": "prefixcache.engine.outputs",
     "RequestOutput": "prefixcache.engine.outputs",
     "Request": "prefixcache.engine.request",
-    "RequestStatus": "prefixcache.sched.request",
     "Sampler": "prefixcache.engine.sampler",
     "SamplingParams": "prefixcache.engine.sampling_params",
-    "Scheduler": "prefixcache.sched.scheduler",
-    "SchedulerOutput": "prefixcache.sched.request",
 }
 
 

@@ -22,7 +22,7 @@ from prefixcache.engine.sampling_params import LOGPROBS_MODES
 from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
 
-__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "add_engine_arguments"]
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "add_engine_arguments", "prefix_cache_kind"]
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024
 
@@ -36,7 +36,7 @@ _CACHE_KEYS = {
     "num_kv_blocks": "num_blocks",
     "block_size": "block_size",
     "hash_algo": "hash_algo",
-    "enable_prefix_caching": "enable_caching",
+    "enable_prefix_caching": "enable_prefix_caching",
     "zero_on_reuse": "zero_on_reuse",
     "kv_events": "enable_kv_events",
     "kv_events_with_tokens": "events_with_tokens",
@@ -120,12 +120,13 @@ class EngineConfig:
         if args.policy is not None:
             warnings.warn("--policy is deprecated: use --schedule-policy", DeprecationWarning,
                           stacklevel=2)
+        kind = prefix_cache_kind(args)
         return cls.from_kwargs(
             args.model,
             dtype=args.dtype,
             seed=args.seed,
-            prefix_cache=args.prefix_cache,
-            enable_prefix_caching=not args.no_prefix_cache,
+            prefix_cache="hash" if kind == "off" else kind,
+            enable_prefix_caching=kind != "off",
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_memory_bytes=getattr(args, "kv_cache_memory_bytes", None) or DEFAULT_KV_MEMORY_BYTES,
@@ -159,6 +160,16 @@ def memory_bytes(text: str) -> int:
     return result
 
 
+def prefix_cache_kind(args: argparse.Namespace) -> str:
+    """``hash``, ``radix`` or ``off``, from ``--prefix-cache`` (and the deprecated
+    ``--no-prefix-cache``, which says so and means ``off``)."""
+    if getattr(args, "no_prefix_cache", False):
+        warnings.warn("--no-prefix-cache is deprecated: use --prefix-cache off", FutureWarning,
+                      stacklevel=2)
+        return "off"
+    return str(args.prefix_cache)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
     """The engine's flags, shared by every command that builds one."""
     parser.add_argument("--model", default=default_model, help=model_help(default_model))
@@ -166,8 +177,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
                         help="weights and KV dtype (auto: the checkpoint's bfloat16 where the CPU "
                              "has native bf16 dot products, else float32)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefix-cache", choices=CACHE_KINDS, default="hash")
-    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    parser.add_argument("--prefix-cache", choices=(*CACHE_KINDS, "off"), default="hash",
+                        help="the prefix cache: hash (vLLM-style), radix (SGLang-style) or off")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="deprecated: --prefix-cache off")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=memory_bytes, default=None,

@@ -20,19 +20,23 @@ from typing import Any, cast
 import torch
 
 from prefixcache.attention.kv_cache import PagedKVCache
-from prefixcache.cache import PrefixCache, Sequence, build_prefix_cache
+from prefixcache.cache import CacheIdentity, PrefixCache, Sequence, make_prefix_cache
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.logits_processors import apply_logits_processors
-from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, RequestOutput
-from prefixcache.engine.request import Request, RequestStatus
-from prefixcache.engine.runner import ModelRunner, StepLogits, blocks_for_budget
+from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
+from prefixcache.engine.request import Request
+from prefixcache.engine.runner import ModelRunner, StepLogits
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stop import check_stop, emittable_text
 from prefixcache.engine.structured import GrammarCompiler, mask_logits
 from prefixcache.errors import InvalidParam, describe_exception
+from prefixcache.model.config import ModelConfig
+from prefixcache.model.loader import LoadedModel
+from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.sched import Scheduler, SchedulerOutput
 from prefixcache.sched.fairness import blocks_needed
+from prefixcache.sched.request import RequestStatus
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
 
@@ -64,23 +68,24 @@ class LLMEngine:
         elif model is not None:
             config = replace(config, model=model)
         self.engine_config = config
-        self.loaded = _load(config.model, config.dtype)
-        self.config = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        self.max_model_len: int = self.config.max_model_len
+        self.loaded: LoadedModel = _load(config.model, config.dtype)
+        self.model_config: ModelConfig = self.loaded.config
+        self.tokenizer: Tokenizer = self.loaded.tokenizer
+        self.max_model_len: int = self.model_config.max_model_len
         self.block_size = config.block_size
+        self.kv_layout = self.loaded.kv_layout
         num_blocks = config.cache.num_blocks or self._default_num_blocks(
             config.kv_memory_bytes, config.scheduler.max_num_seqs
         )
-        self.cache: PrefixCache = build_prefix_cache(
+        self.cache: PrefixCache = make_prefix_cache(
             replace(config.cache, num_blocks=num_blocks, model_id=self.loaded.identity)
         )
         self.runner = ModelRunner(
-            self.loaded.model, self.config, num_blocks=num_blocks, block_size=self.block_size
+            self.loaded.model, self.loaded.make_kv_cache(num_blocks, self.block_size)
         )
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
         self.sampler = Sampler(config.logprobs_mode)
-        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.check_integrity = config.check_integrity
         self._seed_rng = random.Random(config.seed)
         self._groups: dict[str, Request] = {}  # request id -> its first choice (the parent)
@@ -92,14 +97,21 @@ class LLMEngine:
         # called on the engine's thread with the first choice of each finished request
         self.on_request_finished: Callable[[Request], None] | None = None
 
+    @property
+    def config(self) -> ModelConfig:
+        """The model's config (older name of ``model_config``)."""
+        return self.model_config
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V one KV block holds for this engine's model."""
+        return self.kv_layout.bytes_per_block(self.block_size)
+
     def _default_num_blocks(self, memory_bytes: int, max_num_seqs: int) -> int:
-        dtype = next(self.loaded.model.parameters()).dtype
-        fit = blocks_for_budget(memory_bytes, self.config, self.block_size, dtype)
-        useful = max_num_seqs * -(-self.max_model_len // self.block_size)
-        num_blocks = min(fit, useful)
-        if num_blocks < 1:
-            raise ValueError(f"a KV budget of {memory_bytes} bytes holds no block")
-        return num_blocks
+        """What fits in ``memory_bytes``, capped at what ``max_num_seqs`` full-length
+        sequences could use."""
+        fit = self.kv_layout.blocks_in(memory_bytes, self.block_size)
+        return min(fit, max_num_seqs * -(-self.max_model_len // self.block_size))
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -146,7 +158,7 @@ class LLMEngine:
             return list(self.tokenizer.encode(prompt))
         ids = prompt if prompt_token_ids is None else prompt_token_ids
         token_ids = list(ids)  # type: ignore[arg-type]
-        vocab = self.config.vocab_size
+        vocab = self.model_config.vocab_size
         for token_id in token_ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool):
                 raise InvalidParam("prompt", f"prompt token ids must be integers, got {token_id!r}")
@@ -178,7 +190,7 @@ class LLMEngine:
 
     def _validate_token_params(self, params: SamplingParams) -> None:
         """Token ids in the parameters must lie in the vocabulary."""
-        vocab = self.config.vocab_size
+        vocab = self.model_config.vocab_size
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise InvalidParam(
@@ -260,6 +272,20 @@ class LLMEngine:
     def kv_cache(self) -> PagedKVCache:
         """The paged KV tensors, for debugging tools."""
         return self.runner.kv_cache
+
+    def inspect(self) -> EngineView:
+        """What runs, waits and was last scheduled, and the pool's levels (between steps)."""
+        cache = self.cache
+        return EngineView(
+            running=tuple(self.scheduler.running),
+            waiting=tuple(self.scheduler.waiting),
+            last_batch=self.last_scheduled,
+            num_steps=self.num_steps,
+            kv_cache_usage=cache.usage,
+            num_free_blocks=cache.num_free_blocks,
+            num_cached_blocks=cache.num_cached_blocks,
+            kv_cache=self.runner.kv_cache,
+        )
 
     def get_request(self, request_id: str) -> list[Request]:
         """The live choices of a request (empty once it finished)."""
@@ -515,7 +541,7 @@ class LLMEngine:
         return EngineLimits(
             max_num_seqs=self.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,
-            vocab_size=self.config.vocab_size,
+            vocab_size=self.model_config.vocab_size,
             block_size=self.block_size,
             num_kv_blocks=self.cache.num_blocks,
         )
@@ -537,10 +563,15 @@ class LLMEngine:
             duplicate_blocks=stats.num_duplicate_blocks,
         )
 
+    @property
+    def cache_identity(self) -> CacheIdentity:
+        """What names this engine's cache blocks."""
+        return self.cache.identity
+
     def prompt_block_digests(self, request: Request) -> list[bytes]:
         """The digests of ``request``'s complete prompt blocks (what a trace records)."""
         num_blocks = request.num_prompt_tokens // self.block_size
-        return request.seq.digests(self.cache.hasher, self.cache.model_id)[:num_blocks]
+        return self.cache.identity.block_digests(request.seq)[:num_blocks]
 
     def take_kv_events(self) -> list[Any]:
         """Drain the KV events buffered since the last call (empty unless ``kv_events``)."""
@@ -590,15 +621,14 @@ def _raw_copy(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     return None
 
 
-def _load(model: Any, dtype: str) -> Any:
+def _load(model: Any, dtype: str) -> LoadedModel:
     if isinstance(model, str):
         from prefixcache.model.loader import load_model
 
         return load_model(model, dtype=dtype)
-    for name in ("config", "model", "tokenizer", "identity"):
-        if not hasattr(model, name):
-            raise ValueError(
-                f"model must be a preset name, a checkpoint dir or a LoadedModel, "
-                f"got {type(model).__name__}"
-            )
+    if not isinstance(model, LoadedModel):
+        raise ValueError(
+            f"model must be a preset name, a checkpoint dir or a LoadedModel, "
+            f"got {type(model).__name__}"
+        )
     return model

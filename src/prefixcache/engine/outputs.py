@@ -4,7 +4,12 @@ whole results (`GenerationOutput` of `CompletionOutput` choices). Plain data, no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixcache.attention.kv_cache import PagedKVCache
+    from prefixcache.engine.request import Request
+    from prefixcache.sched import SchedulerOutput
 
 __all__ = [
     "CompletionOutput",
@@ -101,6 +106,23 @@ class EngineLimits:
     vocab_size: int
     block_size: int
     num_kv_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """A read-only look inside an engine between steps (`LLMEngine.inspect`), for tools and
+    benchmarks: the choices running and waiting now (copies of the queues), the latest step's
+    batch, and the KV pool's levels. ``kv_cache`` is the paged KV storage itself (debugging
+    tools read it; nothing outside the engine writes it but tests)."""
+
+    running: tuple[Request, ...]
+    waiting: tuple[Request, ...]
+    last_batch: SchedulerOutput | None
+    num_steps: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_cached_blocks: int
+    kv_cache: PagedKVCache
 
 
 @dataclass(slots=True)

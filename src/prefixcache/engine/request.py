@@ -17,9 +17,9 @@ import torch
 from prefixcache.cache import Sequence
 from prefixcache.engine.sampler import derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.sched.request import FINISH_REASONS, RequestStatus, SchedRequest
+from prefixcache.sched.request import SchedRequest
 
-__all__ = ["FINISH_REASONS", "Request", "RequestStatus", "RequestTiming"]
+__all__ = ["Request", "RequestTiming"]
 
 
 @dataclass(slots=True)

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixcache.attention import AttentionMetadata, PagedKVCache, bytes_per_block
+from prefixcache.attention import AttentionMetadata, PagedKVCache
 from prefixcache.sched import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepLogits", "blocks_for_budget"]
+__all__ = ["ModelRunner", "StepLogits"]
 
 
 @dataclass(slots=True)
@@ -26,44 +26,14 @@ class StepLogits:
     every_token: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def blocks_for_budget(
-    memory_bytes: int, config: object, block_size: int, dtype: torch.dtype
-) -> int:
-    """How many KV blocks of ``block_size`` tokens fit in ``memory_bytes`` for this model."""
-    per_block = bytes_per_block(
-        config.num_hidden_layers,  # type: ignore[attr-defined]
-        block_size,
-        config.num_key_value_heads,  # type: ignore[attr-defined]
-        config.head_dim,  # type: ignore[attr-defined]
-        dtype,
-    )
-    return int(memory_bytes // per_block)
-
-
 class ModelRunner:
     """Runs the model over a step's chunks, all tokens flattened into one batch."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        config: object,
-        *,
-        num_blocks: int,
-        block_size: int,
-    ) -> None:
-        parameter = next(model.parameters())
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
         self.model = model
-        self.device = parameter.device
-        self.block_size = block_size
-        self.kv_cache = PagedKVCache(
-            config.num_hidden_layers,  # type: ignore[attr-defined]
-            num_blocks,
-            block_size,
-            config.num_key_value_heads,  # type: ignore[attr-defined]
-            config.head_dim,  # type: ignore[attr-defined]
-            dtype=parameter.dtype,
-            device=self.device,
-        )
+        self.device = kv_cache.device
+        self.block_size = kv_cache.block_size
+        self.kv_cache = kv_cache
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [num_chunks, vocab] at each chunk's last token (empty step: [0, 0])."""

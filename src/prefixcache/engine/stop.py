@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from prefixcache.engine.request import Request, RequestStatus
+from prefixcache.engine.request import Request
+from prefixcache.sched.request import RequestStatus
 
 __all__ = ["check_stop", "emittable_text"]
 

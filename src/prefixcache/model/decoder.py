@@ -15,220 +15,17 @@ With both, each layer runs as one or two compiled calls (`fused_layers`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
-from prefixcache.model import native_layers, onednn_gemm, packed_gemm, panel_gemm, tuning
+from prefixcache.attention import AttentionMetadata, PagedKVCache
+from prefixcache.model import onednn_gemm, panel_gemm
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.fused_layers import FusedLayers
-from prefixcache.model.onednn_gemm import OneDnnWeight
-from prefixcache.model.packed_gemm import PackedWeight
-from prefixcache.model.panel_gemm import PanelWeight
-from prefixcache.model.rope import RotaryEmbedding, apply_rotary
+from prefixcache.model.layers import PACKED_DTYPES, DecoderLayer, LayerParts, Projection, RMSNorm
+from prefixcache.model.rope import RotaryEmbedding
 
-__all__ = ["CausalLM", "RMSNorm"]
+__all__ = ["CausalLM", "DecoderLayer", "Projection", "RMSNorm"]
 
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as transformers does."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native(x):
-            return native_layers.add_rms_norm(x, None, self.weight, self.eps)
-        if x.dtype == torch.float32:  # the fused op: same bits, one pass
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """The residual add and the norm: ``h += delta`` in place, returns ``self(h)``; one pass
-        over the rows where the native layers apply."""
-        if self._native(h) and delta.is_contiguous() and delta.shape == h.shape:
-            return native_layers.add_rms_norm(h, delta, self.weight, self.eps)
-        h += delta
-        return self(h)
-
-    def _native(self, x: torch.Tensor) -> bool:
-        return (
-            x.dim() == 2
-            and x.is_contiguous()
-            and self.weight.dtype == x.dtype
-            and native_layers.applies(x)
-        )
-
-
-_PACKED_DTYPES = (torch.float32, torch.bfloat16)
-
-
-class Projection(nn.Linear):
-    """``nn.Linear`` that can also multiply through a packed copy of its weight.
-
-    ``pack()`` (CPU) keeps a packed copy next to the parameter: the package's own panel GEMM's
-    (`panel_gemm`, float32 or bfloat16) where a start-up timing finds it no slower, else for a
-    float32 weight MKL's `PackedWeight` or oneDNN's, for a bfloat16 weight oneDNN's (bfloat16
-    products, float32 accumulation: the same bits as ``F.linear``). Forward then uses it for
-    2-D input of the weight's dtype and any row count. Same parameters and state dict as
-    ``nn.Linear``; the packed copy is dropped, never used stale, once the weight is replaced or
-    modified in place.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.packed: PackedWeight | None = None
-        self.onednn: OneDnnWeight | None = None
-        self.panel: PanelWeight | None = None
-        self._packed_from = (0, -1)  # (data_ptr, version) of the weight that was packed
-
-    def pack(self, enable: bool = True, onednn: bool = False, panel: bool = False) -> bool:
-        """Keep a packed copy of the current weight (or drop it): with ``panel`` the panel
-        GEMM's (`panel_gemm`), else for float32 MKL's or, with ``onednn``, oneDNN's
-        (`onednn_gemm`), for bfloat16 oneDNN's. False where none applies (not a float32 or
-        bfloat16 CPU weight, or the library is missing)."""
-        self.packed = self.onednn = self.panel = None
-        weight, dtype = self.weight, self.weight.dtype
-        if not enable or weight.device.type != "cpu" or dtype not in _PACKED_DTYPES:
-            return False
-        if panel and panel_gemm.available(dtype):
-            self.panel = PanelWeight.pack(weight)
-        elif (onednn or dtype == torch.bfloat16) and onednn_gemm.available(dtype):
-            self.onednn = OneDnnWeight.pack(weight)
-        elif dtype == torch.float32 and packed_gemm.available():
-            self.packed = PackedWeight.pack(weight)
-        else:
-            return False
-        self._packed_from = (weight.data_ptr(), weight._version)
-        return True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            packed = self.current_packed()  # also drops a stale panel or oneDNN copy
-            if packed is not None:
-                return packed.matmul(x, self.bias)
-            copy = self.panel or self.onednn
-            if copy is not None:
-                return copy.matmul(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def current_packed(self) -> PackedWeight | None:
-        """The MKL-packed copy if it still holds the current weight, else None (and dropped)."""
-        if not self._is_current():
-            self.packed = self.onednn = self.panel = None  # the weight changed: never stale
-        return self.packed
-
-    def current_panel(self) -> PanelWeight | None:
-        """The panel GEMM's copy if it still holds the current weight, else None (and dropped)."""
-        self.current_packed()
-        return self.panel
-
-    def _is_current(self) -> bool:
-        weight = self._parameters["weight"]  # not self.weight: nn.Module's slow lookup, per step
-        return weight is not None and self._packed_from == (weight.data_ptr(), weight._version)
-
-
-class Attention(nn.Module):
-    """Grouped-query attention with fused qkv, optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
-
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__()
-        self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = config.head_dim**-0.5
-        qkv_out = self.q_size + 2 * self.kv_size
-        self.qkv_proj = Projection(config.hidden_size, qkv_out, bias=config.attention_bias)
-        self.o_proj = Projection(self.q_size, config.hidden_size, bias=False)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = _rotate(self.q_norm(qkv[:, :heads]), cos_sin)  # [T, heads, head_dim]
-            k = _rotate(self.k_norm(qkv[:, heads : heads + kv_heads]), cos_sin)
-        else:  # q and k rotated in one pass: [T, heads + kv_heads, head_dim]
-            qk = _rotate(qkv[:, : heads + kv_heads], cos_sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, heads + kv_heads :]  # [T, kv_heads, head_dim]
-        k_cache, v_cache = kv_cache.layer(self.layer_index)
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-
-class MLP(nn.Module):
-    """SwiGLU with a fused gate/up projection."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Projection(
-            config.hidden_size, 2 * config.intermediate_size, bias=False
-        )
-        self.down_proj = Projection(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        chunk = tuning.MLP_CHUNK_ROWS
-        if num_tokens <= chunk:
-            return self._swiglu(x)
-        # long prefills go through in row chunks: the activation stays cache-sized
-        out = x.new_empty(num_tokens, x.shape[1])
-        for start in range(0, num_tokens, chunk):
-            rows = slice(start, start + chunk)
-            out[rows] = self._swiglu(x[rows])
-        return out
-
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_contiguous() and native_layers.applies(gate_up):
-            return self.down_proj(native_layers.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        delta: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """One layer on the residual stream h [T, hidden], updated in place: ``h += delta`` (the
-        previous layer's MLP output; None for the first layer), then ``h += attention``. Returns
-        this layer's MLP output, the next delta: each residual add is fused with the norm after
-        it (`RMSNorm.add_forward`), as vLLM's layers do."""
-        norm = self.input_layernorm
-        x = norm(h) if delta is None else norm.add_forward(h, delta)
-        attended = self.self_attn(x, cos_sin, kv_cache, metadata)
-        return self.mlp(self.post_attention_layernorm.add_forward(h, attended))
 
 
 class DecoderModel(nn.Module):
@@ -251,6 +48,10 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None
+
+    def layer_parts(self) -> list[LayerParts]:
+        """What the compiled layer calls read from each layer."""
+        return [layer.parts() for layer in self.model.layers]  # type: ignore[operator]
 
     def projections(self) -> list[Projection]:
         """The 4 projections of every layer: qkv, o, gate/up, down."""
@@ -282,7 +83,7 @@ class CausalLM(nn.Module):
         cpu = pack and mlp is not None and mlp.weight.device.type == "cpu"
         onednn = (cpu and mlp.weight.dtype == torch.float32
                   and onednn_gemm.prefer_onednn(mlp.in_features, mlp.out_features))
-        panel = (cpu and mlp.weight.dtype in _PACKED_DTYPES and panel_gemm.prefer_panel(
+        panel = (cpu and mlp.weight.dtype in PACKED_DTYPES and panel_gemm.prefer_panel(
             mlp.in_features, mlp.out_features, mlp.weight.dtype, onednn))
         for linear in self.projections():
             weight = linear.weight
@@ -314,7 +115,9 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [T, hidden], the residual stream
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
         delta: torch.Tensor | None = None  # the last layer's output, not yet added to h
-        fused = FusedLayers.prepare(self, h, cos_sin, kv_cache, attn_metadata)
+        fused = FusedLayers.prepare(
+            self.config, self.layer_parts(), h, cos_sin, kv_cache, attn_metadata
+        )
         for i, layer in enumerate(self.model.layers):
             if fused is not None:
                 delta = fused.run(i)
@@ -325,14 +128,6 @@ class CausalLM(nn.Module):
         if delta is not None:
             last += delta.index_select(0, rows)
         return self.lm_head(self.model.norm(last))
-
-
-def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotary embedding of x [T, heads, head_dim]: in place through the native layers (x is
-    this step's own projection output or norm), else torch's `apply_rotary` (a new tensor)."""
-    if native_layers.applies(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        return native_layers.rotary_(x, *cos_sin)
-    return apply_rotary(x, *cos_sin)
 
 
 def _check_inputs(

@@ -30,7 +30,8 @@ from prefixcache.model.packed_gemm import PackedWeight
 from prefixcache.model.panel_gemm import PanelWeight
 
 if TYPE_CHECKING:
-    from prefixcache.model.decoder import CausalLM, DecoderLayer, RMSNorm
+    from prefixcache.model.config import ModelConfig
+    from prefixcache.model.layers import LayerParts, RMSNorm
 
 __all__ = ["FusedLayers"]
 
@@ -68,13 +69,15 @@ class FusedLayers:
         self,
         library: ctypes.CDLL,
         args: list[LayerArgs],
-        layers: list[DecoderLayer],
+        layers: list[LayerParts],
+        num_heads: tuple[int, int],
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
         buffers: dict[str, torch.Tensor],
         attention: native_attention.PreparedAttend | None,
     ) -> None:
         self._library, self._args, self._layers = library, args, layers
+        self._num_heads, self._num_kv_heads = num_heads
         self._kv_cache, self._metadata, self._buffers = kv_cache, metadata, buffers
         self._attention = attention  # its slots and scratch: kept alive with the addresses
         self._addresses = [ctypes.addressof(a) for a in args]
@@ -90,7 +93,8 @@ class FusedLayers:
     @classmethod
     def prepare(
         cls,
-        model: CausalLM,
+        config: ModelConfig,
+        layers: list[LayerParts],
         h: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: PagedKVCache,
@@ -99,7 +103,7 @@ class FusedLayers:
         """Check the step and fill each layer's arguments; None where the calls do not apply
         (not float32 or bfloat16 on the CPU, no packed weights of a kind the calls multiply
         through, no native layers, q/k norm, an empty step)."""
-        c = model.config
+        c = config
         library = native_layers.library()
         if (
             library is None
@@ -111,14 +115,13 @@ class FusedLayers:
             or not native_layers.applies(h)
         ):
             return None
-        layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
         parts = [_layer_parts(layer, h.dtype) for layer in layers]
         if any(p is None for p in parts):
             return None
         gemm = _gemm_address(parts)  # type: ignore[arg-type]
         if gemm is None:
             return None
-        _check_step(model, h, cos_sin, kv_cache, metadata, parts)  # type: ignore[arg-type]
+        _check_step(c, h, cos_sin, kv_cache, metadata, parts)  # type: ignore[arg-type]
         rows, heads, kv_heads, head_dim = (
             h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         )  # fmt: skip
@@ -161,7 +164,8 @@ class FusedLayers:
             a.k_cache, a.v_cache = (t.data_ptr() for t in kv_cache.layer(i))
             a.scale = part.scale
             args.append(a)
-        return cls(library, args, layers, kv_cache, metadata, buffers, attention)
+        return cls(library, args, layers, (heads, kv_heads), kv_cache, metadata, buffers,
+                   attention)
 
     def run(self, i: int) -> torch.Tensor:
         """Layer i: the residual stream h updated in place; returns the layer's MLP output, a
@@ -171,12 +175,12 @@ class FusedLayers:
             self._library.pc_layer(address)
             return buffers["out"]
         self._inputs(address)
-        qkv, attn = buffers["qkv"], self._layers[i].self_attn
-        heads, kv_heads = attn.num_heads, attn.num_kv_heads
+        qkv, scale = buffers["qkv"], self._layers[i].scale
+        heads, kv_heads = self._num_heads, self._num_kv_heads
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         k_cache, v_cache = self._kv_cache.layer(i)
-        attended = paged_attention(q, k, v, k_cache, v_cache, self._metadata, attn.scale)
-        attended = attended.reshape(qkv.shape[0], attn.q_size).contiguous()
+        attended = paged_attention(q, k, v, k_cache, v_cache, self._metadata, scale)
+        attended = attended.reshape(qkv.shape[0], heads * qkv.shape[2]).contiguous()
         self._outputs(address, attended.data_ptr())
         return buffers["out"]
 
@@ -191,20 +195,17 @@ class _Parts(NamedTuple):
     scale: float
 
 
-def _layer_parts(layer: DecoderLayer, dtype: torch.dtype) -> _Parts | None:
+def _layer_parts(layer: LayerParts, dtype: torch.dtype) -> _Parts | None:
     """The layer's parts, or None unless all four projections have a current packed copy of one
     kind that the compiled calls multiply through for ``dtype`` (float32: MKL's or the panel
     GEMM's; bfloat16: the panel GEMM's)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = attn.qkv_proj
-    projections = (qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    projections = layer.projections
     packed: list[PackedWeight] | list[PanelWeight] = [p.current_packed() for p in projections]
     if any(p is None for p in packed):
         packed = [p.panel for p in projections]  # current: current_packed dropped stale ones
         if any(p is None or p.dtype != dtype for p in packed):
             return None
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return _Parts(packed, *norms, qkv.bias, attn.scale)  # type: ignore[arg-type]
+    return _Parts(packed, layer.norm, layer.post_norm, layer.qkv_bias, layer.scale)
 
 
 def _gemm_address(parts: list[_Parts]) -> int | None:
@@ -236,7 +237,7 @@ def _one_sequence_prefill(
 
 
 def _check_step(
-    model: CausalLM,
+    config: ModelConfig,
     h: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     kv_cache: PagedKVCache,
@@ -244,7 +245,7 @@ def _check_step(
     parts: list[_Parts],
 ) -> None:
     """What the compiled calls read through raw pointers, checked once for all layers."""
-    c, dtype = model.config, h.dtype
+    c, dtype = config, h.dtype
     rows, hidden, head_dim = h.shape[0], c.hidden_size, c.head_dim
     heads, kv_heads, inter = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
     width, q_size = (heads + 2 * kv_heads) * head_dim, heads * head_dim

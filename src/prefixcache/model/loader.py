@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from prefixcache.attention import PagedKVCache
+from prefixcache.attention import KVLayout, PagedKVCache
 from prefixcache.model.builtin import (
     BUILTIN_MODELS,
     PACKAGED_MODELS,
@@ -65,18 +65,14 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The shape of this model's KV, in its dtype: every KV size is computed from it."""
+        return KVLayout.of(self.config, self.dtype)
+
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Paged K/V storage shaped for this model, in its dtype and on its device."""
-        c = self.config
-        return PagedKVCache(
-            c.num_hidden_layers,
-            num_blocks,
-            block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-            self.dtype,
-            self.device,
-        )
+        return self.kv_layout.allocate(num_blocks, block_size, self.device)
 
 
 def resolve_model_path(name_or_path: str) -> Path:

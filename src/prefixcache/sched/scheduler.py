@@ -290,15 +290,15 @@ class Scheduler(Generic[R]):
 
     def _first_miss_digest(self, request: R, hit: CacheHit) -> bytes | None:
         seq = request.seq
-        if not (self.config.dedup and self.cache.enable_caching and seq.use_cache):
+        if not (self.config.dedup and self.cache.enable_prefix_caching and seq.use_cache):
             return None
         if not seq.read_cache:
             return None  # a sequence that reads no hit gains nothing by waiting
-        digests = seq.digests(self.cache.hasher, self.cache.model_id)
+        digests = self.cache.identity.block_digests(seq)
         return digests[hit.num_blocks] if hit.num_blocks < len(digests) else None
 
     def _digests_in_flight(self, chunks: list[ScheduledChunk]) -> set[bytes]:
-        if not (self.config.dedup and self.cache.enable_caching):
+        if not (self.config.dedup and self.cache.enable_prefix_caching):
             return set()
         return {digest for chunk in chunks for digest in self._chunk_digests(chunk)}
 
@@ -308,7 +308,7 @@ class Scheduler(Generic[R]):
         if not (self.config.dedup and seq.use_cache) or chunk.num_new_tokens == 1:
             return []
         bs = self.cache.block_size
-        digests = seq.digests(self.cache.hasher, self.cache.model_id)
+        digests = self.cache.identity.block_digests(seq)
         first = chunk.num_computed_tokens // bs
         last = (chunk.num_computed_tokens + chunk.num_new_tokens - 1) // bs
         return digests[first : last + 1]

@@ -35,19 +35,9 @@ from prefixcache.server.tenancy import Tenant, TenantRegistry
 if TYPE_CHECKING:
     from prefixcache.engine.llm_engine import LLMEngine
 
-__all__ = ["block_bytes", "create_app", "metrics_authorization"]
+__all__ = ["create_app", "metrics_authorization"]
 
 logger = logging.getLogger("prefixcache.server")
-
-
-def block_bytes(engine: LLMEngine) -> int:
-    """Bytes of K and V one KV block holds for this engine's model."""
-    from prefixcache.attention import bytes_per_block
-
-    config = engine.config
-    dtype = next(engine.loaded.model.parameters()).dtype
-    return int(bytes_per_block(config.num_hidden_layers, engine.block_size,
-                               config.num_key_value_heads, config.head_dim, dtype))
 
 
 def create_app(
@@ -69,7 +59,7 @@ def create_app(
     With a tenants file, ``/metrics`` answers only an admin tenant's key or ``metrics_key``.
     ``strict_api``: unknown request fields get 400 instead of being ignored.
     """
-    metrics = ServerMetrics(model_name, block_bytes(engine), metrics_domain_labels)
+    metrics = ServerMetrics(model_name, engine.block_bytes, metrics_domain_labels)
     max_pending = engine.limits.max_num_seqs + max_queue_len
     # with tenants, one domain may hold at most half of the queue
     per_domain = None if tenants.trusted else max(1, max_pending // 2)
@@ -199,7 +189,7 @@ def _add_routes(
 async def _reset(async_engine: AsyncEngine, tenant: Tenant) -> JSONResponse:
     if not tenant.admin:
         raise ApiError(403, "resetting the prefix cache needs an admin API key")
-    done = await async_engine.call(async_engine.engine.reset_prefix_cache)
+    done = await async_engine.reset_prefix_cache()
     if not done:
         raise ApiError(409, "the prefix cache was not reset: requests still hold KV blocks; "
                        "retry when the server is idle", code="cache_in_use")

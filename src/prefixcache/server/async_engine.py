@@ -23,10 +23,12 @@ from prefixcache.errors import describe_exception
 from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
 
 if TYPE_CHECKING:
-    from prefixcache.cache import KVCacheEvent
+    from prefixcache.cache import CacheIdentity, KVCacheEvent
     from prefixcache.engine.llm_engine import LLMEngine
-    from prefixcache.engine.outputs import RequestOutput
+    from prefixcache.engine.outputs import EngineLimits, RequestOutput
     from prefixcache.engine.sampling_params import SamplingParams
+    from prefixcache.engine.structured import GrammarCompiler
+    from prefixcache.model.tokenizer import Tokenizer
 
     OutputQueue = asyncio.Queue[RequestOutput | "EngineFailure"]
 
@@ -108,6 +110,32 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    # ---- what the server and the cluster read of the engine (fixed at construction) ----------
+
+    @property
+    def limits(self) -> EngineLimits:
+        """What the engine accepts (context length, vocabulary, sequences, KV blocks)."""
+        return self.engine.limits
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (thread-safe to call from the event loop's workers)."""
+        return self.engine.tokenizer
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The engine's output-grammar compiler and cache (compile off the loop, before add)."""
+        return self.engine.grammars
+
+    @property
+    def cache_identity(self) -> CacheIdentity:
+        """What names the engine's cache blocks (a cluster ingress digests prompts with it)."""
+        return self.engine.cache_identity
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached block between steps; False while requests hold blocks."""
+        return await self.call(self.engine.reset_prefix_cache)
 
     # ---- event-loop API -------------------------------------------------------------------------
 

@@ -232,10 +232,12 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> Any:
     from prefixcache.attention import native_attention
     from prefixcache.model import native_layers
 
+    cache = engine.engine_config.cache
+    kind = cache.kind if cache.enable_prefix_caching else "off"
     logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s, "
                 "attention %s, element-wise layers %s",
                 args.model, engine.max_model_len, engine.limits.num_kv_blocks, args.block_size,
-                "off" if args.no_prefix_cache else f"{args.prefix_cache}/{args.hash_algo}",
+                "off" if kind == "off" else f"{kind}/{args.hash_algo}",
                 "compiled CPU kernel" if native_attention.available() else "torch",
                 "compiled" if native_layers.available() else "torch")
     app = create_app(engine, model_name=args.served_model_name or args.model, tenants=tenants,

@@ -83,8 +83,8 @@ class OpenAIServing:
         strict_api: bool = False,
     ) -> None:
         self.engine = engine
-        limits = engine.engine.limits
-        self.tokenizer = engine.engine.tokenizer
+        limits = engine.limits
+        self.tokenizer = engine.tokenizer
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size
         self.max_n = limits.max_num_seqs
@@ -338,7 +338,7 @@ class OpenAIServing:
         spec = params.structured_outputs
         if spec is None:
             return
-        grammars = self.engine.engine.grammars
+        grammars = self.engine.grammars
         try:
             await self._off_loop(lambda s: grammars.grammar(s, param), spec)
         except ValueError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prefixcache.cache import PREFIX_CACHES, CacheConfig, PrefixCache, build_prefix_cache
+from prefixcache.cache import PREFIX_CACHES, CacheConfig, PrefixCache, make_prefix_cache
 from prefixcache.cache.config import EVICTION_POLICIES
 from prefixcache.sim.trace import Trace
 
@@ -77,7 +77,7 @@ def build_cache(
     spec: RunSpec, num_blocks: int, block_size: int, with_events: bool, hash_algo: str = "sha256"
 ) -> PrefixCache:
     """A cache for one replica (events only for a router that reads them, never token ids)."""
-    return build_prefix_cache(
+    return make_prefix_cache(
         CacheConfig(
             spec.prefix_cache,
             num_blocks,

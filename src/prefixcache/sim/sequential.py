@@ -167,11 +167,11 @@ def replay_sequential(
     if not runs:
         return []
     first = runs[0].replicas[0].cache
-    hasher, model_id = first.hasher, first.model_id
+    identity = first.identity
     source = TokenSource(trace)
     for request in trace.requests:
         seq = Sequence(request.request_id, source.prompt(request), copy=False)
-        digests = seq.digests(hasher, model_id)
+        digests = identity.block_digests(seq)
         for run in runs:
             run.feed(request, seq, digests)
         if progress is not None:

@@ -232,11 +232,11 @@ def replay_timed(
         )
         for _ in range(spec.replicas)
     ]
-    hasher, model_id = replicas[0].cache.hasher, replicas[0].cache.model_id
+    identity = replicas[0].cache.identity
     for request in trace.requests:
         _advance(replicas, router, request.arrival_s)
         seq = Sequence(request.request_id, source.prompt(request), copy=False)
-        digests = seq.digests(hasher, model_id)
+        digests = identity.block_digests(seq)
         loads = [r.load for r in replicas]
         index = (router.choose_for(digests, request.recorded_digests, loads)
                  if len(replicas) > 1 else 0)

@@ -114,7 +114,7 @@ class CacheDecisionLog:
     def on_admit(self, seq: Sequence, hit: CacheHit | None, block_ids: list[int]) -> None:
         if not logger.isEnabledFor(logging.DEBUG):
             return
-        if not seq.use_cache or not self._cache.enable_caching:
+        if not seq.use_cache or not self._cache.enable_prefix_caching:
             logger.debug("lookup skipped", extra={"event": "lookup", "cache": False})
             return
         root, digests = self._chain(seq)
@@ -153,10 +153,8 @@ class CacheDecisionLog:
             logger.debug("free", extra={"event": "free", "num_blocks": num_blocks})
 
     def _chain(self, seq: Sequence) -> tuple[bytes, list[bytes]]:
-        cache = self._cache
-        return seq.root_digest(cache.hasher, cache.model_id), seq.digests(
-            cache.hasher, cache.model_id
-        )
+        identity = self._cache.identity
+        return identity.root(seq), identity.block_digests(seq)
 
     def _block_fields(self, root: bytes, digests: list[bytes], index: int) -> dict[str, Any]:
         parent = digests[index - 1] if index > 0 else root

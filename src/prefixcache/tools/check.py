@@ -6,17 +6,14 @@ with prefix caching disabled (the reference) and once per cache implementation (
 invariant checked after each step. The first request and token position where an output differs
 from the reference is reported, and the exit status is 1.
 
-Test-only fault injection: with ``PREFIXCACHE_CHECK_FAULT=corrupt-cached-block`` in the
-environment, the oldest block still cached in each cache-enabled run gets its K/V overwritten with
-noise once the first wave of requests is done, so the next request that hits it reads wrong KV.
-The normal path pays nothing for this: the hook is chosen once per run.
+`run_check` takes an observer: ``step_hook`` (made once per cache-enabled run) is called with the
+engine after every step; its tests use it to corrupt a cached block and see the check catch it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +32,6 @@ __all__ = [
     "run_check",
 ]
 
-FAULT_ENV = "PREFIXCACHE_CHECK_FAULT"
-FAULT_CORRUPT_BLOCK = "corrupt-cached-block"
 DEFAULT_MAX_TOKENS = 12
 # small enough that integrity checks after every step stay cheap, large enough for the builtin
 DEFAULT_NUM_KV_BLOCKS = 64
@@ -164,52 +159,10 @@ def _is_ids(value: Any) -> bool:
 
 
 if TYPE_CHECKING:  # torch: imported when a check runs, not for `--help`
-    from prefixcache.attention.kv_cache import PagedKVCache
     from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.model.loader import LoadedModel
 
 StepHook = Callable[["LLMEngine"], None]
-
-
-def corrupt_first_committed_block() -> StepHook:
-    """The test-only fault: once the first wave is done, noise over the K/V of the oldest block
-    that is still cached, so the next request that hits it reads wrong KV."""
-    from prefixcache.cache import BlockRemoved, BlockStored
-
-    cached: list[int] = []  # block ids in the order they became hittable
-    done: list[bool] = []
-
-    def hook(engine: LLMEngine) -> None:
-        if done:
-            return
-        for event in engine.take_kv_events():
-            if isinstance(event, BlockStored):
-                cached.extend(event.block_ids)
-            elif isinstance(event, BlockRemoved):
-                cached[:] = [b for b in cached if b not in event.block_ids]
-        if cached and not engine.has_unfinished():
-            _overwrite_kv(engine.kv_cache, cached[0])
-            done.append(True)
-
-    return hook
-
-
-def _overwrite_kv(kv_cache: PagedKVCache, block_id: int) -> None:
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    for cache in (*kv_cache.k_caches, *kv_cache.v_caches):
-        noise = torch.randn(cache[block_id].shape, generator=gen) * 10.0
-        cache[block_id] = noise.to(cache.dtype)
-
-
-def _step_hook(enabled: bool) -> StepHook | None:
-    fault = os.environ.get(FAULT_ENV)
-    if not enabled or not fault:
-        return None
-    if fault != FAULT_CORRUPT_BLOCK:
-        raise CliError(f"{FAULT_ENV}={fault!r} is not a known fault ({FAULT_CORRUPT_BLOCK})")
-    return corrupt_first_committed_block()
 
 
 def run_workload(
@@ -219,18 +172,19 @@ def run_workload(
     prefix_cache: str | None,
     num_kv_blocks: int | None,
     wave_size: int = 4,
+    hook: StepHook | None = None,
 ) -> RunOutput:
-    """Run ``items`` greedy in waves of ``wave_size``; ``prefix_cache=None`` disables caching."""
+    """Run ``items`` greedy in waves of ``wave_size``; ``prefix_cache=None`` disables caching.
+    ``hook`` sees the engine after every step (its KV events are kept for it)."""
     from prefixcache.engine.llm_engine import LLMEngine
 
-    hook = _step_hook(prefix_cache is not None)
     engine = LLMEngine(
         loaded,
         num_kv_blocks=num_kv_blocks,
         enable_prefix_caching=prefix_cache is not None,
         prefix_cache=prefix_cache or "hash",
         check_integrity=True,
-        kv_events=hook is not None,  # the fault hook finds cached blocks through the events
+        kv_events=hook is not None,
     )
     out = RunOutput(name, [[] for _ in items], [0] * len(items))
     for start in range(0, len(items), wave_size):
@@ -290,15 +244,18 @@ def run_check(
     items: list[WorkItem],
     num_kv_blocks: int | None = DEFAULT_NUM_KV_BLOCKS,
     implementations: tuple[str, ...] = ("hash", "radix"),
+    step_hook: Callable[[], StepHook] | None = None,
 ) -> CheckResult:
-    """Reference run with caching off, then one run per implementation, compared."""
+    """Reference run with caching off, then one run per implementation, compared;
+    ``step_hook()`` makes each cache-enabled run's observer."""
     from prefixcache.model.loader import load_model
 
     loaded = load_model(model) if isinstance(model, str) else model
     reference = run_workload(loaded, items, "cache off", None, num_kv_blocks)
     runs, divergences = [reference], []
     for impl in implementations:
-        run = run_workload(loaded, items, f"{impl} cache", impl, num_kv_blocks)
+        hook = step_hook() if step_hook is not None else None
+        run = run_workload(loaded, items, f"{impl} cache", impl, num_kv_blocks, hook=hook)
         runs.append(run)
         divergence = compare(reference, run)
         if divergence is not None:

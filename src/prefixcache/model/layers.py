@@ -1,0 +1,251 @@
+"""The decoder's layers: RMSNorm, the projections (with their packed CPU copies), attention over
+paged KV, the SwiGLU MLP and the decoder layer that chains them.
+
+Below both the PyTorch decoder (`decoder.py`, which stacks these) and the compiled path
+(`fused_layers.py`, which runs a layer as one or two C calls over the parts `DecoderLayer.parts`
+hands it): neither of those imports the other's module to reach a layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
+from prefixcache.model import native_layers, onednn_gemm, packed_gemm, panel_gemm, tuning
+from prefixcache.model.config import ModelConfig
+from prefixcache.model.onednn_gemm import OneDnnWeight
+from prefixcache.model.packed_gemm import PackedWeight
+from prefixcache.model.panel_gemm import PanelWeight
+from prefixcache.model.rope import apply_rotary
+
+__all__ = [
+    "MLP", "PACKED_DTYPES", "Attention", "DecoderLayer", "LayerParts", "Projection", "RMSNorm",
+]  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native(x):
+            return native_layers.add_rms_norm(x, None, self.weight, self.eps)
+        if x.dtype == torch.float32:  # the fused op: same bits, one pass
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The residual add and the norm: ``h += delta`` in place, returns ``self(h)``; one pass
+        over the rows where the native layers apply."""
+        if self._native(h) and delta.is_contiguous() and delta.shape == h.shape:
+            return native_layers.add_rms_norm(h, delta, self.weight, self.eps)
+        h += delta
+        return self(h)
+
+    def _native(self, x: torch.Tensor) -> bool:
+        return (
+            x.dim() == 2
+            and x.is_contiguous()
+            and self.weight.dtype == x.dtype
+            and native_layers.applies(x)
+        )
+
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Projection(nn.Linear):
+    """``nn.Linear`` that can also multiply through a packed copy of its weight.
+
+    ``pack()`` (CPU) keeps a packed copy next to the parameter: the package's own panel GEMM's
+    (`panel_gemm`, float32 or bfloat16) where a start-up timing finds it no slower, else for a
+    float32 weight MKL's `PackedWeight` or oneDNN's, for a bfloat16 weight oneDNN's (bfloat16
+    products, float32 accumulation: the same bits as ``F.linear``). Forward then uses it for
+    2-D input of the weight's dtype and any row count. Same parameters and state dict as
+    ``nn.Linear``; the packed copy is dropped, never used stale, once the weight is replaced or
+    modified in place.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed: PackedWeight | None = None
+        self.onednn: OneDnnWeight | None = None
+        self.panel: PanelWeight | None = None
+        self._packed_from = (0, -1)  # (data_ptr, version) of the weight that was packed
+
+    def pack(self, enable: bool = True, onednn: bool = False, panel: bool = False) -> bool:
+        """Keep a packed copy of the current weight (or drop it): with ``panel`` the panel
+        GEMM's (`panel_gemm`), else for float32 MKL's or, with ``onednn``, oneDNN's
+        (`onednn_gemm`), for bfloat16 oneDNN's. False where none applies (not a float32 or
+        bfloat16 CPU weight, or the library is missing)."""
+        self.packed = self.onednn = self.panel = None
+        weight, dtype = self.weight, self.weight.dtype
+        if not enable or weight.device.type != "cpu" or dtype not in PACKED_DTYPES:
+            return False
+        if panel and panel_gemm.available(dtype):
+            self.panel = PanelWeight.pack(weight)
+        elif (onednn or dtype == torch.bfloat16) and onednn_gemm.available(dtype):
+            self.onednn = OneDnnWeight.pack(weight)
+        elif dtype == torch.float32 and packed_gemm.available():
+            self.packed = PackedWeight.pack(weight)
+        else:
+            return False
+        self._packed_from = (weight.data_ptr(), weight._version)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == self.weight.dtype and x.device.type == "cpu":
+            packed = self.current_packed()  # also drops a stale panel or oneDNN copy
+            if packed is not None:
+                return packed.matmul(x, self.bias)
+            copy = self.panel or self.onednn
+            if copy is not None:
+                return copy.matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def current_packed(self) -> PackedWeight | None:
+        """The MKL-packed copy if it still holds the current weight, else None (and dropped)."""
+        if not self._is_current():
+            self.packed = self.onednn = self.panel = None  # the weight changed: never stale
+        return self.packed
+
+    def current_panel(self) -> PanelWeight | None:
+        """The panel GEMM's copy if it still holds the current weight, else None (and dropped)."""
+        self.current_packed()
+        return self.panel
+
+    def _is_current(self) -> bool:
+        weight = self._parameters["weight"]  # not self.weight: nn.Module's slow lookup, per step
+        return weight is not None and self._packed_from == (weight.data_ptr(), weight._version)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused qkv, optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = Projection(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.o_proj = Projection(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = _rotate(self.q_norm(qkv[:, :heads]), cos_sin)  # [T, heads, head_dim]
+            k = _rotate(self.k_norm(qkv[:, heads : heads + kv_heads]), cos_sin)
+        else:  # q and k rotated in one pass: [T, heads + kv_heads, head_dim]
+            qk = _rotate(qkv[:, : heads + kv_heads], cos_sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, heads + kv_heads :]  # [T, kv_heads, head_dim]
+        k_cache, v_cache = kv_cache.layer(self.layer_index)
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with a fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Projection(
+            config.hidden_size, 2 * config.intermediate_size, bias=False
+        )
+        self.down_proj = Projection(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        chunk = tuning.MLP_CHUNK_ROWS
+        if num_tokens <= chunk:
+            return self._swiglu(x)
+        # long prefills go through in row chunks: the activation stays cache-sized
+        out = x.new_empty(num_tokens, x.shape[1])
+        for start in range(0, num_tokens, chunk):
+            rows = slice(start, start + chunk)
+            out[rows] = self._swiglu(x[rows])
+        return out
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_contiguous() and native_layers.applies(gate_up):
+            return self.down_proj(native_layers.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LayerParts(NamedTuple):
+    """What a compiled layer call reads from one decoder layer (`DecoderLayer.parts`)."""
+
+    projections: tuple[Projection, Projection, Projection, Projection]  # qkv, o, gate/up, down
+    norm: RMSNorm
+    post_norm: RMSNorm
+    qkv_bias: torch.Tensor | None
+    scale: float
+
+
+class DecoderLayer(nn.Module):
+    def parts(self) -> LayerParts:
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return LayerParts(projections, self.input_layernorm, self.post_attention_layernorm,
+                          attn.qkv_proj.bias, attn.scale)
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One layer on the residual stream h [T, hidden], updated in place: ``h += delta`` (the
+        previous layer's MLP output; None for the first layer), then ``h += attention``. Returns
+        this layer's MLP output, the next delta: each residual add is fused with the norm after
+        it (`RMSNorm.add_forward`), as vLLM's layers do."""
+        norm = self.input_layernorm
+        x = norm(h) if delta is None else norm.add_forward(h, delta)
+        attended = self.self_attn(x, cos_sin, kv_cache, metadata)
+        return self.mlp(self.post_attention_layernorm.add_forward(h, attended))
+
+
+def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, head_dim]: in place through the native layers (x is
+    this step's own projection output or norm), else torch's `apply_rotary` (a new tensor)."""
+    if native_layers.applies(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return native_layers.rotary_(x, *cos_sin)
+    return apply_rotary(x, *cos_sin)
