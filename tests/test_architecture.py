@@ -4,6 +4,7 @@ circles, and which packages load without torch."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,42 @@ def test_imports_without_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _all_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports, ``if TYPE_CHECKING`` blocks included."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):  # the package imports absolutely (ruff's TID252)
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+            found.update(submodules or {node.module})
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_circles_even_through_type_only_imports() -> None:
+    """A type-only import back is still two owners knowing each other (the pool and its index,
+    the decoder and its compiled layers): none is left."""
+    modules = _modules()
+    graph = {name: _all_imports(name, path, modules) for name, path in modules.items()}
+    pairs = sorted(f"{a} <-> {b}" for a, targets in graph.items() for b in targets
+                   if a < b and a in graph.get(b, set()))
+    assert pairs == []
+    assert not {m for m in graph["prefixcache.cache.block_pool"] if "index" in m or "_cache" in m}
+
+
+def test_outer_layers_use_the_engines_and_caches_public_interface() -> None:
+    """Nothing outside engine/ reaches through the async engine into the engine, and nothing
+    outside cache/ reads a private of the pool or an index."""
+    reach_in = re.compile(r"\bengine\.engine\.")
+    private = re.compile(r"\.(pool|index|evictor)\._[a-z]")
+    wrong = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        if _layer(name) != "engine" and reach_in.search(text):
+            wrong.append(f"{name}: engine.engine.")
+        if _layer(name) != "cache" and private.search(text):
+            wrong.append(f"{name}: a cache private")
+    assert wrong == []

@@ -112,9 +112,13 @@ def test_loaded_projections_use_it_and_agree_with_unpacked(dtype: str, gemm_libr
     got, want = _logits(packed, ids), _logits(plain, ids)
     if dtype == "float32":
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-    else:  # bfloat16 sums in another order, through 2 layers: the same greedy token
+    else:  # bfloat16 sums in another order, through 2 layers: the same greedy token, and as
+        # close to the float32 model as torch's bfloat16 is (logits here reach ~28, where one
+        # bfloat16 step is 0.125: the two roundings need not agree to a fixed tolerance)
         assert torch.equal(got.argmax(), want.argmax())
-        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+        ref = _logits(load_model("tiny", "float32", pack_weights=False), ids)
+        ours, torchs = (got.float() - ref).abs().max(), (want.float() - ref).abs().max()
+        assert ours <= 1.25 * torchs, (ours, torchs)
     proj = packed.model.model.layers[0].mlp.down_proj
     x = torch.randn(3, proj.in_features).to(proj.weight.dtype)
     with torch.no_grad():
