@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.engine import llm_engine
+from prefixcache.engine import output_processor
 from prefixcache.model import load_model
 from prefixcache.model.byte_tokenizer import write_byte_tokenizer
 from prefixcache.model.tokenizer import Tokenizer
@@ -153,7 +153,8 @@ def test_one_requests_failure_in_a_step_spares_the_others(monkeypatch):
     params = [SamplingParams(max_tokens=8, temperature=0.0, seed=s) for s in (1, 666, 2)]
     prompts = ["first prompt", "second prompt", "third prompt"]
     expected = llm.generate(prompts, params)
-    monkeypatch.setattr(llm_engine, "check_stop", _failing_for(666, llm_engine.check_stop))
+    failing = _failing_for(666, output_processor.check_stop)
+    monkeypatch.setattr(output_processor, "check_stop", failing)
     outs = llm.generate(prompts, params)
     assert [o.finish_reason for o in outs] == ["length", "error", "length"]
     assert outs[0].token_ids == expected[0].token_ids and outs[2].token_ids == expected[2].token_ids
@@ -178,7 +179,8 @@ def test_a_sampler_failure_fails_only_its_row(monkeypatch):
 
 
 def test_server_answers_500_to_the_failing_request_and_serves_the_rest(monkeypatch):
-    monkeypatch.setattr(llm_engine, "check_stop", _failing_for(666, llm_engine.check_stop))
+    failing = _failing_for(666, output_processor.check_stop)
+    monkeypatch.setattr(output_processor, "check_stop", failing)
     server = start_server(["--model", "tiny"])
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)

@@ -1,9 +1,11 @@
 """`LLMEngine`: requests in, incremental outputs out, one bounded `step()` at a time.
 
-The engine wires the parts together: the prefix cache (block ids), the scheduler (who runs), the
-runner (tensors), the sampler (next tokens) and the stop rules and detokenizer (what the user
-sees). It is single-threaded: a server drives it from one thread and calls `add_request` /
-`abort` between steps.
+The engine is the core loop over its parts, as vLLM v1 splits its engine: input processing
+(`InputProcessor`: every request check), then per step schedule (the scheduler over the prefix
+cache's block ids) -> execute (the runner's tensors) -> sample (`StepSampler`) -> update (the
+scheduler's commit, then `OutputProcessor`: stop rules, detokenized text, `RequestOutput`).
+It is single-threaded: a server drives it from one thread and calls `add_request` / `abort`
+between steps.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
@@ -22,27 +23,26 @@ import torch
 from prefixcache.attention.kv_cache import PagedKVCache
 from prefixcache.cache import CacheIdentity, PrefixCache, Sequence, make_prefix_cache
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
-from prefixcache.engine.logits_processors import apply_logits_processors
+from prefixcache.engine.input_processor import InputProcessor
+from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
 from prefixcache.engine.request import Request
-from prefixcache.engine.runner import ModelRunner, StepLogits
+from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.engine.stop import check_stop, emittable_text
-from prefixcache.engine.structured import GrammarCompiler, mask_logits
-from prefixcache.errors import InvalidParam, describe_exception
+from prefixcache.engine.step_sampling import NoTokenAllowed, StepSampler, record_prompt_logprobs
+from prefixcache.engine.structured import GrammarCompiler
+from prefixcache.errors import describe_exception
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.loader import LoadedModel
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.sched import Scheduler, SchedulerOutput
-from prefixcache.sched.fairness import blocks_needed
 from prefixcache.sched.request import RequestStatus
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_HISTORY = 10_000  # finished requests whose timing `stats()` still reports
 
 
 class LLMEngine:
@@ -84,14 +84,21 @@ class LLMEngine:
             self.loaded.model, self.loaded.make_kv_cache(num_blocks, self.block_size)
         )
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
+        self.inputs = InputProcessor(
+            self.tokenizer, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, block_size=self.block_size,
+            num_kv_blocks=num_blocks, max_num_seqs=self.scheduler.max_num_seqs,
+            limits_for=self.scheduler.limits_for,
+        )  # fmt: skip
         self.sampler = Sampler(config.logprobs_mode)
+        self.step_sampler = StepSampler(self.sampler, self.tokenizer.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.check_integrity = config.check_integrity
         self._seed_rng = random.Random(config.seed)
         self._groups: dict[str, Request] = {}  # request id -> its first choice (the parent)
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._num_added = 0
-        self._history: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.num_steps = 0
         self.last_scheduled: SchedulerOutput | None = None  # the latest step's batch
         # called on the engine's thread with the first choice of each finished request
@@ -127,17 +134,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         domain: str = "",
     ) -> Request:
-        """Queue a request. Bad input raises ValueError and leaves the engine unchanged.
-        ``domain`` is its isolation domain (tenant or group) for fair sharing and caps."""
+        """Queue a request. Bad input raises ValueError (`InvalidParam` naming the field,
+        from `InputProcessor`) and leaves the engine unchanged. ``domain`` is its isolation
+        domain (tenant or group) for fair sharing and caps."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
-        token_ids = self._prompt_ids(prompt, prompt_token_ids)
-        self._validate_length(len(token_ids), params)
-        self._validate_token_params(params)
-        self._validate_domain_caps(len(token_ids), params, domain)
+        token_ids = self.inputs.process(prompt, prompt_token_ids, params, domain)
         request = self._new_request(request_id, token_ids, params, cache_salt, use_cache, domain)
         if params.structured_outputs is not None:  # compiled (or refused) before it queues
             request.matcher = self.grammars.matcher(params.structured_outputs)
@@ -146,74 +149,6 @@ class LLMEngine:
         self._groups[request_id] = request
         self.scheduler.add(request)
         return request
-
-    def _prompt_ids(
-        self, prompt: str | SequenceABC[int] | None, prompt_token_ids: SequenceABC[int] | None
-    ) -> list[int]:
-        if (prompt is None) == (prompt_token_ids is None):
-            raise InvalidParam("prompt", "give exactly one of prompt and prompt_token_ids")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidParam("prompt", "the prompt is empty")
-            return list(self.tokenizer.encode(prompt))
-        ids = prompt if prompt_token_ids is None else prompt_token_ids
-        token_ids = list(ids)  # type: ignore[arg-type]
-        vocab = self.model_config.vocab_size
-        for token_id in token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool):
-                raise InvalidParam("prompt", f"prompt token ids must be integers, got {token_id!r}")
-            if not 0 <= token_id < vocab:
-                raise InvalidParam(
-                    "prompt", f"prompt token id {token_id} is outside the vocabulary [0, {vocab})"
-                )
-        if not token_ids:
-            raise InvalidParam("prompt", "the prompt is empty (no token ids)")
-        return token_ids
-
-    def _validate_length(self, num_prompt: int, params: SamplingParams) -> None:
-        total = num_prompt + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidParam(
-                "prompt",
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context length of {self.max_model_len} tokens"
-            )
-        # one choice must fit in the whole pool, else it could never finish
-        needed = -(-total // self.block_size)
-        if needed > self.cache.num_blocks:
-            raise InvalidParam(
-                "prompt",
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
-                f"KV blocks of {self.block_size} tokens, but the pool has only "
-                f"{self.cache.num_blocks}"
-            )
-
-    def _validate_token_params(self, params: SamplingParams) -> None:
-        """Token ids in the parameters must lie in the vocabulary."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise InvalidParam(
-                "logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
-
-    def _validate_domain_caps(self, num_prompt: int, params: SamplingParams, domain: str) -> None:
-        """A request that could never fit its domain's caps is refused now, not queued forever."""
-        limits = self.scheduler.limits_for(domain)
-        num = params.num_choices
-        name = "best_of" if params.ranks_choices else "n"
-        if limits.max_seqs is not None and num > limits.max_seqs:
-            raise InvalidParam(
-                name,
-                f"{name} ({num}) exceeds this caller's limit of {limits.max_seqs} running sequences"
-            )
-        needed = blocks_needed(num_prompt, params.max_tokens, num, self.block_size)
-        if limits.max_blocks is not None and needed > limits.max_blocks:
-            raise InvalidParam(
-                name,
-                f"{name} ({num}) x (prompt {num_prompt} + max_tokens {params.max_tokens} tokens) "
-                f"needs up to {needed} KV blocks, over this caller's limit of {limits.max_blocks}"
-            )
 
     def _new_request(
         self,
@@ -305,7 +240,7 @@ class LLMEngine:
             logits = self.runner.execute_step(out)
             targets = self.scheduler.update_from_step(out)
             if logits.every_token:
-                self._record_prompt_logprobs(out, logits)
+                record_prompt_logprobs(out, logits)
             outputs.extend(self._sample(logits.last, targets))
         if self.check_integrity:
             self.cache.check_integrity()
@@ -318,35 +253,6 @@ class LLMEngine:
             if timing.first_scheduled_time is None:
                 timing.first_scheduled_time = now
 
-    def _record_prompt_logprobs(self, out: SchedulerOutput, logits: StepLogits) -> None:
-        """Each prompt position's logits rate the next prompt token: keep its logprob (and the
-        top alternatives) by position; a recomputed chunk (after preemption) rewrites them."""
-        for i, rows in logits.every_token.items():
-            chunk = out.chunks[i]
-            request = cast(Request, chunk.request)
-            table = request.prompt_logprobs
-            if table is None or request.params.prompt_logprobs is None:
-                continue
-            start = chunk.num_computed_tokens
-            num = min(chunk.num_new_tokens, request.num_prompt_tokens - 1 - start)
-            if num <= 0:
-                continue
-            logprobs = torch.log_softmax(rows[:num].float(), dim=-1)
-            next_ids = request.seq.token_ids[start + 1 : start + 1 + num]
-            chosen_t = logprobs.gather(1, torch.tensor(next_ids).unsqueeze(1))
-            # int32: summing a bool tensor into int64 is much slower on CPU
-            ranks = ((logprobs > chosen_t).sum(dim=1, dtype=torch.int32) + 1).tolist()
-            chosen = chosen_t.squeeze(1).tolist()
-            k = min(request.params.prompt_logprobs, logprobs.shape[1])
-            tops: list[dict[int, float]] = [{} for _ in range(num)]
-            if k:
-                values, ids = torch.topk(logprobs, k, dim=-1)
-                tops = [dict(zip(i_row, v_row, strict=True))
-                        for i_row, v_row in zip(ids.tolist(), values.tolist(), strict=True)]
-            for j in range(num):
-                table[start + 1 + j] = {"token_id": next_ids[j], "logprob": chosen[j],
-                                        "rank": ranks[j], "top": tops[j]}
-
     def _sample(
         self, logits: torch.Tensor, targets: list[tuple[Request, int]]
     ) -> list[RequestOutput]:
@@ -355,57 +261,43 @@ class LLMEngine:
         if not targets:
             return []
         rows = torch.tensor([row for _, row in targets], dtype=torch.long)
-        sampled = self._sample_rows(logits, rows, [r for r, _ in targets])
+        sampled = self.step_sampler.sample(logits, rows, [r for r, _ in targets])
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for (request, _), token in zip(targets, sampled, strict=True):
             if request.is_finished:  # another choice of its request failed earlier this step
                 continue
             try:
-                if isinstance(token, _NoTokenAllowed):
-                    outputs.append(self._stop_by_grammar(request, now))
+                if isinstance(token, NoTokenAllowed):
+                    stopped = self.output_processor.stopped_by_grammar(request)
+                    outputs.append(self._finish_output(request, stopped, [], [], now))
                     continue
                 if isinstance(token, Exception):
                     raise token
-                outputs.append(self._process_token(request, token, now))
+                status, new_logprobs = self.output_processor.add_token(request, token, now)
+                outputs.append(
+                    self._finish_output(request, status, [token.token_id], new_logprobs, now)
+                )
             except Exception as exc:  # noqa: BLE001 - isolated to this request, reported in it
                 outputs.extend(self._fail_request(request, exc, now))
         return outputs
 
-    def _sample_rows(
-        self, step_logits: torch.Tensor, rows: torch.Tensor, requests: list[Request]
-    ) -> list[Any]:
-        """Grammar masks and logits processors, then one batched sample, over a copy of the
-        step's ``rows``; if any of it raises, row by row (each from the step's untouched logits)
-        so only the failing rows fail."""
-        params = [r.params for r in requests]
-        generators = [r.generator for r in requests]
-        eos = self.tokenizer.eos_token_ids
-        try:
-            logits = step_logits.index_select(0, rows)
-            raw = _raw_copy(logits, params)
-            dead = _mask_grammars(logits, requests)
-            processed = apply_logits_processors(logits, requests, eos)
-            out: list[Any] = list(self.sampler.sample(processed, params, generators, raw))
-            for index in dead:
-                out[index] = _NoTokenAllowed()
-            return out
-        except Exception:  # noqa: BLE001 - retried per row below
-            pass
-        out = []
-        for i in range(len(requests)):
-            try:
-                row = step_logits.index_select(0, rows[i : i + 1])
-                raw = _raw_copy(row, params[i : i + 1])
-                if _mask_grammars(row, requests[i : i + 1]):
-                    out.append(_NoTokenAllowed())
-                    continue
-                row = apply_logits_processors(row, requests[i : i + 1], eos)
-                out.extend(self.sampler.sample(row, params[i : i + 1], generators[i : i + 1],
-                                               raw))
-            except Exception as exc:  # noqa: BLE001 - this row's failure, reported in it
-                out.append(exc)
-        return out
+    def _finish_output(
+        self,
+        request: Request,
+        status: RequestStatus | None,
+        new_token_ids: list[int],
+        new_logprobs: list[dict[str, Any]],
+        now: float,
+    ) -> RequestOutput:
+        """The step's output for ``request``, ending it first where ``status`` says so."""
+        if status is not None:
+            self.scheduler.finish(request, status)
+            request.timing.finish_time = now
+        output = self._output(request, new_token_ids, new_logprobs)
+        if status is not None:
+            output.request_finished = self._retire_if_done(request.request_id)
+        return output
 
     def _fail_request(self, request: Request, exc: Exception, now: float) -> list[RequestOutput]:
         """End every unfinished choice of ``request``'s group with finish reason ``error``."""
@@ -426,87 +318,11 @@ class LLMEngine:
             outputs[-1].request_finished = self._retire_if_done(request.request_id)
         return outputs
 
-    def _process_token(self, request: Request, token: Any, now: float) -> RequestOutput:
-        token_id = token.token_id
-        request.append_output(token_id)
-        if request.timing.first_token_time is None:
-            request.timing.first_token_time = now
-        if request.detokenizer is None:
-            request.detokenizer = self._detokenizer(request.params.skip_special_tokens)
-        new_logprobs: list[dict[str, Any]] = []
-        if token.logprob is not None:
-            request.cumulative_logprob += token.logprob
-            if request.params.logprobs is not None:
-                entry = {"token_id": token_id, "logprob": token.logprob,
-                         "top": token.top_logprobs}
-                request.logprobs.append(entry)
-                new_logprobs.append(entry)
-        status = check_stop(request, token_id, self.tokenizer.eos_token_ids)
-        if request.matcher is not None:
-            status = self._advance_grammar(request, token_id, status)
-        if status is not None:
-            self.scheduler.finish(request, status)
-            request.timing.finish_time = now
-        output = self._output(request, [token_id], new_logprobs)
-        if status is not None:
-            output.request_finished = self._retire_if_done(request.request_id)
-        return output
-
-    def _advance_grammar(
-        self, request: Request, token_id: int, status: RequestStatus | None
-    ) -> RequestStatus | None:
-        """Accept the token into the choice's grammar; a complete grammar ends the choice."""
-        matcher = request.matcher
-        if not matcher.consume_token(token_id):
-            request.stop_reason = "the output constraint rejected the token"
-            return RequestStatus.FINISHED_STOPPED
-        if status is None and matcher.is_stopped():
-            request.text += request.detokenizer.flush()
-            return RequestStatus.FINISHED_STOPPED
-        return status
-
-    def _stop_by_grammar(self, request: Request, now: float) -> RequestOutput:
-        """The choice's grammar allows no next token: it ends here, the step goes on."""
-        request.stop_reason = "the output constraint allows no further token"
-        if request.detokenizer is not None:
-            request.text += request.detokenizer.flush()
-        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        request.timing.finish_time = now
-        output = self._output(request, [], [])
-        output.request_finished = self._retire_if_done(request.request_id)
-        return output
-
-    def _detokenizer(self, skip_special_tokens: bool) -> Any:
-        from prefixcache.model.detokenizer import IncrementalDetokenizer
-
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
-
     def _output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list[dict[str, Any]]
     ) -> RequestOutput:
-        text = emittable_text(request)
-        params = request.params
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None and len(request.output_token_ids) <= 1:
-            root = request.parent if isinstance(request.parent, Request) else request
-            prompt_logprobs = root.prompt_logprobs
-        tracks = params.logprobs is not None or params.ranks_choices
-        return RequestOutput(
-            request_id=request.request_id,
-            index=request.index,
-            new_token_ids=new_token_ids,
-            text=text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            request_finished=self._group_done(request.request_id),
-            new_logprobs=new_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            cumulative_logprob=request.cumulative_logprob if tracks else None,
-            stop_reason=request.stop_reason,
-        )
+        done = self._group_done(request.request_id)
+        return self.output_processor.output(request, new_token_ids, new_logprobs, done)
 
     def _group_done(self, request_id: str) -> bool:
         parent = self._groups.get(request_id)
@@ -517,21 +333,10 @@ class LLMEngine:
             return False
         parent = self._groups.pop(request_id, None)
         if parent is not None:
-            self._record(parent)
+            self.output_processor.record(parent)
             if self.on_request_finished is not None:
                 self.on_request_finished(parent)
         return True
-
-    def _record(self, request: Request) -> None:
-        timing = request.timing
-        self._history[request.request_id] = {
-            "ttft": timing.ttft,
-            "queue_time": timing.queue_time,
-            "num_cached_tokens": max(request.num_cached_tokens, 0),
-            "num_prompt_tokens": request.num_prompt_tokens,
-        }
-        while len(self._history) > _MAX_HISTORY:
-            self._history.popitem(last=False)
 
     # ---- cache control and stats ----------------------------------------------------------------
 
@@ -597,28 +402,10 @@ class LLMEngine:
             "num_kv_blocks": self.cache.num_blocks,
             "num_free_blocks": self.cache.num_free_blocks,
             "kv_cache_usage": self.cache.usage,
-            "ttft": {rid: h["ttft"] for rid, h in self._history.items()},
-            "requests": dict(self._history),
+            "ttft": {rid: h["ttft"] for rid, h in self.output_processor.history.items()},
+            "requests": dict(self.output_processor.history),
             "cache": stats.as_dict(),
         }
-
-
-class _NoTokenAllowed(Exception):
-    """A row whose output grammar allows no token: its choice stops (not an error)."""
-
-
-def _mask_grammars(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """Mask the constrained rows to their grammars' tokens; the rows left with none."""
-    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
-    return mask_logits(logits, rows, [requests[i].matcher for i in rows]) if rows else []
-
-
-def _raw_copy(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
-    """The rows before the logits processors edit them, where raw logprobs are reported."""
-    wants = any(p.logprobs is not None or p.ranks_choices for p in params)
-    if wants and any(p.processes_logits for p in params):
-        return logits.clone()
-    return None
 
 
 def _load(model: Any, dtype: str) -> LoadedModel:

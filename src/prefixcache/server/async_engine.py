@@ -24,6 +24,7 @@ from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
 
 if TYPE_CHECKING:
     from prefixcache.cache import CacheIdentity, KVCacheEvent
+    from prefixcache.engine.input_processor import InputProcessor
     from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.engine.outputs import EngineLimits, RequestOutput
     from prefixcache.engine.sampling_params import SamplingParams
@@ -117,6 +118,11 @@ class AsyncEngine:
     def limits(self) -> EngineLimits:
         """What the engine accepts (context length, vocabulary, sequences, KV blocks)."""
         return self.engine.limits
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """The engine's request checks (stateless: safe off the engine thread)."""
+        return self.engine.inputs
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -12,11 +12,12 @@ fields, only their (sanitised) names.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -83,11 +84,11 @@ class OpenAIServing:
         strict_api: bool = False,
     ) -> None:
         self.engine = engine
+        self.inputs = engine.inputs
         limits = engine.limits
         self.tokenizer = engine.tokenizer
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size
-        self.max_n = limits.max_num_seqs
         self.model_name = model_name
         self.tenants = tenants
         self.metrics = metrics
@@ -226,7 +227,8 @@ class OpenAIServing:
         self._check_ignored(body)
         if body.model is not None:
             self._check_model(body.model)
-        self._check_token_ids(body.tokens, "tokens")
+        with _as_api_error():
+            self.inputs.check_token_ids(body.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def tokenizer_info(self) -> dict[str, Any]:
@@ -277,8 +279,6 @@ class OpenAIServing:
     def _check_common(self, body: protocol._SamplingFields) -> None:
         self._check_model(body.model)
         self._check_ignored(body)
-        if not 1 <= body.n <= self.max_n:
-            raise ApiError(400, f"n must be between 1 and {self.max_n}, got {body.n}", param="n")
         if body.prompt_logprobs is not None:
             check_logprobs(body.prompt_logprobs, "prompt_logprobs")
 
@@ -288,22 +288,10 @@ class OpenAIServing:
         out: list[tuple[list[int], str | None]] = []
         for i, prompt in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt {i}"
-            if isinstance(prompt, str):
-                if not prompt:
-                    raise ApiError(400, f"the {where} is empty", param="prompt")
-                out.append((list(self.tokenizer.encode(prompt)), prompt))
-                continue
-            if not prompt:
-                raise ApiError(400, f"the {where} is empty (no token ids)", param="prompt")
-            self._check_token_ids(prompt, "prompt")
-            out.append((list(prompt), None))
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+            with _as_api_error():
+                out.append((self.inputs.prompt_ids(text, ids, where), text))
         return out
-
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"{param} token id {bad} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param=param)
 
     def _render_messages(
         self, arg: tuple[list[ChatMessage], str, bool, list[dict[str, Any]] | None]
@@ -353,10 +341,8 @@ class OpenAIServing:
             param = _param_of(exc)
             raise ApiError(400, str(exc),
                            param=(param_names or {}).get(param or "", param)) from None
-        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise ApiError(400, f"logit_bias token id {bad[0]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param="logit_bias")
+        with _as_api_error():
+            self.inputs.check_params(params)
         return params
 
     async def _serve(
@@ -657,6 +643,15 @@ def _text_bytes(prompt: Any) -> int:
     if isinstance(prompt, list):
         return sum(len(p.encode("utf-8")) for p in prompt if isinstance(p, str))
     return 0
+
+
+@contextlib.contextmanager
+def _as_api_error() -> Iterator[None]:
+    """An engine input check's `InvalidParam` as a 400 naming the field."""
+    try:
+        yield
+    except InvalidParam as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
 
 
 def _param_of(exc: ValueError) -> str | None:
