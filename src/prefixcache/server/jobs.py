@@ -68,7 +68,6 @@ class RenderOptions:
 class Job:
     """One accepted HTTP request on its way through the engine."""
 
-    kind: str  # "completion" | "chat" | "response"
     public_id: str
     model: str
     created: int

@@ -1,0 +1,139 @@
+"""`POST /v1/chat/completions`: messages through the model's chat template -> choices.
+
+Tools (forced calls through a grammar, calls parsed out of the answer, streamed as deltas),
+logprobs (OpenAI's chat shape), prompt logprobs (vLLM's) and structured output, as one JSON body
+or ``chat.completion.chunk`` deltas (`ChatRendering`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from prefixcache.engine.outputs import RequestOutput
+from prefixcache.server import protocol
+from prefixcache.server.errors import ApiError
+from prefixcache.server.jobs import Choice, Job, RenderOptions, finish_reason_of
+from prefixcache.server.logprobs import chat_logprobs
+from prefixcache.server.protocol import ChatCompletionRequest
+from prefixcache.server.request_params import (
+    check_logprobs,
+    continuous_usage,
+    include_usage,
+    structured_of,
+    tool_choice_of,
+)  # fmt: skip
+from prefixcache.server.serving_base import ChunkRendering, ServingBase, text_bytes
+from prefixcache.server.tenancy import Tenant
+from prefixcache.server.tools import parse_tool_calls, tool_grammar
+
+__all__ = ["ChatAPI", "ChatRendering"]
+
+
+class ChatAPI(ServingBase):
+    """The chat completions endpoint."""
+
+    async def chat(
+        self, body: ChatCompletionRequest, tenant: Tenant, http: Request
+    ) -> Response:
+        self._check_common(body)
+        tools, choice = tool_choice_of(body)
+        if body.top_logprobs is not None:
+            check_logprobs(body.top_logprobs, "top_logprobs")
+            if not body.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        self._check_prompt_bytes(sum(text_bytes(m.text()) for m in body.messages), "messages")
+        rendered_tools = tools if choice != "none" else None
+        token_ids = await self._off_loop(
+            self._render_messages, (body.messages, "messages", body.add_generation_prompt,
+                                    rendered_tools))
+        max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        forced = choice not in ("none", "auto")
+        structured, param = structured_of(body)
+        if forced:
+            if structured is not None:
+                raise ApiError(400, "a required or named tool_choice already constrains the "
+                               "output: drop response_format", param="tool_choice")
+            structured = tool_grammar(tools, choice, body.parallel_tool_calls)
+            param = "tools"
+        params = self._params(body, max_tokens, logprobs=num_top,
+                              prompt_logprobs=body.prompt_logprobs, structured=structured)
+        await self._compile(params, param)
+        options = RenderOptions(n=body.n, logprobs=num_top,
+                           prompt_logprobs=body.prompt_logprobs is not None,
+                           include_usage=include_usage(body),
+                           continuous_usage=continuous_usage(body), tools=choice != "none")
+        prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
+        return await self._serve(ChatRendering(self), body, prompts, params, options, tenant,
+                                 http)
+
+
+class ChatRendering(ChunkRendering[ChatCompletionRequest]):
+    """A chat job as ``chat.completion`` objects (tool calls parsed out of the text)."""
+
+    id_prefix = "chatcmpl"
+    usage_object = "chat.completion.chunk"
+
+    def opening(self, job: Job) -> list[dict[str, Any]]:
+        return [protocol.chat_chunk(job.public_id, job.model, job.created, j,
+                                    {"role": "assistant", "content": ""}, None)
+                for j in range(job.options.n)]
+
+    def body(self, job: Job, request: ChatCompletionRequest) -> dict[str, Any]:
+        choices = []
+        for i, prompt in enumerate(job.prompts):
+            for j, choice in enumerate(job.ranked(prompt)):
+                content: str | None = choice.text
+                calls: list[dict[str, Any]] = []
+                if job.options.tools:
+                    content, calls = parse_tool_calls(choice.text)
+                reason = "tool_calls" if calls else choice.reason
+                item = protocol.chat_choice(i * job.options.n + j, content, reason,
+                                            self._logprobs(job, choice.logprobs), calls)
+                if choice.stop_reason is not None:
+                    item["stop_reason"] = choice.stop_reason
+                choices.append(item)
+        body = protocol.chat_response(job.public_id, job.model, job.created, choices, job.usage())
+        if job.options.prompt_logprobs:  # vLLM puts a chat's prompt logprobs beside its choices
+            body["prompt_logprobs"] = self.serving._vllm_prompt_logprobs(job.prompts[0])
+        return body
+
+    def chunk(
+        self, job: Job, output: RequestOutput, i: int, choice: Choice
+    ) -> dict[str, Any] | None:
+        reason = finish_reason_of(output.finish_reason) if output.finished else None
+        first = not choice.started
+        if not (output.text or output.new_token_ids or reason):
+            return None  # nothing new: no token, no text, no finish
+        choice.started = True
+        delta: dict[str, Any] = {"content": output.text}
+        if job.options.tools:
+            text, calls = choice.tool_stream.feed(output.text, final=output.finished)
+            delta = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = calls
+            if reason is not None and choice.tool_stream.num_calls:
+                reason = "tool_calls"
+            if not (delta or reason or output.new_logprobs):
+                return None
+        chunk = protocol.chat_chunk(job.public_id, job.model, job.created,
+                                    i * job.options.n + output.index, delta, reason,
+                                    self._logprobs(job, output.new_logprobs))
+        if first and job.options.prompt_logprobs:
+            prompt = job.prompts[i]
+            chunk["choices"][0]["prompt_logprobs"] = self.serving._vllm_prompt_logprobs(prompt)
+        if reason is not None and choice.stop_reason is not None:
+            chunk["choices"][0]["stop_reason"] = choice.stop_reason
+        return chunk
+
+    def _logprobs(
+        self, job: Job, entries: list[dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        if job.options.logprobs is None:
+            return None
+        return chat_logprobs(entries, job.options.logprobs, self.serving.token_text)

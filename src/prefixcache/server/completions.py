@@ -1,0 +1,147 @@
+"""`POST /v1/completions`: prompts (text, token ids, or a batch of either) -> choices.
+
+Echo, logprobs (OpenAI's legacy shape), prompt logprobs (vLLM's), ``best_of`` ranking and
+structured output, as one JSON body or ``data:`` chunks (`CompletionRendering`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from prefixcache.engine.outputs import RequestOutput
+from prefixcache.server import protocol
+from prefixcache.server.errors import ApiError
+from prefixcache.server.jobs import Choice, Job, PromptState, RenderOptions, finish_reason_of
+from prefixcache.server.logprobs import completion_logprobs
+from prefixcache.server.protocol import CompletionRequest
+from prefixcache.server.request_params import (
+    as_prompts,
+    check_logprobs,
+    continuous_usage,
+    include_usage,
+    structured_of,
+)  # fmt: skip
+from prefixcache.server.serving_base import ChunkRendering, ServingBase, as_api_error, text_bytes
+from prefixcache.server.tenancy import Tenant
+
+__all__ = ["CompletionRendering", "CompletionsAPI"]
+
+
+class CompletionsAPI(ServingBase):
+    """The completions endpoint."""
+
+    async def completions(
+        self, body: CompletionRequest, tenant: Tenant, http: Request
+    ) -> Response:
+        self._check_common(body)
+        if body.suffix:
+            raise ApiError(400, "'suffix' (insertion) is not supported", param="suffix")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        options = RenderOptions(n=body.n, echo=body.echo, echo_only=body.echo and max_tokens == 0,
+                           logprobs=body.logprobs,
+                           prompt_logprobs=body.prompt_logprobs is not None)
+        if max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
+        check_logprobs(body.logprobs, "logprobs")
+        prompts = as_prompts(body.prompt)
+        limit = self.engine.max_pending_per_domain
+        if len(prompts) > limit:
+            raise ApiError(400, f"{len(prompts)} prompts in one request: at most {limit}",
+                           param="prompt")
+        for prompt in prompts:
+            self._check_prompt_bytes(text_bytes(prompt), "prompt")
+        encoded = await self._off_loop(self._completion_prompts, prompts)
+        # echo with logprobs rates the prompt tokens: prompt logprobs of the same width
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        structured, param = structured_of(body)
+        params = self._params(body, max(1, max_tokens), logprobs=body.logprobs,
+                              prompt_logprobs=prompt_logprobs, best_of=body.best_of,
+                              structured=structured)
+        await self._compile(params, param)
+        options.include_usage = include_usage(body)
+        options.continuous_usage = continuous_usage(body)
+        if body.stream and params.ranks_choices:
+            raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
+        return await self._serve(CompletionRendering(self), body, encoded, params, options,
+                                 tenant, http)
+
+    def _completion_prompts(
+        self, prompts: list[str | list[int]]
+    ) -> list[tuple[list[int], str | None]]:
+        out: list[tuple[list[int], str | None]] = []
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt {i}"
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+            with as_api_error():
+                out.append((self.inputs.prompt_ids(text, ids, where), text))
+        return out
+
+
+class CompletionRendering(ChunkRendering[CompletionRequest]):
+    """A completions job as ``text_completion`` objects."""
+
+    id_prefix = "cmpl"
+    usage_object = "text_completion"
+
+    def body(self, job: Job, request: CompletionRequest) -> dict[str, Any]:
+        choices = []
+        for i, prompt in enumerate(job.prompts):
+            for j, choice in enumerate(job.ranked(prompt)):
+                text, logprobs = self._text(job, prompt, choice, first=True)
+                item = protocol.completion_choice(i * job.options.n + j, text, choice.reason,
+                                                  logprobs)
+                if choice.stop_reason is not None:
+                    item["stop_reason"] = choice.stop_reason
+                if job.options.prompt_logprobs:
+                    item["prompt_logprobs"] = self.serving._vllm_prompt_logprobs(prompt)
+                choices.append(item)
+        return protocol.completion_response(job.public_id, job.model, job.created, choices,
+                                            job.usage())
+
+    def chunk(
+        self, job: Job, output: RequestOutput, i: int, choice: Choice
+    ) -> dict[str, Any] | None:
+        reason = finish_reason_of(output.finish_reason) if output.finished else None
+        first = not choice.started
+        if not (output.text or output.new_token_ids or reason or (first and job.options.echo)):
+            return None  # nothing new: no token, no text, no finish
+        choice.started = True
+        prompt = job.prompts[i]
+        text, logprobs = self._text(job, prompt, choice, first=first, new_text=output.text,
+                                    new_logprobs=output.new_logprobs)
+        chunk = protocol.completion_chunk(job.public_id, job.model, job.created,
+                                          i * job.options.n + output.index, text, reason,
+                                          logprobs)
+        if first and job.options.prompt_logprobs:
+            chunk["choices"][0]["prompt_logprobs"] = self.serving._vllm_prompt_logprobs(prompt)
+        if reason is not None and choice.stop_reason is not None:
+            chunk["choices"][0]["stop_reason"] = choice.stop_reason
+        return chunk
+
+    def _text(
+        self, job: Job, prompt: PromptState, choice: Choice, *, first: bool,
+        new_text: str | None = None, new_logprobs: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A completions choice's text and logprobs: the whole choice, or (``new_*``) one
+        stream delta; ``first`` adds the echoed prompt."""
+        options = job.options
+        text = choice.text if new_text is None else new_text
+        entries: list[dict[str, Any] | None] = list(
+            choice.logprobs if new_logprobs is None else new_logprobs)
+        if options.echo_only:
+            text, entries = "", []
+        if first and options.echo:
+            text = (prompt.text or "") + text
+            if options.logprobs is not None:
+                prompt_entries = prompt.prompt_logprobs or [None] * len(prompt.token_ids)
+                entries = list(prompt_entries) + entries
+        if options.logprobs is None:
+            return text, None
+        logprobs, choice.text_offset = completion_logprobs(
+            entries, prompt.token_ids[0], self.serving.token_text, choice.text_offset)
+        return text, logprobs
