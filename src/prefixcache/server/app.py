@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +26,7 @@ from prefixcache.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    JSONObject,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -92,7 +93,7 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def _auth_dependency(tenants: TenantRegistry) -> Any:
+def _auth_dependency(tenants: TenantRegistry) -> Callable[[Request], Tenant]:
     def authenticate(request: Request) -> Tenant:
         tenant = tenants.authenticate(_bearer(request))
         if tenant is None:
@@ -104,7 +105,9 @@ def _auth_dependency(tenants: TenantRegistry) -> Any:
     return authenticate
 
 
-def metrics_authorization(tenants: TenantRegistry, metrics_key: str | None) -> Any:
+def metrics_authorization(
+    tenants: TenantRegistry, metrics_key: str | None
+) -> Callable[[Request], None]:
     """/metrics names tenants and their traffic: behind an admin or metrics key when tenanted."""
     key_digest = hashlib.sha256(metrics_key.encode()).digest() if metrics_key else None
 
@@ -135,40 +138,40 @@ def _add_routes(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request,
-                          tenant: Tenant = Depends(auth)) -> Any:
+                          tenant: Tenant = Depends(auth)) -> Response:
         return await serving.completions(body, tenant, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request,
-                   tenant: Tenant = Depends(auth)) -> Any:
+                   tenant: Tenant = Depends(auth)) -> Response:
         return await serving.chat(body, tenant, request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request,
-                        tenant: Tenant = Depends(auth)) -> Any:
+                        tenant: Tenant = Depends(auth)) -> Response:
         return await serving.responses(body, tenant, request)
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def models(tenant: Tenant = Depends(auth)) -> Any:
+    async def models(tenant: Tenant = Depends(auth)) -> JSONObject:
         return protocol.model_list(serving.model_name, protocol.now(), serving.max_model_len)
 
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
-    async def model(model_id: str, tenant: Tenant = Depends(auth)) -> Any:
+    async def model(model_id: str, tenant: Tenant = Depends(auth)) -> JSONObject:
         if model_id != serving.model_name:
             raise ApiError(404, f"the model {model_id!r} does not exist", param="model",
                            code="model_not_found")
         return protocol.model_card(serving.model_name, protocol.now(), serving.max_model_len)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, tenant: Tenant = Depends(auth)) -> Any:
+    async def tokenize(body: TokenizeRequest, tenant: Tenant = Depends(auth)) -> JSONObject:
         return await serving.tokenize(body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, tenant: Tenant = Depends(auth)) -> Any:
+    async def detokenize(body: DetokenizeRequest, tenant: Tenant = Depends(auth)) -> JSONObject:
         return await serving.detokenize(body)
 
     @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
-    async def tokenizer_info(tenant: Tenant = Depends(auth)) -> Any:
+    async def tokenizer_info(tenant: Tenant = Depends(auth)) -> JSONObject:
         return serving.tokenizer_info()
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -182,7 +185,7 @@ def _add_routes(
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(tenant: Tenant = Depends(auth)) -> Any:
+    async def reset_prefix_cache(tenant: Tenant = Depends(auth)) -> JSONResponse:
         return await _reset(async_engine, tenant)
 
 

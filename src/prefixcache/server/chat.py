@@ -7,8 +7,6 @@ or ``chat.completion.chunk`` deltas (`ChatRendering`).
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -17,7 +15,7 @@ from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Choice, Job, RenderOptions, finish_reason_of
 from prefixcache.server.logprobs import chat_logprobs
-from prefixcache.server.protocol import ChatCompletionRequest
+from prefixcache.server.protocol import ChatCompletionRequest, JSONObject
 from prefixcache.server.request_params import (
     check_logprobs,
     continuous_usage,
@@ -79,17 +77,17 @@ class ChatRendering(ChunkRendering[ChatCompletionRequest]):
     id_prefix = "chatcmpl"
     usage_object = "chat.completion.chunk"
 
-    def opening(self, job: Job) -> list[dict[str, Any]]:
+    def opening(self, job: Job) -> list[JSONObject]:
         return [protocol.chat_chunk(job.public_id, job.model, job.created, j,
                                     {"role": "assistant", "content": ""}, None)
                 for j in range(job.options.n)]
 
-    def body(self, job: Job, request: ChatCompletionRequest) -> dict[str, Any]:
+    def body(self, job: Job, request: ChatCompletionRequest) -> JSONObject:
         choices = []
         for i, prompt in enumerate(job.prompts):
             for j, choice in enumerate(job.ranked(prompt)):
                 content: str | None = choice.text
-                calls: list[dict[str, Any]] = []
+                calls: list[JSONObject] = []
                 if job.options.tools:
                     content, calls = parse_tool_calls(choice.text)
                 reason = "tool_calls" if calls else choice.reason
@@ -105,13 +103,13 @@ class ChatRendering(ChunkRendering[ChatCompletionRequest]):
 
     def chunk(
         self, job: Job, output: RequestOutput, i: int, choice: Choice
-    ) -> dict[str, Any] | None:
+    ) -> JSONObject | None:
         reason = finish_reason_of(output.finish_reason) if output.finished else None
         first = not choice.started
         if not (output.text or output.new_token_ids or reason):
             return None  # nothing new: no token, no text, no finish
         choice.started = True
-        delta: dict[str, Any] = {"content": output.text}
+        delta: JSONObject = {"content": output.text}
         if job.options.tools:
             text, calls = choice.tool_stream.feed(output.text, final=output.finished)
             delta = {"content": text} if text else {}
@@ -132,8 +130,8 @@ class ChatRendering(ChunkRendering[ChatCompletionRequest]):
         return chunk
 
     def _logprobs(
-        self, job: Job, entries: list[dict[str, Any]]
-    ) -> dict[str, Any] | None:
+        self, job: Job, entries: list[JSONObject]
+    ) -> JSONObject | None:
         if job.options.logprobs is None:
             return None
         return chat_logprobs(entries, job.options.logprobs, self.serving.token_text)

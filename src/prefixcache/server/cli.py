@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prefixcache.engine.config import add_engine_arguments
 from prefixcache.errors import CliError
+from prefixcache.server.protocol import JSONObject
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.engine.request import Request
     from prefixcache.sched import DomainLimits
@@ -211,7 +214,7 @@ def _record_trace(engine: LLMEngine, path: str, epoch: float | None = None) -> N
     logger.info("recording finished requests (counts and block digests only) to %s", path)
 
 
-def build_app(args: argparse.Namespace, secret: bytes | None = None) -> Any:
+def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
     """The app for parsed ``serve`` arguments (tests use this without uvicorn's CLI); ``secret``
     overrides ``--secret-file`` (cluster replicas share the launcher's)."""
     from prefixcache.server.app import create_app
@@ -259,7 +262,7 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> Any:
     return app
 
 
-def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+def uvicorn_options(args: argparse.Namespace) -> JSONObject:
     """uvicorn settings for parsed ``serve`` arguments: timeouts, and logging left to us in
     JSON mode so uvicorn's records reach the JSON handler."""
     import uvicorn

@@ -6,8 +6,6 @@ structured output, as one JSON body or ``data:`` chunks (`CompletionRendering`).
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -16,7 +14,7 @@ from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Choice, Job, PromptState, RenderOptions, finish_reason_of
 from prefixcache.server.logprobs import completion_logprobs
-from prefixcache.server.protocol import CompletionRequest
+from prefixcache.server.protocol import CompletionRequest, JSONObject
 from prefixcache.server.request_params import (
     as_prompts,
     check_logprobs,
@@ -88,7 +86,7 @@ class CompletionRendering(ChunkRendering[CompletionRequest]):
     id_prefix = "cmpl"
     usage_object = "text_completion"
 
-    def body(self, job: Job, request: CompletionRequest) -> dict[str, Any]:
+    def body(self, job: Job, request: CompletionRequest) -> JSONObject:
         choices = []
         for i, prompt in enumerate(job.prompts):
             for j, choice in enumerate(job.ranked(prompt)):
@@ -105,7 +103,7 @@ class CompletionRendering(ChunkRendering[CompletionRequest]):
 
     def chunk(
         self, job: Job, output: RequestOutput, i: int, choice: Choice
-    ) -> dict[str, Any] | None:
+    ) -> JSONObject | None:
         reason = finish_reason_of(output.finish_reason) if output.finished else None
         first = not choice.started
         if not (output.text or output.new_token_ids or reason or (first and job.options.echo)):
@@ -125,13 +123,13 @@ class CompletionRendering(ChunkRendering[CompletionRequest]):
 
     def _text(
         self, job: Job, prompt: PromptState, choice: Choice, *, first: bool,
-        new_text: str | None = None, new_logprobs: list[dict[str, Any]] | None = None,
-    ) -> tuple[str, dict[str, Any] | None]:
+        new_text: str | None = None, new_logprobs: list[JSONObject] | None = None,
+    ) -> tuple[str, JSONObject | None]:
         """A completions choice's text and logprobs: the whole choice, or (``new_*``) one
         stream delta; ``first`` adds the echoed prompt."""
         options = job.options
         text = choice.text if new_text is None else new_text
-        entries: list[dict[str, Any] | None] = list(
+        entries: list[JSONObject | None] = list(
             choice.logprobs if new_logprobs is None else new_logprobs)
         if options.echo_only:
             text, entries = "", []

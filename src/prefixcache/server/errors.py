@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixcache.errors import describe_exception
+from prefixcache.server.protocol import JSONObject
 
 __all__ = ["ApiError", "error_body", "install_error_handlers"]
 
@@ -53,7 +54,7 @@ class ApiError(Exception):
 
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+) -> JSONObject:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

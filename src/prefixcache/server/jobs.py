@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prefixcache.engine.outputs import RequestOutput, best_of
 from prefixcache.server import protocol
+from prefixcache.server.protocol import JSONObject
 from prefixcache.server.tenancy import Tenant
 from prefixcache.server.tools import ToolCallStream
 
@@ -29,7 +30,7 @@ class Choice:
     text: str = ""
     reason: str | None = None
     num_output: int = 0
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[JSONObject] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     started: bool = False  # its first stream chunk (role, echoed prompt) went out
     text_offset: int = 0  # completions logprobs: where its next token starts in the text
@@ -46,7 +47,7 @@ class PromptState:
     text: str | None  # the prompt's text, for echo (decoded from ids where given as ids)
     choices: list[Choice]
     num_cached: int = 0
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs: list[JSONObject | None] | None = None
     done: bool = False
 
 
@@ -127,7 +128,7 @@ class Job:
             return 0
         return sum(c.num_output for p in self.prompts for c in p.choices)
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> JSONObject:
         cached = sum(p.num_cached for p in self.prompts)
         return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached)
 

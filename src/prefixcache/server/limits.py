@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prefixcache.server.errors import error_body
 
 __all__ = ["BodyLimit", "HeaderTimeoutH11Protocol", "header_timeout_protocol"]
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
 
 # how much of an oversized streamed body is read and dropped before the 413 (at least)
 MIN_DISCARD_BYTES = 1 << 20
@@ -31,11 +28,11 @@ DISCARD_SECONDS = 3.0
 class BodyLimit:
     """ASGI middleware: bodies over ``max_bytes`` get 413 and never reach the app whole."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -73,7 +70,7 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _discard(self, receive: Any) -> None:
+    async def _discard(self, receive: Receive) -> None:
         """Read and drop the rest of an oversized body, up to ``max_bytes`` more and a few
         seconds, so that a client still uploading reads the 413 instead of a reset connection
         (uvicorn stops delivering the body once the response is complete). Larger or slower
@@ -93,7 +90,7 @@ class BodyLimit:
                 return
             budget -= len(message.get("body", b""))
 
-    async def _reject(self, send: Any) -> None:
+    async def _reject(self, send: Send) -> None:
         message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
         body = json.dumps(error_body(413, message, code="request_too_large")).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]

@@ -13,11 +13,16 @@ a name in a ``top_logprobs`` dict.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+from prefixcache.server.protocol import JSONObject
+
+if TYPE_CHECKING:
+    from prefixcache.model.tokenizer import Tokenizer
 
 __all__ = ["TokenText", "chat_logprobs", "completion_logprobs", "vllm_prompt_logprobs"]
 
-Entry = dict[str, Any]
+Entry = JSONObject
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -36,7 +41,7 @@ _BYTE_OF = _byte_level_alphabet()
 class TokenText:
     """Each token id's text alone (what the logprobs name it by), and its bytes; memoised."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._memo: dict[int, tuple[str, bytes]] = {}
 
@@ -71,7 +76,7 @@ class TokenText:
 
 def completion_logprobs(
     entries: Sequence[Entry | None], first_token_id: int | None, text: TokenText, offset: int
-) -> tuple[dict[str, Any], int]:
+) -> tuple[JSONObject, int]:
     """The completions ``logprobs`` object for ``entries`` (None: the first prompt token, which
     has no logprob; ``first_token_id`` names it), text offsets from ``offset``. Returns the
     object and the offset after its last token."""
@@ -100,7 +105,7 @@ def completion_logprobs(
     return body, offset
 
 
-def chat_logprobs(entries: Sequence[Entry], num_top: int, text: TokenText) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[Entry], num_top: int, text: TokenText) -> JSONObject:
     """The chat ``logprobs`` object: ``content`` per token, each with its ``num_top`` best."""
     content = []
     for entry in entries:
@@ -118,10 +123,10 @@ def chat_logprobs(entries: Sequence[Entry], num_top: int, text: TokenText) -> di
 
 def vllm_prompt_logprobs(
     entries: Sequence[Entry | None], text: TokenText
-) -> list[dict[str, dict[str, Any]] | None]:
+) -> list[dict[str, JSONObject] | None]:
     """vLLM's ``prompt_logprobs``: per prompt position, None for the first, else the prompt
     token and the top alternatives by id, each ``{logprob, rank, decoded_token}``."""
-    out: list[dict[str, dict[str, Any]] | None] = []
+    out: list[dict[str, JSONObject] | None] = []
     for entry in entries:
         if entry is None:
             out.append(None)

@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic import StrictStr as _PlainStr
 
 __all__ = [
+    "JSONObject",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -48,6 +49,8 @@ __all__ = [
     "usage",
     "usage_chunk",
 ]
+
+JSONObject = dict[str, Any]  # a JSON object as the wire carries it (a body, a chunk, a part)
 
 
 def _encodable(text: str) -> str:
@@ -94,7 +97,7 @@ class StreamOptions(Lenient):
 class JsonSchemaFormat(Lenient):
     name: StrictStr = "response"
     description: StrictStr | None = None
-    schema_: dict[str, Any] | StrictBool = Field(default=True, alias="schema")
+    schema_: JSONObject | StrictBool = Field(default=True, alias="schema")
     strict: StrictBool | None = None
 
 
@@ -106,7 +109,7 @@ class ResponseFormat(Lenient):
 class StructuredOutputsField(Lenient):
     """vLLM's ``structured_outputs`` extension: exactly one constraint."""
 
-    json_: dict[str, Any] | StrictStr | StrictBool | None = Field(default=None, alias="json")
+    json_: JSONObject | StrictStr | StrictBool | None = Field(default=None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
@@ -162,7 +165,7 @@ class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's past calls
+    tool_calls: list[JSONObject] | None = None  # an assistant's past calls
     tool_call_id: StrictStr | None = None  # the call a tool message answers
 
     def text(self) -> str:
@@ -179,7 +182,7 @@ FunctionName = Annotated[_PlainStr, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 class FunctionDef(Lenient):
     name: FunctionName
     description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: StrictBool | None = None
 
 
@@ -213,7 +216,7 @@ class ResponsesFormat(Lenient):
 
     type: Literal["text", "json_object", "json_schema"]
     name: StrictStr = "response"
-    schema_: dict[str, Any] | StrictBool = Field(default=True, alias="schema")
+    schema_: JSONObject | StrictBool = Field(default=True, alias="schema")
     strict: StrictBool | None = None
     description: StrictStr | None = None
 
@@ -233,7 +236,7 @@ class ResponsesRequest(Lenient):
     top_p: Number = 1.0
     stream: StrictBool = False
     previous_response_id: StrictStr | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[JSONObject] | None = None
     store: StrictBool | None = None
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None  # extension (vLLM)
@@ -266,7 +269,7 @@ class Usage(BaseModel):
     prompt_tokens_details: dict[str, int]
 
 
-def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> JSONObject:
     return Usage(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,
@@ -279,29 +282,29 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _envelope(rid: str, obj: str, model: str, created: int) -> dict[str, Any]:
+def _envelope(rid: str, obj: str, model: str, created: int) -> JSONObject:
     return {"id": rid, "object": obj, "created": created, "model": model}
 
 
 def completion_choice(
-    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    index: int, text: str, reason: str | None, logprobs: JSONObject | None = None
+) -> JSONObject:
     return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
 
 def chat_choice(
-    index: int, text: str | None, reason: str | None, logprobs: dict[str, Any] | None = None,
-    tool_calls: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    index: int, text: str | None, reason: str | None, logprobs: JSONObject | None = None,
+    tool_calls: list[JSONObject] | None = None,
+) -> JSONObject:
+    message: JSONObject = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs}
 
 
 def completion_response(
-    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, Any]
-) -> dict[str, Any]:
+    rid: str, model: str, created: int, choices: list[JSONObject], use: JSONObject
+) -> JSONObject:
     body = _envelope(rid, "text_completion", model, created)
     body["choices"] = choices
     body["usage"] = use
@@ -309,8 +312,8 @@ def completion_response(
 
 
 def chat_response(
-    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, Any]
-) -> dict[str, Any]:
+    rid: str, model: str, created: int, choices: list[JSONObject], use: JSONObject
+) -> JSONObject:
     body = _envelope(rid, "chat.completion", model, created)
     body["choices"] = choices
     body["usage"] = use
@@ -319,17 +322,17 @@ def chat_response(
 
 def completion_chunk(
     rid: str, model: str, created: int, index: int, text: str, reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    logprobs: JSONObject | None = None,
+) -> JSONObject:
     body = _envelope(rid, "text_completion", model, created)
     body["choices"] = [completion_choice(index, text, reason, logprobs)]
     return body
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, index: int, delta: dict[str, Any], reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    rid: str, model: str, created: int, index: int, delta: JSONObject, reason: str | None,
+    logprobs: JSONObject | None = None,
+) -> JSONObject:
     body = _envelope(rid, "chat.completion.chunk", model, created)
     body["choices"] = [{"index": index, "delta": delta, "finish_reason": reason,
                         "logprobs": logprobs}]
@@ -337,20 +340,20 @@ def chat_chunk(
 
 
 def usage_chunk(
-    rid: str, obj: str, model: str, created: int, use: dict[str, Any]
-) -> dict[str, Any]:
+    rid: str, obj: str, model: str, created: int, use: JSONObject
+) -> JSONObject:
     body = _envelope(rid, obj, model, created)
     body["choices"] = []
     body["usage"] = use
     return body
 
 
-def model_card(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
+def model_card(model_id: str, created: int, max_model_len: int) -> JSONObject:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "prefixcache",
             "max_model_len": max_model_len}
 
 
-def model_list(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
+def model_list(model_id: str, created: int, max_model_len: int) -> JSONObject:
     return {"object": "list", "data": [model_card(model_id, created, max_model_len)]}
 
 
@@ -361,7 +364,7 @@ def now() -> int:
 # ---- the Responses API ------------------------------------------------------------------------
 
 
-def response_usage(num_input: int, num_output: int, num_cached: int) -> dict[str, Any]:
+def response_usage(num_input: int, num_output: int, num_cached: int) -> JSONObject:
     return {
         "input_tokens": num_input,
         "input_tokens_details": {"cached_tokens": num_cached},
@@ -371,7 +374,7 @@ def response_usage(num_input: int, num_output: int, num_cached: int) -> dict[str
     }
 
 
-def response_message(item_id: str, text: str, status: str) -> dict[str, Any]:
+def response_message(item_id: str, text: str, status: str) -> JSONObject:
     return {
         "type": "message",
         "id": item_id,
@@ -381,7 +384,7 @@ def response_message(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
-def output_text(text: str) -> dict[str, Any]:
+def output_text(text: str) -> JSONObject:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
@@ -391,10 +394,10 @@ def response_object(
     created: int,
     *,
     status: str,
-    output: list[dict[str, Any]],
-    use: dict[str, Any] | None,
+    output: list[JSONObject],
+    use: JSONObject | None,
     incomplete_reason: str | None = None,
-) -> dict[str, Any]:
+) -> JSONObject:
     """A ``response`` object (``status``: in_progress | completed | incomplete)."""
     return {
         "id": rid,
@@ -424,7 +427,7 @@ def response_object(
     }
 
 
-def _text_format(body: ResponsesRequest) -> dict[str, Any]:
+def _text_format(body: ResponsesRequest) -> JSONObject:
     fmt = body.text.format if body.text is not None else None
     if fmt is None or fmt.type == "text":
         return {"type": "text"}

@@ -14,6 +14,7 @@ from prefixcache.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    JSONObject,
     ResponsesRequest,
 )
 from prefixcache.server.tools import render_messages
@@ -44,7 +45,7 @@ def check_logprobs(value: int | None, param: str) -> None:
 
 def tool_choice_of(
     body: ChatCompletionRequest,
-) -> tuple[list[dict[str, Any]], str | dict[str, Any]]:
+) -> tuple[list[JSONObject], str | JSONObject]:
     """The request's tools (as plain dicts) and its tool_choice, checked against each other."""
     tools = [t.model_dump(exclude_none=True, exclude_unset=False) for t in body.tools or []]
     for tool in tools:
@@ -54,7 +55,7 @@ def tool_choice_of(
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise ApiError(400, "two tools have the same name", param="tools")
-    choice: str | dict[str, Any] = (
+    choice: str | JSONObject = (
         body.tool_choice.model_dump() if isinstance(body.tool_choice, protocol.NamedToolChoice)
         else body.tool_choice or ("auto" if tools else "none"))
     if choice != "none" and not tools:
@@ -69,8 +70,8 @@ def tool_choice_of(
     return tools, choice
 
 
-def message_dict(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+def message_dict(message: ChatMessage) -> JSONObject:
+    out: JSONObject = {"role": message.role, "content": message.text()}
     if message.tool_calls:
         out["tool_calls"] = message.tool_calls
     if message.tool_call_id is not None:
@@ -146,7 +147,7 @@ def response_status(reason: str | None) -> tuple[str, str | None]:
 
 def render_chat(
     tokenizer: Tokenizer, messages_in: list[ChatMessage], param: str,
-    add_generation_prompt: bool, tools: list[dict[str, Any]] | None, literal_content: bool,
+    add_generation_prompt: bool, tools: list[JSONObject] | None, literal_content: bool,
 ) -> list[int]:
     """The token ids of a conversation through the model's chat template (``literal_content``:
     marker strings inside message content stay text)."""

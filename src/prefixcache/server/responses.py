@@ -19,7 +19,7 @@ from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Job, RenderOptions
-from prefixcache.server.protocol import ResponsesRequest
+from prefixcache.server.protocol import JSONObject, ResponsesRequest
 from prefixcache.server.request_params import response_messages, response_status
 from prefixcache.server.serving_base import Rendering, ServingBase, text_bytes
 from prefixcache.server.tenancy import Tenant
@@ -73,7 +73,7 @@ class ResponsesRendering(Rendering[ResponsesRequest]):
 
     id_prefix = "resp"
 
-    def body(self, job: Job, body: ResponsesRequest) -> dict[str, Any]:
+    def body(self, job: Job, body: ResponsesRequest) -> JSONObject:
         choice = job.prompts[0].choices[0]
         status, incomplete = response_status(choice.reason)
         message = protocol.response_message(f"msg_{job.public_id[5:]}", choice.text, "completed")
@@ -93,9 +93,9 @@ class ResponsesRendering(Rendering[ResponsesRequest]):
             sequence += 1
             return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
-        def snapshot(status: str, use: dict[str, Any] | None = None,
-                     output: list[dict[str, Any]] | None = None,
-                     incomplete: str | None = None) -> dict[str, Any]:
+        def snapshot(status: str, use: JSONObject | None = None,
+                     output: list[JSONObject] | None = None,
+                     incomplete: str | None = None) -> JSONObject:
             return protocol.response_object(job.public_id, body, job.created, status=status,
                                             output=output or [], use=use,
                                             incomplete_reason=incomplete)

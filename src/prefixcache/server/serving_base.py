@@ -33,7 +33,7 @@ from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Choice, Job, PromptState, RenderOptions
 from prefixcache.server.logprobs import TokenText, vllm_prompt_logprobs
 from prefixcache.server.metrics import ServerMetrics
-from prefixcache.server.protocol import ChatMessage, Lenient
+from prefixcache.server.protocol import ChatMessage, JSONObject, Lenient
 from prefixcache.server.request_params import check_logprobs, render_chat
 from prefixcache.server.tenancy import Tenant, TenantRegistry
 
@@ -70,7 +70,7 @@ class Rendering(abc.ABC, Generic[Body]):
         self.serving = serving
 
     @abc.abstractmethod
-    def body(self, job: Job, request: Body) -> dict[str, Any]: ...
+    def body(self, job: Job, request: Body) -> JSONObject: ...
 
     @abc.abstractmethod
     def stream(self, job: Job, request: Body) -> AsyncIterator[str]: ...
@@ -82,14 +82,14 @@ class ChunkRendering(Rendering[Body]):
 
     usage_object = ""
 
-    def opening(self, job: Job) -> list[dict[str, Any]]:
+    def opening(self, job: Job) -> list[JSONObject]:
         """Chunks sent before the first output (chat: each choice's role)."""
         return []
 
     @abc.abstractmethod
     def chunk(
         self, job: Job, output: RequestOutput, i: int, choice: Choice
-    ) -> dict[str, Any] | None:
+    ) -> JSONObject | None:
         """The chunk for ``output`` (of prompt ``i``), or None when it adds nothing."""
 
     async def stream(self, job: Job, request: Body) -> AsyncIterator[str]:
@@ -185,7 +185,7 @@ class ServingBase:
             check_logprobs(body.prompt_logprobs, "prompt_logprobs")
 
     def _render_messages(
-        self, arg: tuple[list[ChatMessage], str, bool, list[dict[str, Any]] | None]
+        self, arg: tuple[list[ChatMessage], str, bool, list[JSONObject] | None]
     ) -> list[int]:
         messages, param, add_generation_prompt, tools = arg
         return render_chat(self.tokenizer, messages, param, add_generation_prompt, tools,
@@ -335,7 +335,7 @@ async def _wait_disconnect(http: Request) -> None:
         await asyncio.sleep(_DISCONNECT_POLL_S)
 
 
-def sse(payload: dict[str, Any]) -> str:
+def sse(payload: JSONObject) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 

@@ -18,7 +18,6 @@ import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -187,7 +186,7 @@ def load_tenants(path: str | Path) -> dict[str, Tenant]:
     return by_key
 
 
-def _parse_tenant(tenant_id: str, table: Any) -> tuple[Tenant, list[str]]:
+def _parse_tenant(tenant_id: str, table: object) -> tuple[Tenant, list[str]]:
     where = f"[tenants.{tenant_id}]"
     if not isinstance(table, dict):
         raise TenancyError(f"{where} must be a table")

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefixcache.server.errors import ApiError
-from prefixcache.server.protocol import DetokenizeRequest, TokenizeRequest
+from prefixcache.server.protocol import DetokenizeRequest, JSONObject, TokenizeRequest
 from prefixcache.server.serving_base import ServingBase, as_api_error, text_bytes
 
 __all__ = ["TokenizerAPI"]
@@ -15,7 +13,7 @@ __all__ = ["TokenizerAPI"]
 class TokenizerAPI(ServingBase):
     """Tokenize, detokenize and describe the tokenizer of the served model."""
 
-    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, body: TokenizeRequest) -> JSONObject:
         self._check_ignored(body)
         if body.model is not None:
             self._check_model(body.model)
@@ -35,7 +33,7 @@ class TokenizerAPI(ServingBase):
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
-    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, body: DetokenizeRequest) -> JSONObject:
         self._check_ignored(body)
         if body.model is not None:
             self._check_model(body.model)
@@ -43,7 +41,7 @@ class TokenizerAPI(ServingBase):
             self.inputs.check_token_ids(body.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
-    def tokenizer_info(self) -> dict[str, Any]:
+    def tokenizer_info(self) -> JSONObject:
         """What a remote-tokenizer client (lm-eval) needs: special tokens and the template."""
         special = self.tokenizer.special_tokens
         return {

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.engine.sampling_params import StructuredOutputs
+from prefixcache.server.protocol import JSONObject
 
 __all__ = [
     "ToolCallStream",
@@ -36,7 +37,7 @@ _CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
 
-def _tools_section(tools: list[dict[str, Any]]) -> str:
+def _tools_section(tools: list[JSONObject]) -> str:
     listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
     return (
         "# Tools\n\nYou can call functions to answer the user. Their signatures, one JSON object "
@@ -55,15 +56,15 @@ def _arguments_object(arguments: Any) -> Any:
     return arguments
 
 
-def _block(function: dict[str, Any]) -> str:
+def _block(function: JSONObject) -> str:
     """A past call, written back as the model would have written it."""
     call = {"name": function.get("name"), "arguments": _arguments_object(function.get("arguments"))}
     return f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}"
 
 
 def render_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str | None
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    messages: list[JSONObject], tools: list[JSONObject] | None, template: str | None
+) -> tuple[list[JSONObject], JSONObject]:
     """The messages (and template keyword arguments) to render a tool conversation with
     ``template``: as they are plus ``tools=`` where the template takes tools, else rewritten
     into plain turns (tools section, ``<tool_call>`` blocks, ``<tool_response>`` turns)."""
@@ -98,7 +99,7 @@ def render_messages(
 
 
 def tool_grammar(
-    tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool
+    tools: list[JSONObject], choice: str | JSONObject, parallel: bool
 ) -> StructuredOutputs:
     """A grammar for ``required`` (one call, or several with ``parallel``, of any tool) or a named
     function (exactly one call of it): each call's arguments follow its ``parameters``."""
@@ -114,14 +115,14 @@ def tool_grammar(
                         "arguments": _closed(t["function"].get("parameters"))}}
         for t in chosen
     ]
-    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema: JSONObject = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     schema = {**schema, "x-guidance": _CALL_JSON}
     body = f'call: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(schema)}'
     start = 'start: call ("\\n" call)*' if repeat else "start: call"
     return StructuredOutputs("grammar", f"{start}\n{body}")
 
 
-def _closed(parameters: dict[str, Any] | None) -> dict[str, Any]:
+def _closed(parameters: JSONObject | None) -> JSONObject:
     """The arguments' schema; one that says nothing of undeclared arguments gets none generated
     (as OpenAI's strict mode), so a forced call ends with the arguments it declares."""
     schema = dict(parameters or {"type": "object"})
@@ -130,7 +131,7 @@ def _closed(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return schema
 
 
-def _call(payload: str) -> dict[str, Any] | None:
+def _call(payload: str) -> JSONObject | None:
     try:
         data = json.loads(payload)
     except json.JSONDecodeError:
@@ -143,10 +144,10 @@ def _call(payload: str) -> dict[str, Any] | None:
                          "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str) -> tuple[str | None, list[JSONObject]]:
     """The text outside ``<tool_call>`` blocks (None if empty) and the calls inside them; a block
     that is not a call stays text."""
-    calls: list[dict[str, Any]] = []
+    calls: list[JSONObject] = []
     kept: list[str] = []
     last = 0
     for match in _BLOCK.finditer(text):
@@ -169,11 +170,11 @@ class ToolCallStream:
     emitted: int = 0  # characters of `text` handled (sent as content, or parsed as calls)
     num_calls: int = 0
 
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[JSONObject]]:
         """Content safe to send now, and the calls completed now (each with its ``index``)."""
         self.text += delta
         content: list[str] = []
-        calls: list[dict[str, Any]] = []
+        calls: list[JSONObject] = []
         while True:
             rest = self.text[self.emitted:]
             at = rest.find(OPEN)
