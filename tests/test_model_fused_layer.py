@@ -12,6 +12,7 @@ import torch
 
 from native_support import require_native_layers
 from prefixcache.attention import AttentionMetadata, PagedKVCache
+from prefixcache.attention.plan import build_plan
 from prefixcache.model import decoder, native_layers, packed_gemm, panel_gemm, tuning
 from prefixcache.model.config import ModelConfig, RopeConfig
 from prefixcache.model.fused_layers import FusedLayers
@@ -58,8 +59,13 @@ def _model(
     return model
 
 
-def _prepare(model: decoder.CausalLM, *args: Any) -> FusedLayers | None:
-    return FusedLayers.prepare(model.config, model.layer_parts(), *args)
+def _prepare(
+    model: decoder.CausalLM, h: torch.Tensor, cos_sin: Any, cache: PagedKVCache,
+    meta: AttentionMetadata,
+) -> FusedLayers | None:
+    c = model.config
+    plan = build_plan(meta, *cache.layer(0), c.num_attention_heads, h.dtype, h.device)
+    return FusedLayers.prepare(c, model.layer_parts(), h, cos_sin, cache, meta, plan)
 
 
 def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list:

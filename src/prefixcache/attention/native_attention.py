@@ -131,12 +131,20 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bo
     """Whether the attention paths hand this step to the kernel: `enabled()`, CPU queries
     [T, heads, head_dim] with contiguous heads (rows may be strided) and contiguous caches, all
     float32 or all bfloat16."""
+    return q.stride(2) == 1 and q.stride(1) == q.shape[2] and applies_to(
+        q.dtype, q.device, k_cache, v_cache
+    )
+
+
+def applies_to(
+    dtype: torch.dtype, device: torch.device, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """`applies` for queries of ``dtype`` on ``device`` laid out as the decoder's are
+    ([T, heads, head_dim] views with contiguous heads): decided before the step runs."""
     return (
-        q.device.type == "cpu"
-        and q.dtype in _KV_DTYPES
-        and q.dtype == k_cache.dtype == v_cache.dtype
-        and q.stride(2) == 1
-        and q.stride(1) == q.shape[2]
+        device.type == "cpu"
+        and dtype in _KV_DTYPES
+        and dtype == k_cache.dtype == v_cache.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and enabled()

@@ -26,7 +26,7 @@ from prefixcache.attention import native_attention
 from prefixcache.attention.cascade_prefill import attend_group
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 from prefixcache.attention.metadata import AttentionMetadata, min_max
-from prefixcache.attention.plan import EXPLICIT_SCORES_MAX_BYTES, attention_plan
+from prefixcache.attention.plan import EXPLICIT_SCORES_MAX_BYTES, AttentionPlan, attention_plan
 
 __all__ = ["EXPLICIT_SCORES_MAX_BYTES", "paged_attention", "write_kv"]
 
@@ -51,13 +51,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Attention output [T, num_heads, head_dim], by the step's `AttentionPlan`.
+    """Attention output [T, num_heads, head_dim], by the step's `AttentionPlan` (the one the
+    caller built for the step, else one built here for ``q``).
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (this step's, already written);
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
     """
-    plan = attention_plan(q, k_cache, v_cache, metadata)
+    if plan is None:
+        plan = attention_plan(q, k_cache, v_cache, metadata)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     gqa = q.shape[1] != num_kv_heads
     if plan.whole_step_causal:

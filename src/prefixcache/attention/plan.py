@@ -1,8 +1,10 @@
 """One step's attention plan: which path computes each sequence, decided once per step.
 
-The first layer builds it from the step's `AttentionMetadata` and the layer's tensors' kind
-(dtype, device, heads: the same in every layer); every later layer, `paged_attention` and the
-fused layers read the same plan, so the dispatch is decided in one place. Paths:
+The decoder builds it with `build_plan` from the step's `AttentionMetadata`, the KV cache and
+the queries' kind (heads, dtype, device: the same in every layer) before its first layer, and
+hands it to every layer's `paged_attention` and to the fused layers, so the dispatch is decided
+once, in one place. (`attention_plan` builds one from a query tensor, for a caller of
+`paged_attention` that has none.) Paths:
 
 - ``whole_step_causal``: the step is one sequence without cached context, on the torch paths:
   causal SDPA over its fresh K/V, nothing gathered;
@@ -25,7 +27,10 @@ from prefixcache.attention.cascade_prefill import prefill_groups
 from prefixcache.attention.metadata import AttentionMetadata
 from prefixcache.attention.shared_prefix import SharedPrefix
 
-__all__ = ["EXPLICIT_SCORES_MAX_BYTES", "SEQ_PATHS", "AttentionPlan", "SeqWork", "attention_plan"]
+__all__ = [
+    "EXPLICIT_SCORES_MAX_BYTES", "SEQ_PATHS", "AttentionPlan", "SeqWork", "attention_plan",
+    "build_plan",
+]  # fmt: skip
 
 SEQ_PATHS = ("native", "causal", "explicit", "stacked")
 
@@ -59,17 +64,34 @@ class AttentionPlan:
     prefill: tuple[SeqWork, ...]
 
 
+def build_plan(
+    metadata: AttentionMetadata,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionPlan:
+    """The step's plan for queries [T, num_heads, head_dim] of ``dtype`` on ``device`` with
+    contiguous heads (the decoder's), over caches like ``k_cache`` / ``v_cache``."""
+    native = native_attention.applies_to(dtype, device, k_cache, v_cache)
+    return _build(metadata, num_heads, dtype, device, native)
+
+
 def attention_plan(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
 ) -> AttentionPlan:
-    """The step's plan for queries like ``q`` [T, heads, head_dim] (built once per step)."""
+    """The plan for the queries ``q`` [T, heads, head_dim] themselves."""
     native = native_attention.applies(q, k_cache, v_cache)
-    key = ("attention_plan", q.dtype, q.device, q.shape[1], native)
-    return metadata.derived(key, lambda: _build(q, k_cache, metadata, native))
+    return _build(metadata, q.shape[1], q.dtype, q.device, native)
 
 
 def _build(
-    q: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata, native: bool
+    metadata: AttentionMetadata,
+    num_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    native: bool,
 ) -> AttentionPlan:
     if metadata.num_seqs == 1:
         computed, new = metadata.num_computed[0], metadata.num_new[0]
@@ -77,13 +99,13 @@ def _build(
             return AttentionPlan(native, True, False, (), (), ())
         if native and not (computed and new == 1):
             slots = metadata.slot_mapping if computed == 0 else metadata.context_slots[0]
-            work = SeqWork(0, 0, q.shape[0], "native", slots)
+            work = SeqWork(0, 0, metadata.num_tokens, "native", slots)
             return AttentionPlan(native, False, True, (), (), (work,))
     decode_rows = tuple(b for b, n in enumerate(metadata.num_new) if n == 1)
     # sequences sharing cached blocks: one cascade over the shared part on the torch paths; the
     # kernel takes each on its own (gathering the shared keys per sequence into L2 costs less
     # than the cascade's log-sum-exp merge)
-    groups = () if native or q.device.type != "cpu" else tuple(prefill_groups(metadata, q.device))
+    groups = () if native or device.type != "cpu" else tuple(prefill_groups(metadata, device))
     grouped = {b for group in groups for b in group.seq_indices.tolist()}
     starts = metadata.query_starts
     prefill = []
@@ -97,7 +119,7 @@ def _build(
         elif slots is None:
             prefill.append(SeqWork(b, start, end, "causal", None))
         else:
-            score_bytes = q.shape[1] * (end - start) * len(slots) * q.element_size()
-            small = q.device.type == "cpu" and score_bytes <= EXPLICIT_SCORES_MAX_BYTES
+            score_bytes = num_heads * (end - start) * len(slots) * dtype.itemsize
+            small = device.type == "cpu" and score_bytes <= EXPLICIT_SCORES_MAX_BYTES
             prefill.append(SeqWork(b, start, end, "explicit" if small else "stacked", slots))
     return AttentionPlan(native, False, False, decode_rows, groups, tuple(prefill))

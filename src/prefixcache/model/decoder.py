@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache
+from prefixcache.attention.plan import build_plan
 from prefixcache.model import onednn_gemm, panel_gemm
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.fused_layers import FusedLayers
@@ -115,14 +116,17 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [T, hidden], the residual stream
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
         delta: torch.Tensor | None = None  # the last layer's output, not yet added to h
+        c = self.config
+        plan = build_plan(attn_metadata, *kv_cache.layer(0), c.num_attention_heads, h.dtype,
+                          h.device)  # every layer's attention path, decided once
         fused = FusedLayers.prepare(
-            self.config, self.layer_parts(), h, cos_sin, kv_cache, attn_metadata
+            c, self.layer_parts(), h, cos_sin, kv_cache, attn_metadata, plan
         )
         for i, layer in enumerate(self.model.layers):
             if fused is not None:
                 delta = fused.run(i)
             else:
-                delta = layer(h, delta, cos_sin, kv_cache, attn_metadata)
+                delta = layer(h, delta, cos_sin, kv_cache, attn_metadata, plan)
         rows = attn_metadata.logits_indices
         last = h.index_select(0, rows)  # [B, hidden]: only these rows need the last add
         if delta is not None:

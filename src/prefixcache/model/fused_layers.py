@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention, paged_attention
-from prefixcache.attention.plan import attention_plan
+from prefixcache.attention.plan import AttentionPlan
 from prefixcache.model import native_layers, packed_gemm, panel_gemm, tuning
 from prefixcache.model.packed_gemm import PackedWeight
 from prefixcache.model.panel_gemm import PanelWeight
@@ -73,12 +73,14 @@ class FusedLayers:
         num_heads: tuple[int, int],
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
+        plan: AttentionPlan,
         buffers: dict[str, torch.Tensor],
         attention: native_attention.PreparedAttend | None,
     ) -> None:
         self._library, self._args, self._layers = library, args, layers
         self._num_heads, self._num_kv_heads = num_heads
         self._kv_cache, self._metadata, self._buffers = kv_cache, metadata, buffers
+        self._plan = plan
         self._attention = attention  # its slots and scratch: kept alive with the addresses
         self._addresses = [ctypes.addressof(a) for a in args]
         suffix = "_bf16" if buffers["x"].dtype == torch.bfloat16 else ""
@@ -99,6 +101,7 @@ class FusedLayers:
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
+        plan: AttentionPlan,
     ) -> FusedLayers | None:
         """Check the step and fill each layer's arguments; None where the calls do not apply
         (not float32 or bfloat16 on the CPU, no packed weights of a kind the calls multiply
@@ -138,7 +141,7 @@ class FusedLayers:
         attention = None  # the attention kernel inside the call: float32 only
         if h.dtype == torch.float32:
             attention = _one_sequence_prefill(
-                buffers["qkv"][:, :heads], kv_cache, metadata, buffers["attn"]
+                buffers["qkv"][:, :heads], kv_cache, plan, buffers["attn"]
             )
         template = LayerArgs(
             gemm=gemm, h=h.data_ptr(), eps=parts[0].norm.eps,  # type: ignore[union-attr]
@@ -164,7 +167,7 @@ class FusedLayers:
             a.k_cache, a.v_cache = (t.data_ptr() for t in kv_cache.layer(i))
             a.scale = part.scale
             args.append(a)
-        return cls(library, args, layers, (heads, kv_heads), kv_cache, metadata, buffers,
+        return cls(library, args, layers, (heads, kv_heads), kv_cache, metadata, plan, buffers,
                    attention)
 
     def run(self, i: int) -> torch.Tensor:
@@ -179,7 +182,7 @@ class FusedLayers:
         heads, kv_heads = self._num_heads, self._num_kv_heads
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         k_cache, v_cache = self._kv_cache.layer(i)
-        attended = paged_attention(q, k, v, k_cache, v_cache, self._metadata, scale)
+        attended = paged_attention(q, k, v, k_cache, v_cache, self._metadata, scale, self._plan)
         attended = attended.reshape(qkv.shape[0], heads * qkv.shape[2]).contiguous()
         self._outputs(address, attended.data_ptr())
         return buffers["out"]
@@ -200,11 +203,14 @@ def _layer_parts(layer: LayerParts, dtype: torch.dtype) -> _Parts | None:
     kind that the compiled calls multiply through for ``dtype`` (float32: MKL's or the panel
     GEMM's; bfloat16: the panel GEMM's)."""
     projections = layer.projections
-    packed: list[PackedWeight] | list[PanelWeight] = [p.current_packed() for p in projections]
-    if any(p is None for p in packed):
-        packed = [p.panel for p in projections]  # current: current_packed dropped stale ones
-        if any(p is None or p.dtype != dtype for p in packed):
-            return None
+    copies = [p.current_copy() for p in projections]
+    packed: list[PackedWeight] | list[PanelWeight]
+    if all(isinstance(c, PackedWeight) for c in copies):
+        packed = copies  # type: ignore[assignment]  # all MKL's
+    elif all(isinstance(c, PanelWeight) and c.dtype == dtype for c in copies):
+        packed = copies  # type: ignore[assignment]  # all the panel GEMM's
+    else:
+        return None
     return _Parts(packed, layer.norm, layer.post_norm, layer.qkv_bias, layer.scale)
 
 
@@ -221,17 +227,16 @@ def _gemm_address(parts: list[_Parts]) -> int | None:
 
 
 def _one_sequence_prefill(
-    q: torch.Tensor, kv_cache: PagedKVCache, metadata: AttentionMetadata, out: torch.Tensor
+    q: torch.Tensor, kv_cache: PagedKVCache, plan: AttentionPlan, out: torch.Tensor
 ) -> native_attention.PreparedAttend | None:
     """The attention kernel set up for the step's one sequence, where the step's
     `AttentionPlan` gives the whole step to the kernel."""
-    k_cache, v_cache = kv_cache.layer(0)
-    plan = attention_plan(q, k_cache, v_cache, metadata)
     if not plan.whole_step_native:
         return None
     (work,) = plan.prefill
     assert work.slots is not None
     kv_heads, head_dim = kv_cache.num_kv_heads, kv_cache.head_dim
+    k_cache, v_cache = kv_cache.layer(0)
     k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
     return native_attention.PreparedAttend(q, k_flat, v_flat, work.slots, out)
 

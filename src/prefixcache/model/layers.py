@@ -8,13 +8,14 @@ hands it): neither of those imports the other's module to reach a layer.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
+from prefixcache.attention.plan import AttentionPlan
 from prefixcache.model import native_layers, onednn_gemm, packed_gemm, panel_gemm, tuning
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.onednn_gemm import OneDnnWeight
@@ -64,6 +65,17 @@ class RMSNorm(nn.Module):
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+class PackedCopy(Protocol):
+    """What a projection multiplies through instead of ``F.linear``: a packed copy of its
+    weight [out_features, in_features] (`PanelWeight`, MKL's `PackedWeight`, `OneDnnWeight`),
+    ``matmul(x, bias)`` equal to ``F.linear(x, weight, bias)`` up to float rounding."""
+
+    out_features: int
+    in_features: int
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 class Projection(nn.Linear):
     """``nn.Linear`` that can also multiply through a packed copy of its weight.
 
@@ -78,26 +90,42 @@ class Projection(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.packed: PackedWeight | None = None
-        self.onednn: OneDnnWeight | None = None
-        self.panel: PanelWeight | None = None
+        self.packed_copy: PackedCopy | None = None
         self._packed_from = (0, -1)  # (data_ptr, version) of the weight that was packed
+
+    @property
+    def packed(self) -> PackedWeight | None:
+        """The packed copy if it is MKL's."""
+        copy = self.packed_copy
+        return copy if isinstance(copy, PackedWeight) else None
+
+    @property
+    def onednn(self) -> OneDnnWeight | None:
+        """The packed copy if it is oneDNN's."""
+        copy = self.packed_copy
+        return copy if isinstance(copy, OneDnnWeight) else None
+
+    @property
+    def panel(self) -> PanelWeight | None:
+        """The packed copy if it is the panel GEMM's."""
+        copy = self.packed_copy
+        return copy if isinstance(copy, PanelWeight) else None
 
     def pack(self, enable: bool = True, onednn: bool = False, panel: bool = False) -> bool:
         """Keep a packed copy of the current weight (or drop it): with ``panel`` the panel
         GEMM's (`panel_gemm`), else for float32 MKL's or, with ``onednn``, oneDNN's
         (`onednn_gemm`), for bfloat16 oneDNN's. False where none applies (not a float32 or
         bfloat16 CPU weight, or the library is missing)."""
-        self.packed = self.onednn = self.panel = None
+        self.packed_copy = None
         weight, dtype = self.weight, self.weight.dtype
         if not enable or weight.device.type != "cpu" or dtype not in PACKED_DTYPES:
             return False
         if panel and panel_gemm.available(dtype):
-            self.panel = PanelWeight.pack(weight)
+            self.packed_copy = PanelWeight.pack(weight)
         elif (onednn or dtype == torch.bfloat16) and onednn_gemm.available(dtype):
-            self.onednn = OneDnnWeight.pack(weight)
+            self.packed_copy = OneDnnWeight.pack(weight)
         elif dtype == torch.float32 and packed_gemm.available():
-            self.packed = PackedWeight.pack(weight)
+            self.packed_copy = PackedWeight.pack(weight)
         else:
             return False
         self._packed_from = (weight.data_ptr(), weight._version)
@@ -105,24 +133,27 @@ class Projection(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            packed = self.current_packed()  # also drops a stale panel or oneDNN copy
-            if packed is not None:
-                return packed.matmul(x, self.bias)
-            copy = self.panel or self.onednn
+            copy = self.current_copy()
             if copy is not None:
                 return copy.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def current_copy(self) -> PackedCopy | None:
+        """The packed copy if it still holds the current weight, else None (and dropped: the
+        weight changed, a stale copy is never used)."""
+        if self.packed_copy is not None and not self._is_current():
+            self.packed_copy = None
+        return self.packed_copy
+
     def current_packed(self) -> PackedWeight | None:
-        """The MKL-packed copy if it still holds the current weight, else None (and dropped)."""
-        if not self._is_current():
-            self.packed = self.onednn = self.panel = None  # the weight changed: never stale
-        return self.packed
+        """The packed copy if it is MKL's and current."""
+        copy = self.current_copy()
+        return copy if isinstance(copy, PackedWeight) else None
 
     def current_panel(self) -> PanelWeight | None:
-        """The panel GEMM's copy if it still holds the current weight, else None (and dropped)."""
-        self.current_packed()
-        return self.panel
+        """The packed copy if it is the panel GEMM's and current."""
+        copy = self.current_copy()
+        return copy if isinstance(copy, PanelWeight) else None
 
     def _is_current(self) -> bool:
         weight = self._parameters["weight"]  # not self.weight: nn.Module's slow lookup, per step
@@ -154,6 +185,7 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
@@ -166,7 +198,7 @@ class Attention(nn.Module):
         v = qkv[:, heads + kv_heads :]  # [T, kv_heads, head_dim]
         k_cache, v_cache = kv_cache.layer(self.layer_index)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, plan)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -232,6 +264,7 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """One layer on the residual stream h [T, hidden], updated in place: ``h += delta`` (the
         previous layer's MLP output; None for the first layer), then ``h += attention``. Returns
@@ -239,7 +272,7 @@ class DecoderLayer(nn.Module):
         it (`RMSNorm.add_forward`), as vLLM's layers do."""
         norm = self.input_layernorm
         x = norm(h) if delta is None else norm.add_forward(h, delta)
-        attended = self.self_attn(x, cos_sin, kv_cache, metadata)
+        attended = self.self_attn(x, cos_sin, kv_cache, metadata, plan)
         return self.mlp(self.post_attention_layernorm.add_forward(h, attended))
 
 
