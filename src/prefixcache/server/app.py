@@ -196,5 +196,5 @@ async def _reset(async_engine: AsyncEngine, tenant: Tenant) -> JSONResponse:
     if not done:
         raise ApiError(409, "the prefix cache was not reset: requests still hold KV blocks; "
                        "retry when the server is idle", code="cache_in_use")
-    logger.info("prefix cache reset by an admin of %s", tenant.domain)
+    logger.info("prefix cache reset by an admin of %s", tenant.isolation_domain)
     return JSONResponse({"reset": True})

@@ -283,7 +283,8 @@ class ServingBase:
             raise ApiError(500, output.error)
         i, choice = job.add(output)
         if not had_first and job.first_token_time is not None:
-            self.metrics.observe_first_token(job.tenant.domain, job.first_token_time - job.start,
+            self.metrics.observe_first_token(job.tenant.isolation_domain,
+                                             job.first_token_time - job.start,
                                              job.prompts[i].num_cached)
         return output, i, choice
 
@@ -326,7 +327,7 @@ class ServingBase:
         self.metrics.prompt_tokens.inc(job.num_prompt_tokens)
         self.metrics.generation_tokens.inc(job.num_output_tokens)
         if job.done:
-            self.metrics.observe_finished(job.tenant.domain, time.monotonic() - job.start,
+            self.metrics.observe_finished(job.tenant.isolation_domain, time.monotonic() - job.start,
                                           job.first_reason)
 
 

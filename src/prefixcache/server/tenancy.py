@@ -63,13 +63,19 @@ class Tenant:
         return self.isolation.split(":", 1)[0]
 
     @property
-    def domain(self) -> str:
-        """The isolation domain: the metric label and the namespace owner (operator-configured)."""
+    def isolation_domain(self) -> str:
+        """Who owns a cache namespace, as metrics label it: ``tenant:<id>``, the trusted
+        ``group:<name>``, or ``none`` (operator-configured)."""
         if self.mode == "group":
             return self.isolation
         if self.mode == "none":
             return "none"
         return f"tenant:{self.tenant_id}"
+
+    @property
+    def domain(self) -> str:
+        """Older name of ``isolation_domain``."""
+        return self.isolation_domain
 
     @property
     def scheduling_domain(self) -> str:
