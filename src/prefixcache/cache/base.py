@@ -190,11 +190,8 @@ class PrefixCache:
         computed = num_hit * self.block_size
         end = computed + num_new_tokens
         num_new = -(-end // self.block_size) - num_hit
-        pool = self.pool
-        protected, num_protected = _NONE, 0
-        if pool.other_cache_domains(seq.domain):  # else, the common case, nothing is protected
-            protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
-        num_free = pool.num_free - num_protected
+        protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
+        num_free = self.pool.num_free - num_protected
         if num_new + num_hit > num_free:  # admitting a hit consumes its free blocks
             reused = self.index.num_free_in(hit, hit_blocks) if num_hit else 0
             if num_new + reused > num_free:
@@ -203,9 +200,9 @@ class PrefixCache:
         table = SeqBlocks(seq, hit_blocks, list(hit.block_ids), end, num_hit)
         if num_hit and self._index_admits:
             self.index.admit(table, hit)
-        if table.num_path < num_hit:  # radix holds its path through the index
-            pool.touch(hit_blocks[table.num_path :] if table.num_path else hit_blocks)
-        taken = self._take(num_new, self._owner_root(seq), protected)
+        # touch before allocate (radix holds its path through the index, not by references)
+        touch = hit_blocks[table.num_path :] if table.num_path else hit_blocks
+        taken = self._take(num_new, self._owner_root(seq), protected, touch)
         table.blocks += taken.blocks
         table.block_ids += taken.block_ids
         self._tables[seq.seq_id] = table
@@ -282,10 +279,17 @@ class PrefixCache:
         table.num_alloc_tokens = max(table.num_alloc_tokens, end)
         return list(table.block_ids)
 
-    def _take(self, num: int, owner_root: bytes | None, protected: frozenset[str]) -> Taken:
-        """``num`` new blocks from the pool; evictions are counted, announced and forgotten by
-        the index here, and the free-block low watermark kept."""
-        taken = self.pool.take(num, owner_root, protected)
+    def _take(
+        self,
+        num: int,
+        owner_root: bytes | None,
+        protected: frozenset[str],
+        touch: list[KVBlock] | None = None,
+    ) -> Taken:
+        """``num`` new blocks from the pool (after a reference on each of ``touch``); evictions
+        are counted, announced and forgotten by the index here, and the free-block low watermark
+        kept."""
+        taken = self.pool.take(num, owner_root, protected, touch)
         if taken.evicted_ids:
             self.stats.num_evictions += len(taken.evicted_ids)
             self.index.forget(taken.evicted_digests)
@@ -303,7 +307,7 @@ class PrefixCache:
             stats.min_free_blocks = num_free
 
     def _owner_root(self, seq: Sequence) -> bytes | None:
-        if not self.pool.zero_on_reuse:
+        if not self.config.zero_on_reuse:
             return None
         if seq.use_cache and self.enable_prefix_caching:
             return self.identity.root(seq)

@@ -258,12 +258,20 @@ class BlockPool:
         self.num_queued -= FreeBlockQueue.remove_free(blocks, self._free, self._lru)
 
     def take(
-        self, num: int, owner_root: bytes | None = None, protected: frozenset[str] = _NONE
+        self,
+        num: int,
+        owner_root: bytes | None = None,
+        protected: frozenset[str] = _NONE,
+        touch: Iterable[KVBlock] | None = None,
     ) -> Taken:
         """``num`` blocks with ``ref_cnt = 1``: queued ones first, then parked ones the evictor
         hands over; a cached block taken loses its digest (an eviction, returned in `Taken`).
-        The caller checked ``num <= num_free``, less the free cached blocks of the ``protected``
-        domains (never evicted here). ``owner_root``: the new owner's namespace (zero-on-reuse)."""
+        ``touch``: blocks to `touch` first (a sequence's hits: never evicted for its own new
+        blocks). The caller checked ``num <= num_free`` after the touch, less the free cached
+        blocks of the ``protected`` domains (never evicted here). ``owner_root``: the new
+        owner's namespace (zero-on-reuse)."""
+        if touch:
+            self.touch(touch)
         if num > self.num_free:
             raise RuntimeError(f"take({num}) with only {self.num_free} free blocks")
         taken = Taken()
