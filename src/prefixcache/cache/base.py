@@ -190,7 +190,9 @@ class PrefixCache:
         computed = num_hit * self.block_size
         end = computed + num_new_tokens
         num_new = -(-end // self.block_size) - num_hit
-        protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
+        protected, num_protected = _NONE, 0
+        if self.pool.other_cache_domains(seq.domain):  # else, the common case: nothing protected
+            protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
         num_free = self.pool.num_free - num_protected
         if num_new + num_hit > num_free:  # admitting a hit consumes its free blocks
             reused = self.index.num_free_in(hit, hit_blocks) if num_hit else 0
@@ -290,8 +292,8 @@ class PrefixCache:
         are counted, announced and forgotten by the index here, and the free-block low watermark
         kept."""
         taken = self.pool.take(num, owner_root, protected, touch)
-        if taken.evicted_ids:
-            self.stats.num_evictions += len(taken.evicted_ids)
+        if taken.evicted_digests:
+            self.stats.num_evictions += len(taken.evicted_digests)
             self.index.forget(taken.evicted_digests)
             if self.events.enabled:
                 self.events.emit(

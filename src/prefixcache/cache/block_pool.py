@@ -22,7 +22,6 @@ which blocks are cached and is seen here only through `Evictor`, the interface t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
@@ -101,15 +100,23 @@ class _NoEvictor:
         pass
 
 
-@dataclass(slots=True)
 class Taken:
     """What `BlockPool.take` handed out: ``blocks`` (``ref_cnt`` 1) and their ids, and the cached
-    blocks among them that lost their digest (evicted), for the caller's counters and events."""
+    blocks among them that lost their digest (evicted), for the caller's counters and events.
+    Uncached blocks are handed out first, so the evicted ones are the last
+    ``len(evicted_digests)`` of ``blocks``."""
 
-    blocks: list[KVBlock] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    evicted_ids: list[int] = field(default_factory=list)
-    evicted_digests: list[bytes] = field(default_factory=list)
+    __slots__ = ("blocks", "block_ids", "evicted_digests")
+
+    def __init__(self) -> None:
+        self.blocks: list[KVBlock] = []
+        self.block_ids: list[int] = []
+        self.evicted_digests: list[bytes] = []
+
+    @property
+    def evicted_ids(self) -> list[int]:
+        num = len(self.evicted_digests)
+        return self.block_ids[len(self.block_ids) - num :] if num else []
 
 
 class FreeBlockQueue:
@@ -184,6 +191,22 @@ class FreeBlockQueue:
             block.ref_cnt = 1
             out.append(block)
             ids.append(block.block_id)
+            block = block.next
+        self.head.next = block
+        block.prev = self.head
+        self.count -= num
+
+    def pop_front_evicting(self, num: int, taken: Taken) -> None:
+        """`pop_front` of ``num`` cached blocks into ``taken``, each losing its digest (one pass:
+        evicting a run of blocks is the replay's hot loop)."""
+        out, ids, digests = taken.blocks, taken.block_ids, taken.evicted_digests
+        block = self.head.next
+        for _ in range(num):
+            block.ref_cnt = 1
+            out.append(block)
+            ids.append(block.block_id)
+            digests.append(block.digest)  # type: ignore[arg-type]  # queued cached: a digest
+            block.digest = block.token_bytes = None
             block = block.next
         self.head.next = block
         block.prev = self.head
@@ -286,9 +309,8 @@ class BlockPool:
         if len(out) < num:
             ids, digests = self.evictor.evict(num - len(out), out, protected)
             taken.block_ids += ids
-            taken.evicted_ids += ids
             taken.evicted_digests += digests
-        if taken.evicted_ids:
+        if taken.evicted_digests:
             self.epoch += 1
         if self.zero_on_reuse:
             self._note_owner(out, owner_root)
@@ -319,14 +341,7 @@ class BlockPool:
     def _evict_queued(queue: FreeBlockQueue, num: int, taken: Taken) -> int:
         """Pop ``num`` cached blocks off ``queue`` into ``taken``: each loses its digest."""
         num = min(num, queue.count)
-        out = taken.blocks
-        start = len(out)
-        queue.pop_front(num, out, taken.block_ids)
-        ids, digests = taken.evicted_ids, taken.evicted_digests
-        for block in out[start:]:
-            digests.append(block.digest)  # type: ignore[arg-type]  # queued cached: a digest
-            ids.append(block.block_id)
-            block.digest = block.token_bytes = None
+        queue.pop_front_evicting(num, taken)
         return num
 
     def _note_owner(self, blocks: list[KVBlock], owner_root: bytes | None) -> None:

@@ -112,7 +112,8 @@ class HashIndex(PrefixIndex):
         cached = self.digest_map
         domain = seq.domain
         blocks = table.blocks
-        result = Inserted()
+        runs: list[tuple[int, int]] = []
+        num_dups = 0
         run_start = -1  # the first block of the current run of newly stored blocks
         for i in range(start, end):
             block = blocks[i]
@@ -120,7 +121,7 @@ class HashIndex(PrefixIndex):
             if block.digest == digest:
                 stored = False
             elif digest in cached:
-                result.num_duplicates += 1  # the same blocks computed twice: this copy stays out
+                num_dups += 1  # the same blocks computed twice: this copy stays out
                 stored = False
             else:
                 cached[digest] = block
@@ -132,11 +133,11 @@ class HashIndex(PrefixIndex):
                 if stored:
                     run_start = i
                 else:
-                    result.runs.append((run_start, i))
+                    runs.append((run_start, i))
                     run_start = -1
         if run_start >= 0:
-            result.runs.append((run_start, end))
-        return result
+            runs.append((run_start, end))
+        return Inserted(runs, num_dups)
 
     def forget(self, digests: list[bytes]) -> None:
         pop = self.digest_map.pop
