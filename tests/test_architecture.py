@@ -19,14 +19,16 @@ ALLOWED = {
     "errors": set(),
     "catalog": set(),
     "cache": set(),
+    "tiers": set(),
     "sched": {"cache"},
     "native": {"paths"},
     "attention": {"native"},
     "model": {"attention", "native", "catalog", "paths"},
     "sim": {"cache", "sched", "errors"},
-    "engine": {"cache", "sched", "model", "attention", "native", "catalog", "errors", "paths"},
+    "engine": {"cache", "tiers", "sched", "model", "attention", "native", "catalog", "errors",
+               "paths"},
 }
-TORCH_FREE = ["prefixcache.cache", "prefixcache.sched", "prefixcache.sim.cli",
+TORCH_FREE = ["prefixcache.cache", "prefixcache.tiers", "prefixcache.sched", "prefixcache.sim.cli",
               "prefixcache.engine.config", "prefixcache.catalog", "prefixcache.cli"]  # fmt: skip
 
 

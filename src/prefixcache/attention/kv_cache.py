@@ -147,6 +147,28 @@ class PagedKVCache:
         for cache in (*self.k_caches, *self.v_caches):
             cache.index_fill_(0, index, 0)
 
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of the given blocks' K and V: [len(block_ids), 2 * num_layers, block_size,
+        num_kv_heads, head_dim], per block layer 0's K, layer 0's V, layer 1's K, ... (the
+        payload order of a tier record)."""
+        index = self._check_ids(list(block_ids))
+        parts = []
+        for k, v in zip(self.k_caches, self.v_caches, strict=True):
+            parts += (k.index_select(0, index), v.index_select(0, index))
+        return torch.stack(parts, dim=1)
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Overwrite the given blocks' K and V with ``data`` (as `read_blocks` returns it)."""
+        index = self._check_ids(list(block_ids))
+        shape = (len(index), 2 * self.num_layers, self.block_size, self.num_kv_heads,
+                 self.head_dim)
+        if tuple(data.shape) != shape or data.dtype != self.dtype:
+            raise ValueError(f"write_blocks: expected {shape} {self.dtype}, got "
+                             f"{tuple(data.shape)} {data.dtype}")
+        for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
+            k.index_copy_(0, index, data[:, 2 * layer].to(k.device))
+            v.index_copy_(0, index, data[:, 2 * layer + 1].to(v.device))
+
     def _block_index(self, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         src = self._check_ids([int(p[0]) for p in pairs])
         dst = self._check_ids([int(p[1]) for p in pairs])

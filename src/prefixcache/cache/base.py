@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from prefixcache.cache.block_hash import BlockHasher
@@ -182,7 +183,7 @@ class PrefixCache:
         return self._allocate_more(table, num_new_tokens)
 
     def _allocate_first(
-        self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None
+        self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None, *, counted: bool = True
     ) -> list[int] | None:
         given, hit = hit, hit or CacheHit()
         hit_blocks = self._checked_hit(seq, hit)
@@ -209,9 +210,10 @@ class PrefixCache:
         table.block_ids += taken.block_ids
         self._tables[seq.seq_id] = table
         self._add_held(seq.domain, len(table.blocks))
-        self._count_lookup(seq, hit)
-        for observer in self._observers:
-            observer.on_admit(seq, given, list(table.block_ids))
+        if counted:
+            self._count_lookup(seq, hit)
+            for observer in self._observers:
+                observer.on_admit(seq, given, list(table.block_ids))
         return list(table.block_ids)
 
     def _protected_from(self, domain: str, num_more: int) -> tuple[frozenset[str], int]:
@@ -320,6 +322,9 @@ class PrefixCache:
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """The KV of ``seq``'s first ``num_computed_tokens`` tokens is written: full blocks among
         them become hittable."""
+        self._commit(seq, num_computed_tokens, notify=True)
+
+    def _commit(self, seq: Sequence, num_computed_tokens: int, *, notify: bool) -> None:
         table = self._tables.get(seq.seq_id)
         if table is None or table.seq is not seq:
             table = self._live_table(seq)  # raises
@@ -343,7 +348,7 @@ class PrefixCache:
                 if self.events.enabled:
                     for run_start, run_end in inserted.runs:
                         self._emit_stored(table, run_start, run_end)
-            if end > start:
+            if end > start and notify:
                 for observer in self._observers:
                     observer.on_commit(seq, start, end, list(table.block_ids))
 
@@ -377,6 +382,9 @@ class PrefixCache:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, deepest first; committed ones stay cached until evicted."""
+        self._free(seq, notify=True)
+
+    def _free(self, seq: Sequence, *, notify: bool) -> None:
         table = self._tables.get(seq.seq_id)
         if table is None or table.seq is not seq:
             return
@@ -388,8 +396,47 @@ class PrefixCache:
         if table.node is not None:  # the index's place for it (radix: its locked path)
             self.index.release(table)
         seq.num_computed_tokens = 0
-        for observer in self._observers:
-            observer.on_free(seq, len(table.blocks))
+        if notify:
+            for observer in self._observers:
+                observer.on_free(seq, len(table.blocks))
+
+    def adopt(
+        self, seq: Sequence, start: int, num_blocks: int, fill: Callable[[list[int], int], None]
+    ) -> int:
+        """Cache blocks ``start .. start + num_blocks - 1`` of ``seq`` whose KV comes from
+        elsewhere (a lower tier), computing nothing: the blocks from the longest cached prefix
+        on are allocated, ``fill(block_ids, first)`` writes their KV (``first``: the block index
+        of ``block_ids[0]``), and they are committed and released, cached and most recently
+        used, as if a sequence had computed them. No lookup is counted and observers hear
+        nothing; `BlockStored` events are emitted. Returns how many blocks were filled: 0 when
+        the cached prefix stops before ``start`` (the run would not join it), already covers the
+        run, or the blocks do not fit. ``seq`` itself is not touched (it may not be live)."""
+        if not (self.enable_prefix_caching and seq.use_cache) or num_blocks <= 0:
+            return 0
+        bs = self.block_size
+        end = start + num_blocks
+        if end > (len(seq.token_ids) - 1) // bs:
+            raise ValueError(f"adopt: blocks up to {end} leave no token of {seq.seq_id!r} to "
+                             "compute")
+        stand_in = seq.fork(f"{seq.seq_id}\x00adopt")
+        stand_in.num_computed_tokens = 0
+        hit = self.index.lookup(stand_in)
+        have = len(hit.block_ids)
+        if not start <= have < end or stand_in.seq_id in self._tables:
+            return 0
+        hit.epoch = self.pool.epoch
+        block_ids = self._allocate_first(stand_in, (end - have) * bs, hit, counted=False)
+        if block_ids is None:
+            return 0
+        filled = block_ids[have:end]
+        for block_id in filled:  # fill writes every slot: nothing to zero first
+            self.pool.cancel_zero(block_id)
+        try:
+            fill(filled, have)
+            self._commit(stand_in, end * bs, notify=False)
+        finally:
+            self._free(stand_in, notify=False)
+        return end - have
 
     def fork(self, seq: Sequence, child_id: str) -> Sequence:
         """A child sharing every block of ``seq`` (ref counts up), for n > 1 sampling."""

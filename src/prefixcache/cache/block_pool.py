@@ -355,7 +355,7 @@ class BlockPool:
         a block reaching ``ref_cnt == 0`` goes to its domain's queue tail if it is cached (it
         stays hittable), or to the head of the uncached queue if not (worth nothing)."""
         free = self._free
-        num_freed = 0
+        num_freed = 0  # counted per uncached block and per run of cached ones
         # the queue the current run of cached blocks joins, the run's ends and its length
         lru: FreeBlockQueue | None = None
         lru_domain: str | None = None
@@ -366,14 +366,15 @@ class BlockPool:
             block.ref_cnt = ref_cnt
             if ref_cnt:
                 continue
-            num_freed += 1
             if block.digest is None:
                 free.push_front(block)
+                num_freed += 1
                 continue
             domain = block.domain
             if domain is not lru_domain and domain != lru_domain:
                 if lru is not None:
                     lru.append_run(first, last, run)
+                    num_freed += run
                 lru = self._lru.get(domain)
                 if lru is None:
                     lru = self._lru[domain] = FreeBlockQueue(domain)
@@ -385,6 +386,7 @@ class BlockPool:
             run += 1
         if lru is not None:
             lru.append_run(first, last, run)
+            num_freed += run
         self.num_queued += num_freed
 
     def copy_on_write(self, src: KVBlock, dst: KVBlock, *, copy: bool) -> None:

@@ -21,6 +21,7 @@ from prefixcache.catalog import DTYPE_CHOICES, model_help
 from prefixcache.engine.sampling_params import LOGPROBS_MODES
 from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
+from prefixcache.tiers import TierConfig
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "add_engine_arguments", "prefix_cache_kind"]
 
@@ -46,6 +47,14 @@ _SCHEDULER_KEYS = {
     "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "policy", "lpm_max_wait_steps",
     "dedup", "domain_limits", "default_domain_limits",
 }  # fmt: skip
+_TIER_KEYS = {
+    "kv_disk": "disk_dir",
+    "kv_disk_gib": "disk_gib",
+    "kv_valkey": "valkey_url",
+    "kv_valkey_ttl_s": "valkey_ttl_s",
+    "offload_prompt_only": "offload_prompt_only",
+    "kv_offload_max_pending_blocks": "max_pending_blocks",
+}
 _DEPRECATED = {"zero_freed_blocks": "zero_on_reuse"}
 
 
@@ -55,7 +64,8 @@ class EngineConfig:
     ``cache.num_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
     ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
     invariant after each step (tests). ``logprobs_mode``: what reported log-probabilities are
-    of (`prefixcache.engine.sampler`)."""
+    of (`prefixcache.engine.sampler`). ``tiers``: the lower KV tiers (disk, Valkey) under the
+    pool; none by default."""
 
     model: Any = "tiny"
     dtype: str = "float32"
@@ -65,6 +75,7 @@ class EngineConfig:
     kv_memory_bytes: int = DEFAULT_KV_MEMORY_BYTES
     check_integrity: bool = False
     logprobs_mode: str = "raw_logprobs"
+    tiers: TierConfig = field(default_factory=TierConfig)
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -87,7 +98,8 @@ class EngineConfig:
         ``kv_events_with_tokens``, ``max_num_seqs``, ``max_num_batched_tokens``,
         ``schedule_policy``, ``lpm_max_wait_steps``, ``dedup``, ``domain_limits``,
         ``default_domain_limits``, ``seed``, ``dtype``, ``check_integrity``,
-        ``logprobs_mode``. Deprecated
+        ``logprobs_mode``, and the tiers': ``kv_disk``, ``kv_disk_gib``, ``kv_valkey``,
+        ``kv_valkey_ttl_s``, ``offload_prompt_only``, ``kv_offload_max_pending_blocks``. Deprecated
         spellings (``policy``, ``zero_freed_blocks``) still work, with a warning."""
         for old, new in _DEPRECATED.items():
             if old in settings:
@@ -97,6 +109,8 @@ class EngineConfig:
                 settings.setdefault(new, settings.pop(old))
         cache = {_CACHE_KEYS[k]: settings.pop(k) for k in list(settings) if k in _CACHE_KEYS}
         scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
+        tiers = {_TIER_KEYS[k]: settings.pop(k) for k in list(settings) if k in _TIER_KEYS}
+        tiers = {k: v for k, v in tiers.items() if v is not None}  # None: the default
         known = {"dtype", "seed", "kv_memory_bytes", "check_integrity", "logprobs_mode"}
         unknown = sorted(set(settings) - known)
         if unknown:
@@ -105,6 +119,7 @@ class EngineConfig:
             model=model,
             cache=replace(_ENGINE_CACHE, **cache),
             scheduler=SchedulerConfig.from_kwargs(**scheduler),
+            tiers=TierConfig(**tiers),
             **settings,
         )
 
@@ -139,6 +154,11 @@ class EngineConfig:
             domain_limits=domain_limits,
             default_domain_limits=default_domain_limits,
             logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
+            kv_disk=getattr(args, "kv_disk", None),
+            kv_disk_gib=getattr(args, "kv_disk_gib", None),
+            kv_valkey=getattr(args, "kv_valkey", None),
+            kv_valkey_ttl_s=getattr(args, "kv_valkey_ttl", None),
+            offload_prompt_only=not getattr(args, "kv_offload_decode", False),
         )
 
 
@@ -197,6 +217,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
     parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
                         help="reported logprobs: of the model's distribution, or after "
                              "penalties, logit_bias, min_tokens and temperature")
+    parser.add_argument("--kv-disk", metavar="DIR", default=None,
+                        help="a disk tier under the KV pool: blocks written behind to DIR, read "
+                             "back on a RAM miss, kept across restarts (docs/tiers.md)")
+    parser.add_argument("--kv-disk-gib", type=float, default=None, metavar="N",
+                        help="the disk tier's capacity in GiB (default 16); least recently used "
+                             "blocks are deleted beyond it")
+    parser.add_argument("--kv-valkey", metavar="URL", default=None,
+                        help="a Valkey (or Redis) tier shared by every engine using it, e.g. "
+                             "redis://127.0.0.1:6379/0")
+    parser.add_argument("--kv-valkey-ttl", type=int, default=None, metavar="S",
+                        help="expire Valkey blocks after S seconds (default: the server's "
+                             "maxmemory policy decides)")
+    parser.add_argument("--kv-offload-decode", action="store_true",
+                        help="write decode blocks to the tiers too, not just prompt blocks")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES,

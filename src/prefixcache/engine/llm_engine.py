@@ -24,6 +24,7 @@ from prefixcache.attention.kv_cache import PagedKVCache
 from prefixcache.cache import CacheIdentity, PrefixCache, Sequence, make_prefix_cache
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.input_processor import InputProcessor
+from prefixcache.engine.offload import KVOffload, Load
 from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
 from prefixcache.engine.request import Request
@@ -84,6 +85,12 @@ class LLMEngine:
             self.loaded.model, self.loaded.make_kv_cache(num_blocks, self.block_size)
         )
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
+        # the lower tiers (disk, Valkey): written behind each step, read ahead of admission
+        self.offload: KVOffload | None = None
+        if config.tiers.enabled and self.cache.enable_prefix_caching:
+            self.offload = KVOffload.open(config.tiers, self.loaded.identity,
+                                          self.runner.kv_cache, self.cache.identity)
+        self._loading: dict[str, Request] = {}  # requests whose blocks a tier is reading
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, block_size=self.block_size,
@@ -147,8 +154,55 @@ class LLMEngine:
         if arrival_time is not None:
             request.timing.arrival_time = arrival_time
         self._groups[request_id] = request
-        self.scheduler.add(request)
+        if not self._start_load(request):
+            self.scheduler.add(request)
         return request
+
+    def _start_load(self, request: Request) -> bool:
+        """Send ``request`` to the tiers' loader if its prompt runs past the RAM cache's hit
+        (it then waits in ``WAITING_FOR_REMOTE_KVS``, outside the scheduler)."""
+        seq = request.seq
+        if self.offload is None or not (seq.use_cache and seq.read_cache):
+            return False
+        end = (request.num_prompt_tokens - 1) // self.block_size
+        start = len(self.cache.match(seq).block_ids)
+        if start >= end:
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._loading[request.request_id] = request
+        self.offload.submit_load(request, start, end)
+        return True
+
+    def _admit_loaded(self) -> None:
+        """Adopt the blocks the loader found into the pool and queue their requests (waiting
+        a moment for one when nothing else can run)."""
+        assert self.offload is not None
+        idle = not self.scheduler.has_unfinished() and not self._pending
+        for load in self.offload.finished_loads(timeout=0.05 if idle else 0.0):
+            request = self._loading.pop(load.request.request_id, None)
+            if request is not load.request:
+                continue  # aborted while loading
+            if load.data is not None:
+                adopted = self._adopt(load)
+                request.num_external_cached_tokens = adopted * self.block_size
+            self.scheduler.add(request)
+
+    def _adopt(self, load: Load) -> int:
+        kv, data = self.runner.kv_cache, load.data
+        assert data is not None
+
+        def fill(block_ids: list[int], first: int) -> None:
+            offset = first - load.start
+            kv.write_blocks(block_ids, data[offset : offset + len(block_ids)])
+
+        try:
+            adopted = self.cache.adopt(load.request.seq, load.start, load.num_blocks, fill)
+        except Exception as exc:  # noqa: BLE001 - a block that cannot be adopted is a miss
+            logger.error("adopting tier blocks failed: %s", describe_exception(exc))
+            return 0
+        assert self.offload is not None
+        self.offload.note_loaded(load, adopted)
+        return adopted
 
     def _new_request(
         self,
@@ -177,6 +231,8 @@ class LLMEngine:
         )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
+        if self.offload is not None:
+            request.num_external_cached_tokens = 0
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -186,6 +242,7 @@ class LLMEngine:
         if parent is None:
             return False
         now = time.monotonic()
+        self._loading.pop(request_id, None)
         for request in parent.choices:
             if not request.is_finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
@@ -197,7 +254,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._loading)
 
     def running_requests(self) -> list[Request]:
         """The choices running now (a copy; for inspection between steps)."""
@@ -231,6 +288,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one batch; returns what each touched choice gained."""
+        if self.offload is not None:
+            self._admit_loaded()
         outputs, self._pending = self._pending, []
         out = self.scheduler.schedule()
         self.last_scheduled = out
@@ -239,6 +298,8 @@ class LLMEngine:
             self._mark_scheduled(out)
             logits = self.runner.execute_step(out)
             targets = self.scheduler.update_from_step(out)
+            if self.offload is not None:
+                self.offload.write_behind(out)
             if logits.every_token:
                 record_prompt_logprobs(out, logits)
             outputs.extend(self._sample(logits.last, targets))
@@ -405,7 +466,17 @@ class LLMEngine:
             "ttft": {rid: h["ttft"] for rid, h in self.output_processor.history.items()},
             "requests": dict(self.output_processor.history),
             "cache": stats.as_dict(),
+            "tiers": self.offload.stats_dict() if self.offload is not None else None,
         }
+
+    def purge_domain(self, domain: str) -> dict[str, int]:
+        """Remove ``domain``'s blocks from every lower tier (records removed per tier)."""
+        return self.offload.store.purge_domain(domain) if self.offload is not None else {}
+
+    def close(self) -> None:
+        """Finish the tiers' queued writes and stop their threads (idempotent)."""
+        if self.offload is not None:
+            self.offload.close()
 
 
 def _load(model: Any, dtype: str) -> LoadedModel:

@@ -109,6 +109,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=request.cumulative_logprob if tracks else None,
             stop_reason=request.stop_reason,
+            num_external_cached_tokens=_external(request),
         )
 
     def record(self, request: Request) -> None:
@@ -122,3 +123,12 @@ class OutputProcessor:
         }
         while len(self.history) > MAX_HISTORY:
             self.history.popitem(last=False)
+
+
+def _external(request: Request) -> int | None:
+    """The tier-supplied part of the request's cached prompt tokens (None: no lower tier)."""
+    parent = request.parent if isinstance(request.parent, Request) else request
+    external = parent.num_external_cached_tokens
+    if external is None:
+        return None
+    return min(external, max(request.num_cached_tokens, 0))

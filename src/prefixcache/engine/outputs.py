@@ -50,6 +50,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | None = None  # a stop not by EOS, stop string or token: the grammar's
+    # of num_cached_tokens, those a lower tier (disk, Valkey) supplied; None: no lower tier
+    num_external_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -65,6 +65,9 @@ class Request(SchedRequest):
     _unique_prompt: torch.Tensor | None = field(default=None, kw_only=True, repr=False)
     matcher: Any = field(default=None, kw_only=True, repr=False)  # the output grammar's state
     stop_reason: str | None = field(default=None, kw_only=True)  # why it stopped, if not EOS/stop
+    # prompt tokens whose KV a lower tier (disk, Valkey) supplied, part of num_cached_tokens;
+    # None: the engine has no lower tier
+    num_external_cached_tokens: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         self.n = self.params.num_choices

@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # a lower tier is reading its blocks
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"

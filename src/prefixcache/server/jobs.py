@@ -47,6 +47,7 @@ class PromptState:
     text: str | None  # the prompt's text, for echo (decoded from ids where given as ids)
     choices: list[Choice]
     num_cached: int = 0
+    num_external_cached: int | None = None  # of num_cached, from a lower tier (None: no tier)
     prompt_logprobs: list[JSONObject | None] | None = None
     done: bool = False
 
@@ -102,6 +103,7 @@ class Job:
             prompt.prompt_logprobs = output.prompt_logprobs
         if output.index == 0:
             prompt.num_cached = output.num_cached_tokens
+            prompt.num_external_cached = output.num_external_cached_tokens
         if output.finished:
             choice.reason = finish_reason_of(output.finish_reason)
             choice.stop_reason = output.stop_reason
@@ -130,7 +132,14 @@ class Job:
 
     def usage(self) -> JSONObject:
         cached = sum(p.num_cached for p in self.prompts)
-        return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached)
+        return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached,
+                              self.num_external_cached)
+
+    @property
+    def num_external_cached(self) -> int | None:
+        """Cached prompt tokens a lower tier supplied (None: the engine has no lower tier)."""
+        parts = [p.num_external_cached for p in self.prompts]
+        return None if all(p is None for p in parts) else sum(p or 0 for p in parts)
 
     @property
     def first_reason(self) -> str | None:

@@ -269,12 +269,20 @@ class Usage(BaseModel):
     prompt_tokens_details: dict[str, int]
 
 
-def usage(num_prompt: int, num_completion: int, num_cached: int) -> JSONObject:
+def usage(
+    num_prompt: int, num_completion: int, num_cached: int, num_external: int | None = None
+) -> JSONObject:
+    """OpenAI's usage block; with lower KV tiers, ``prompt_tokens_details`` also splits the
+    cached tokens into ``local_cached_tokens`` (RAM) and ``external_cached_tokens`` (a tier)."""
+    details = {"cached_tokens": num_cached}
+    if num_external is not None:
+        details["local_cached_tokens"] = num_cached - num_external
+        details["external_cached_tokens"] = num_external
     return Usage(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,
         total_tokens=num_prompt + num_completion,
-        prompt_tokens_details={"cached_tokens": num_cached},
+        prompt_tokens_details=details,
     ).model_dump()
 
 
