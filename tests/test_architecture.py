@@ -19,7 +19,7 @@ ALLOWED = {
     "errors": set(),
     "catalog": set(),
     "cache": set(),
-    "tiers": set(),
+    "tiers": {"errors"},
     "sched": {"cache"},
     "native": {"paths"},
     "attention": {"native"},

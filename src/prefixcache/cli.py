@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("prefixcache.tools.check", "compare outputs with the cache on and off"),
     "stress": ("prefixcache.tools.stress", "stress the allocator on a tiny pool"),
     "audit": ("prefixcache.tools.audit", "timing audit of cache isolation against a server"),
+    "cache": ("prefixcache.tiers.cli", "the lower KV tiers: purge a tenant's blocks"),
 }
 
 

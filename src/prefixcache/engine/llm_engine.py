@@ -473,6 +473,10 @@ class LLMEngine:
         """Remove ``domain``'s blocks from every lower tier (records removed per tier)."""
         return self.offload.store.purge_domain(domain) if self.offload is not None else {}
 
+    def flush_tiers(self, timeout: float = 30.0) -> bool:
+        """Wait until the blocks queued for the lower tiers are written (False on timeout)."""
+        return self.offload.flush(timeout) if self.offload is not None else True
+
     def close(self) -> None:
         """Finish the tiers' queued writes and stop their threads (idempotent)."""
         if self.offload is not None:

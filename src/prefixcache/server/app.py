@@ -27,6 +27,7 @@ from prefixcache.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     JSONObject,
+    PurgeRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -61,6 +62,8 @@ def create_app(
     ``strict_api``: unknown request fields get 400 instead of being ignored.
     """
     metrics = ServerMetrics(model_name, engine.block_bytes, metrics_domain_labels)
+    if engine.offload is not None:
+        metrics.add_tiers(lambda: async_engine.tier_stats)
     max_pending = engine.limits.max_num_seqs + max_queue_len
     # with tenants, one domain may hold at most half of the queue
     per_domain = None if tenants.trusted else max(1, max_pending // 2)
@@ -77,6 +80,7 @@ def create_app(
             yield
         finally:
             async_engine.stop()
+            engine.flush_tiers()  # what the write-behind queued reaches the tiers
 
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     app.state.async_engine = async_engine
@@ -187,6 +191,34 @@ def _add_routes(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(tenant: Tenant = Depends(auth)) -> JSONResponse:
         return await _reset(async_engine, tenant)
+
+    @app.post("/cache/purge")
+    async def purge_cache(body: PurgeRequest, tenant: Tenant = Depends(auth)) -> JSONResponse:
+        return await _purge(async_engine, tenants, tenant, body)
+
+
+async def _purge(
+    async_engine: AsyncEngine, tenants: TenantRegistry, caller: Tenant, body: PurgeRequest
+) -> JSONResponse:
+    """Remove one tenant's blocks from the lower tiers (admin only)."""
+    if not caller.admin:
+        raise ApiError(403, "purging a tenant's cache needs an admin API key")
+    if tenants.trusted:
+        known = {tenants.default_tenant.tenant_id: tenants.default_tenant}
+    else:
+        known = {t.tenant_id: t for t in tenants.tenants()}
+    target = known.get(body.tenant)
+    if target is None:
+        raise ApiError(404, "no such tenant", param="tenant", code="tenant_not_found")
+    domain = target.scheduling_domain
+    try:
+        removed = await async_engine.purge_domain(domain)
+    except ConnectionError as exc:
+        raise ApiError(503, f"a KV tier could not be purged: {exc}",
+                       code="tier_unavailable") from None
+    logger.info("KV tiers purged of %s by an admin of %s: %s", domain, caller.isolation_domain,
+                removed)
+    return JSONResponse({"tenant": body.tenant, "domain": domain, "removed": removed})
 
 
 async def _reset(async_engine: AsyncEngine, tenant: Tenant) -> JSONResponse:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prefixcache.errors import describe_exception
 from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
@@ -142,6 +142,17 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block between steps; False while requests hold blocks."""
         return await self.call(self.engine.reset_prefix_cache)
+
+    async def purge_domain(self, domain: str) -> dict[str, int]:
+        """Remove ``domain``'s blocks from the lower tiers (off the engine thread: the tiers
+        are thread-safe and a purge walks the disk)."""
+        return await asyncio.to_thread(self.engine.purge_domain, domain)
+
+    @property
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The lower tiers' counters (None without tiers); safe from any thread."""
+        offload = self.engine.offload
+        return offload.stats_dict() if offload is not None else None
 
     # ---- event-loop API -------------------------------------------------------------------------
 

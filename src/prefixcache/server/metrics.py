@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import fields
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
 
 from prefixcache.engine.outputs import EngineSnapshot
 
@@ -116,5 +125,69 @@ class ServerMetrics:
         self.e2e.labels(domain=self.domain_label(domain)).observe(seconds)
         self.requests.labels(finished_reason=reason or "unknown").inc()
 
+    def add_tiers(self, read: Callable[[], dict[str, Any] | None]) -> None:
+        """Export the lower KV tiers' counters, read at each scrape through ``read``."""
+        self.registry.register(_TierCollector(read))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# tier counter -> (metric name, help); labelled by tier (disk, valkey)
+_TIER_COUNTERS = {
+    "hits": ("kv_tier_hits", "Blocks a lower KV tier returned intact."),
+    "misses": ("kv_tier_misses", "Block runs a lower KV tier ended before their last block."),
+    "bytes_read": ("kv_tier_read_bytes", "Bytes read from a lower KV tier."),
+    "bytes_written": ("kv_tier_written_bytes", "Bytes written to a lower KV tier."),
+    "blocks_written": ("kv_tier_written_blocks", "Blocks written to a lower KV tier."),
+    "write_errors": ("kv_tier_write_errors", "Writes a lower KV tier refused (full, read-only, "
+                     "unreachable)."),
+    "read_errors": ("kv_tier_read_errors", "Reads a lower KV tier failed."),
+    "dropped": ("kv_tier_dropped_blocks", "Blocks not written: the tier was backing off."),
+    "quarantined": ("kv_tier_quarantined", "Entries that failed their checks (never served)."),
+    "evicted": ("kv_tier_evicted_blocks", "Blocks a lower KV tier removed for capacity."),
+}
+
+
+class _TierCollector(Collector):
+    """The tiers' counters at scrape time (they live in `TierStats`, not in this registry)."""
+
+    def __init__(self, read: Callable[[], dict[str, Any] | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read()
+        if stats is None:
+            return
+        tiers: dict[str, dict[str, Any]] = stats["tiers"]
+        for key, (name, doc) in _TIER_COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["tier"])
+            for tier, values in tiers.items():
+                family.add_metric([tier], values[key])
+            yield family
+        latency = SummaryMetricFamily(PREFIX + "kv_tier_read_seconds",
+                                      "Time of a batched read from a lower KV tier.",
+                                      labels=["tier"])
+        up = GaugeMetricFamily(PREFIX + "kv_tier_up", "1 while a lower KV tier answers.",
+                               labels=["tier"])
+        for tier, values in tiers.items():
+            latency.add_metric([tier], values["reads"], values["read_seconds"])
+            up.add_metric([tier], 1.0 if values["up"] else 0.0)
+        yield latency
+        yield up
+        engine = stats["engine"]
+        loaded = CounterMetricFamily(PREFIX + "kv_tier_loaded_blocks",
+                                     "Blocks adopted into the KV pool from a lower tier.",
+                                     labels=["tier"])
+        for tier in tiers:
+            loaded.add_metric([tier], engine["blocks_loaded_by_tier"].get(tier, 0))
+        yield loaded
+        yield GaugeMetricFamily(PREFIX + "kv_offload_queue_blocks",
+                                "Blocks queued for the lower tiers' writer.",
+                                value=engine["pending_writes"])
+        yield CounterMetricFamily(PREFIX + "kv_offload_dropped_blocks",
+                                  "Blocks not queued for the tiers: the write queue was full.",
+                                  value=engine["blocks_dropped"])
+        yield GaugeMetricFamily(PREFIX + "kv_offload_loading_requests",
+                                "Requests waiting for their blocks from a lower tier.",
+                                value=engine["loading"])

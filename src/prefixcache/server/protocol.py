@@ -259,6 +259,13 @@ class DetokenizeRequest(Lenient):
     tokens: list[StrictInt]
 
 
+class PurgeRequest(Lenient):
+    """``POST /cache/purge``: the tenant (of the tenants file; ``default`` without one) whose
+    blocks leave the lower tiers."""
+
+    tenant: StrictStr
+
+
 # ---- responses ------------------------------------------------------------------------------
 
 

@@ -324,24 +324,31 @@ class DiskTier:
 
     def purge_domain(self, domain_tag: bytes) -> int:
         """Delete every record of one isolation domain, under every identity in ``root``."""
-        removed = 0
-        base = self.root / f"v{record.FORMAT_VERSION}"
-        for path in base.glob(f"*/*/*{SUFFIX}") if base.is_dir() else ():
-            try:
-                with open(path, "rb") as f:
-                    header = record.read_header(f.read(_HEADER_READ))
-            except (OSError, BadRecord):
-                continue
-            if header.domain_tag != domain_tag:
-                continue
-            try:
-                os.unlink(path)
-            except OSError:
-                continue
-            removed += 1
-            if path.parent.parent == self.dir:
-                self._forget(header.digest)
-        return removed
+        removed = purge_dir(self.root, domain_tag)
+        for digest in removed:
+            self._forget(digest)
+        return len(removed)
 
     def close(self) -> None:
         pass
+
+
+def purge_dir(root: str | Path, domain_tag: bytes) -> list[bytes]:
+    """Delete every record of one isolation domain under a ``--kv-disk`` directory, of any
+    identity; returns their digests."""
+    removed = []
+    base = Path(root) / f"v{record.FORMAT_VERSION}"
+    for path in base.glob(f"*/*/*{SUFFIX}") if base.is_dir() else ():
+        try:
+            with open(path, "rb") as f:
+                header = record.read_header(f.read(_HEADER_READ))
+        except (OSError, BadRecord):
+            continue
+        if header.domain_tag != domain_tag:
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(header.digest)
+    return removed

@@ -15,7 +15,7 @@ throughout; ``docs/tiers.md`` gives the layout byte by byte::
     domain_tag   16 bytes  `domain_tag(isolation domain)`: who may purge it
     token_check  32 bytes  SHA-256(b"prefixcache.kv.tokens.v1" || parent || token bytes)
     payload_len  u64
-    payload_crc  u32       zlib.crc32 of the payload
+    crc          u32       zlib.crc32 of every byte before it, then of the payload
     payload      payload_len bytes: per layer, K then V, each [block_size, kv_heads, head_dim]
                            in the KV dtype's little-endian bytes
 
@@ -51,7 +51,8 @@ __all__ = [
 MAGIC = b"PCKV"
 FORMAT_VERSION = 1
 _FIXED = struct.Struct(">4sHHI")  # magic, version, flags, identity_len
-_TAIL = struct.Struct(">QI")  # payload_len, payload_crc
+_LEN = struct.Struct(">Q")  # payload_len
+_CRC = struct.Struct(">I")  # crc32 of the header before it and of the payload
 DOMAIN_TAG_BYTES = 16
 TOKEN_CHECK_BYTES = 32
 _MAX_IDENTITY = 1 << 16
@@ -120,7 +121,7 @@ class RecordHeader:
     domain_tag: bytes
     token_check: bytes
     payload_len: int
-    payload_crc: int
+    crc: int
     header_len: int  # where the payload starts
 
 
@@ -141,9 +142,9 @@ def encode(identity_json: bytes, key: BlockKey, payload: bytes | memoryview) -> 
     head = b"".join((
         _FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(identity_json)), identity_json,
         bytes((len(key.digest),)), key.digest, key.parent, key.domain_tag, key.token_check,
-        _TAIL.pack(len(payload), zlib.crc32(payload)),
+        _LEN.pack(len(payload)),
     ))  # fmt: skip
-    return head + bytes(payload)
+    return b"".join((head, _CRC.pack(zlib.crc32(payload, zlib.crc32(head))), payload))
 
 
 def read_header(data: bytes | memoryview) -> RecordHeader:
@@ -166,7 +167,7 @@ def read_header(data: bytes | memoryview) -> RecordHeader:
         raise BadRecord("truncated header")
     digest_len = view[pos]
     pos += 1
-    fixed_rest = 2 * digest_len + DOMAIN_TAG_BYTES + TOKEN_CHECK_BYTES + _TAIL.size
+    fixed_rest = 2 * digest_len + DOMAIN_TAG_BYTES + TOKEN_CHECK_BYTES + _LEN.size + _CRC.size
     if len(identity) != identity_len or len(view) < pos + fixed_rest:
         raise BadRecord("truncated header")
     digest = bytes(view[pos : pos + digest_len])
@@ -176,15 +177,22 @@ def read_header(data: bytes | memoryview) -> RecordHeader:
     pos += DOMAIN_TAG_BYTES
     check = bytes(view[pos : pos + TOKEN_CHECK_BYTES])
     pos += TOKEN_CHECK_BYTES
-    payload_len, payload_crc = _TAIL.unpack_from(view, pos)
-    pos += _TAIL.size
-    return RecordHeader(identity, digest, parent, tag, check, payload_len, payload_crc, pos)
+    (payload_len,) = _LEN.unpack_from(view, pos)
+    (crc,) = _CRC.unpack_from(view, pos + _LEN.size)
+    pos += _LEN.size + _CRC.size
+    return RecordHeader(identity, digest, parent, tag, check, payload_len, crc, pos)
 
 
 def decode(data: bytes | memoryview, identity_json: bytes, key: BlockKey) -> memoryview:
     """The payload of ``data`` if it is the record of ``key``'s block under ``identity_json``,
     whole and intact; else `BadRecord` says what failed."""
     header = read_header(data)
+    view = memoryview(data)
+    payload = view[header.header_len :]
+    if len(payload) != header.payload_len:
+        raise BadRecord(f"payload of {len(payload)} bytes, the header says {header.payload_len}")
+    if zlib.crc32(payload, zlib.crc32(view[: header.header_len - _CRC.size])) != header.crc:
+        raise BadRecord("checksum mismatch")
     if header.identity != identity_json:
         raise BadRecord("record of another model identity, KV dtype or layout")
     if header.digest != key.digest:
@@ -193,9 +201,4 @@ def decode(data: bytes | memoryview, identity_json: bytes, key: BlockKey) -> mem
         raise BadRecord("record with another parent block")
     if header.token_check != key.token_check:
         raise BadRecord("record of other tokens")
-    payload = memoryview(data)[header.header_len :]
-    if len(payload) != header.payload_len:
-        raise BadRecord(f"payload of {len(payload)} bytes, the header says {header.payload_len}")
-    if zlib.crc32(payload) != header.payload_crc:
-        raise BadRecord("payload checksum mismatch")
     return payload

@@ -26,7 +26,7 @@ from prefixcache.tiers import record
 from prefixcache.tiers.base import TierStats
 from prefixcache.tiers.record import BadRecord, BlockKey, TierIdentity
 
-__all__ = ["ValkeyTier", "redact_url"]
+__all__ = ["ValkeyTier", "connect", "purge_client", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,6 @@ class ValkeyTier:
         ttl_s: int | None = None,
         timeout_s: float = 2.0,
     ) -> None:
-        try:
-            import valkey
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError("--kv-valkey needs the 'valkey' client: "
-                              "pip install 'prefixcache[tiers]'") from exc
         if ttl_s is not None and ttl_s < 1:
             raise ValueError(f"the Valkey tier's TTL must be >= 1 s, got {ttl_s}")
         self.url = url
@@ -74,14 +69,12 @@ class ValkeyTier:
         self.ttl_s = ttl_s
         self.prefix = f"{KEY_PREFIX}:{identity.tag}:"
         self.stats = TierStats()
+        self._client: Any = connect(url, timeout_s)
+        import valkey
+
         self._errors: tuple[type[BaseException], ...] = (
             valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError,
         )  # fmt: skip
-        self._client: Any = valkey.Valkey.from_url(
-            url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1),
-            socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-            health_check_interval=30,
-        )
         self._lock = threading.Lock()
         self._retry_at = 0.0
         self._backoff = _BACKOFF_MIN_S
@@ -229,25 +222,43 @@ class ValkeyTier:
 
     def purge_domain(self, domain_tag: bytes) -> int:
         """Delete one domain's records of every identity (its sets name them)."""
-        removed = 0
-        pattern = f"{KEY_PREFIX}:*:domain:{domain_tag.hex()}"
         try:
-            for set_key in list(self._client.scan_iter(match=pattern, count=1000)):
-                set_name = set_key.decode() if isinstance(set_key, bytes) else str(set_key)
-                prefix = set_name[: set_name.index(":domain:") + 1]
-                members = [m.decode() if isinstance(m, bytes) else str(m)
-                           for m in self._client.smembers(set_key)]
-                for i in range(0, len(members), _PURGE_BATCH):
-                    batch = [prefix + m for m in members[i : i + _PURGE_BATCH]]
-                    removed += int(self._client.delete(*batch))
-                self._client.delete(set_key)
+            return purge_client(self._client, domain_tag)
         except self._errors as exc:
             self._down(exc)
             raise ConnectionError(f"Valkey at {redact_url(self.url)} is unreachable") from exc
-        return removed
 
     def close(self) -> None:
         try:
             self._client.close()
         except Exception:  # noqa: BLE001 - closing a broken connection
             pass
+
+
+def purge_client(client: Any, domain_tag: bytes) -> int:
+    """Delete one isolation domain's records of every identity through ``client`` (a
+    ``valkey.Valkey``); returns how many. The domain's sets name its records."""
+    removed = 0
+    pattern = f"{KEY_PREFIX}:*:domain:{domain_tag.hex()}"
+    for set_key in list(client.scan_iter(match=pattern, count=1000)):
+        set_name = set_key.decode() if isinstance(set_key, bytes) else str(set_key)
+        prefix = set_name[: set_name.index(":domain:") + 1]
+        members = [m.decode() if isinstance(m, bytes) else str(m)
+                   for m in client.smembers(set_key)]
+        for i in range(0, len(members), _PURGE_BATCH):
+            removed += int(client.delete(*(prefix + m for m in members[i : i + _PURGE_BATCH])))
+        client.delete(set_key)
+    return removed
+
+
+def connect(url: str, timeout_s: float = 2.0) -> Any:
+    """A ``valkey.Valkey`` client for ``url`` (``redis://``, ``valkey://``, ``rediss://``)."""
+    try:
+        import valkey
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("--kv-valkey needs the 'valkey' client: "
+                          "pip install 'prefixcache[tiers]'") from exc
+    return valkey.Valkey.from_url(
+        url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1),
+        socket_connect_timeout=timeout_s, socket_timeout=timeout_s, health_check_interval=30,
+    )
