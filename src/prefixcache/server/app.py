@@ -62,8 +62,9 @@ def create_app(
     ``strict_api``: unknown request fields get 400 instead of being ignored.
     """
     metrics = ServerMetrics(model_name, engine.block_bytes, metrics_domain_labels)
-    if engine.offload is not None:
-        metrics.add_tiers(lambda: async_engine.tier_stats)
+    offload = engine.offload
+    if offload is not None:
+        metrics.add_tiers(offload.stats_dict)
     max_pending = engine.limits.max_num_seqs + max_queue_len
     # with tenants, one domain may hold at most half of the queue
     per_domain = None if tenants.trusted else max(1, max_pending // 2)
@@ -214,7 +215,7 @@ async def _purge(
     try:
         removed = await async_engine.purge_domain(domain)
     except ConnectionError as exc:
-        raise ApiError(503, f"a KV tier could not be purged: {exc}",
+        raise ApiError(503, f"not every KV tier was purged: {exc}",
                        code="tier_unavailable") from None
     logger.info("KV tiers purged of %s by an admin of %s: %s", domain, caller.isolation_domain,
                 removed)

@@ -110,9 +110,22 @@ class TieredStore:
                 tier.put(todo)
 
     def purge_domain(self, domain: str) -> dict[str, int]:
-        """Remove one isolation domain's blocks from every tier: records removed per tier."""
+        """Remove one isolation domain's blocks from every tier: records removed per tier.
+        Every tier is tried; if one cannot be reached, `ConnectionError` says which, after the
+        others are purged."""
         tag = domain_tag(domain)
-        return {tier.name: tier.purge_domain(tag) for tier in self.tiers}
+        removed: dict[str, int] = {}
+        failed = []
+        for tier in self.tiers:
+            try:
+                removed[tier.name] = tier.purge_domain(tag)
+            except ConnectionError:
+                failed.append(tier.name)
+        if failed:
+            done = ", ".join(f"{name}: {n} records" for name, n in removed.items()) or "none"
+            raise ConnectionError(f"the {' and '.join(failed)} tier could not be reached "
+                                  f"(purged {done}); retry")
+        return removed
 
     def stats(self) -> dict[str, TierStats]:
         return {tier.name: tier.stats for tier in self.tiers}
