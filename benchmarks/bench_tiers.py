@@ -69,9 +69,8 @@ def one_token(engine: Any, rid: str, prompt: list[int]) -> tuple[float, int, int
 
 
 def bench_ttft(repeats: int) -> dict[str, Any]:
-    from tier_helpers import ValkeyProcess
-
     from prefixcache.engine import LLMEngine
+    from tier_helpers import ValkeyProcess
 
     valkey = ValkeyProcess().start()
     disk_dir = tempfile.mkdtemp(prefix="bench-tiers-")
