@@ -159,3 +159,20 @@ def test_purge_needs_an_admin_and_a_known_tenant(
     assert done.status_code == 200
     assert done.json() == {"tenant": "acme", "domain": "tenant:acme",
                            "removed": {"disk": 0, "valkey": 0}}
+
+
+def test_two_servers_on_one_valkey_share_a_prefix(tmp_path: Path) -> None:
+    valkey = ValkeyProcess().start()
+    one = two = None
+    try:
+        argv = ["--model", "tiny", "--block-size", "16", "--kv-valkey", valkey.url]
+        one, two = start_server(argv), start_server(argv)  # two replicas, one shared tier
+        assert complete(one.base_url)["cached_tokens"] == 0
+        assert one.engine.flush_tiers(30)
+        hit = complete(two.base_url)
+        assert hit["cached_tokens"] == hit["external_cached_tokens"] == 160
+    finally:
+        for server in (one, two):
+            if server is not None:
+                server.stop()
+        valkey.stop()
