@@ -127,10 +127,18 @@ def bench_ttft(repeats: int) -> dict[str, Any]:
 # -- (b) Mooncake with a disk tier ---------------------------------------------------------------
 
 
+def block_key(seq: Any, digests: list[bytes], root: bytes, j: int, tag: bytes) -> Any:
+    """The tier key of ``seq``'s block ``j`` (as the engine's `KVOffload.keys` makes it)."""
+    from prefixcache.tiers import BlockKey, token_check
+
+    parent = digests[j - 1] if j else root
+    return BlockKey(digests[j], parent, token_check(parent, seq.block_token_bytes[j]), tag)
+
+
 def bench_mooncake(limit: int) -> dict[str, Any]:
     from prefixcache.cache import Sequence
     from prefixcache.cache.hash_cache import HashPrefixCache
-    from prefixcache.tiers import BlockKey, DiskTier, TierIdentity, domain_tag, token_check
+    from prefixcache.tiers import DiskTier, TierIdentity, domain_tag
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_cache import mooncake_tokens
@@ -157,14 +165,11 @@ def bench_mooncake(limit: int) -> dict[str, Any]:
             seq = Sequence(str(i), mooncake_tokens(req["hash_ids"], req["input_length"], i),
                            copy=False)
             digests = cache.identity.block_digests(seq)
-            top = (seq.num_tokens - 1) // bs
+            root = cache.identity.root(seq)
             if disk is not None:
                 have = len(cache.match(seq).block_ids)
-                keys = [BlockKey(digests[j], digests[j - 1] if j else cache.identity.root(seq),
-                                 token_check(digests[j - 1] if j else cache.identity.root(seq),
-                                             seq.block_token_bytes[j]), tag)
-                        for j in range(have, top)]
-                run = disk.get_run(keys)
+                run = disk.get_run([block_key(seq, digests, root, j, tag)
+                                    for j in range(have, (seq.num_tokens - 1) // bs)])
                 if run:
                     loaded += cache.adopt(seq, have, len(run), lambda ids, first: None)
             hit = cache.match(seq)
@@ -172,12 +177,8 @@ def bench_mooncake(limit: int) -> dict[str, Any]:
                 raise RuntimeError(f"request {i} does not fit in {capacity} blocks")
             cache.commit(seq, seq.num_tokens)
             if disk is not None:
-                first = hit.num_tokens // bs
-                new = [(BlockKey(digests[j], digests[j - 1] if j else cache.identity.root(seq),
-                                 token_check(digests[j - 1] if j else cache.identity.root(seq),
-                                             seq.block_token_bytes[j]), tag), payload)
-                       for j in range(first, seq.num_tokens // bs)]
-                disk.put(new)
+                disk.put([(block_key(seq, digests, root, j, tag), payload)
+                          for j in range(hit.num_tokens // bs, seq.num_tokens // bs)])
             cache.free(seq)
             hit_tokens += hit.num_tokens
             input_tokens += seq.num_tokens

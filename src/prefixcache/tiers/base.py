@@ -38,6 +38,15 @@ class TierStats:
     up: bool = True  # the storage answers (Valkey reachable; the disk writable)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    def note_read(self, num_asked: int, num_found: int, num_bytes: int, seconds: float) -> None:
+        """One batched read: ``num_found`` of ``num_asked`` blocks, from the first."""
+        with self.lock:
+            self.reads += 1
+            self.read_seconds += seconds
+            self.hits += num_found
+            self.misses += num_found < num_asked
+            self.bytes_read += num_bytes
+
     def as_dict(self) -> dict[str, float | int | bool]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
 

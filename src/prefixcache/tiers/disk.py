@@ -197,13 +197,7 @@ class DiskTier:
                 os.utime(path)  # the LRU order across restarts
             except OSError:
                 pass
-        with self.stats.lock:
-            stats = self.stats
-            stats.reads += 1
-            stats.read_seconds += time.perf_counter() - start
-            stats.hits += len(out)
-            stats.misses += len(out) < len(keys)
-            stats.bytes_read += num_read
+        self.stats.note_read(len(keys), len(out), num_read, time.perf_counter() - start)
         return out
 
     def _forget(self, digest: bytes) -> None:

@@ -167,13 +167,7 @@ class ValkeyTier:
                     self.stats.quarantined += 1
                 self.discard([key.digest])
                 break
-        with self.stats.lock:
-            stats = self.stats
-            stats.reads += 1
-            stats.read_seconds += time.perf_counter() - start
-            stats.hits += len(out)
-            stats.misses += len(out) < len(keys)
-            stats.bytes_read += num_read
+        self.stats.note_read(len(keys), len(out), num_read, time.perf_counter() - start)
         return out
 
     def discard(self, digests: list[bytes]) -> None:
