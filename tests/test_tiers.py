@@ -520,3 +520,65 @@ def test_valkey_down_at_start_then_lost_and_back_mid_run(
     assert len(warnings) == 2  # once at start, once when lost: not once per request
     assert all(server.url.split("//")[1] not in r.getMessage() or "***" not in r.getMessage()
                for r in warnings)
+
+
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_dropping_a_domain_evicts_only_its_free_ram_blocks_and_zeroes_them(kind: str) -> None:
+    engine = LLMEngine("tiny", block_size=BS, prefix_cache=kind, check_integrity=True)
+    generate(engine, PROMPT, "a", salt="s-acme", domain="tenant:acme")
+    generate(engine, PROMPT, "b", salt="s-globex", domain="tenant:globex")
+    acme = _cached_ids(engine, "s-acme", "tenant:acme")
+    assert engine.drop_domain("tenant:acme") == 10
+    assert all(not engine.kv_cache.k_caches[0][b].any() for b in acme[:10])
+    assert generate(engine, PROMPT, "c", salt="s-acme", domain="tenant:acme")["cached"] == 0
+    assert generate(engine, PROMPT, "d", salt="s-globex",
+                    domain="tenant:globex")["cached"] == 10 * BS
+    assert engine.stats()["cache"]["num_evictions"] >= 10
+
+
+def _cached_ids(engine: LLMEngine, salt: str, domain: str) -> list[int]:
+    """The ids of the blocks PROMPT's cached prefix occupies in one namespace."""
+    from prefixcache.cache import Sequence
+
+    return engine.cache.match(Sequence("probe", PROMPT, salt, domain=domain)).block_ids
+
+
+def test_explain_names_the_tier_each_block_would_come_from(tmp_path: Path) -> None:
+    engine = engine_on(tmp_path)
+    generate(engine, PROMPT, "a")
+    written(engine)
+    a = json.dumps(PROMPT[: 4 * BS + 3])  # A shares B's first 4 blocks: those stay in RAM
+    out = subprocess.run([sys.executable, "-m", "prefixcache", "explain", a, json.dumps(PROMPT),
+                          "--kv-disk", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "disk tier: holds 10 of B's 10 reusable blocks" in out.stdout
+    assert "blocks 0-3: from A's RAM cache" in out.stdout
+    assert "blocks 4-9: loaded from the disk tier" in out.stdout
+    other = subprocess.run([sys.executable, "-m", "prefixcache", "explain", "--json", a,
+                            json.dumps(PROMPT), "--kv-disk", str(tmp_path), "--dtype",
+                            "bfloat16"], capture_output=True, text=True, timeout=120)
+    assert json.loads(other.stdout)["tiers"] == {"disk": [False] * 10}  # another identity
+
+
+def test_blocks_in_valkey_are_announced_and_count_for_every_replica(valkey: str) -> None:
+    from prefixcache.cache import BlockStored
+    from prefixcache.server.kv_events import decode_batch, encode_batch
+    from prefixcache.sim.router import CacheAware
+
+    engine = engine_on(valkey=valkey, kv_events=True)
+    generate(engine, PROMPT, "a")
+    written(engine)
+    events = engine.take_kv_events()
+    shared = [e for e in events if isinstance(e, BlockStored) and e.medium == "VALKEY"]
+    chain = engine.cache_identity.block_digests(_seq(engine))[:10]
+    assert [d for e in shared for d in e.block_hashes] == chain
+    assert shared[0].parent_block_hash == engine.cache_identity.root(_seq(engine))
+    assert any(isinstance(e, BlockStored) and e.medium is None for e in events)  # the RAM's
+    _, wire = decode_batch(encode_batch(events, 0.0, with_tokens=False))
+    assert [e.medium for e in wire if isinstance(e, BlockStored)] == [
+        e.medium for e in events if isinstance(e, BlockStored)]
+    router = CacheAware(3)
+    router.observe(0, shared)  # replica 0 wrote them to Valkey: any replica can load them
+    assert [router._matched(i, chain) for i in range(3)] == [10, 10, 10]
+    assert router.choose(chain, [4, 1, 2]) == 1  # so the least loaded one gets the request

@@ -158,7 +158,9 @@ def test_purge_needs_an_admin_and_a_known_tenant(
     done = post("sk-ops-admin-example-key", "acme")
     assert done.status_code == 200
     assert done.json() == {"tenant": "acme", "domain": "tenant:acme",
-                           "removed": {"disk": 0, "valkey": 0}}
+                           "removed": {"ram": 0, "disk": 0, "valkey": 0}}
+    assert complete(server.base_url, "sk-acme-example-key-1")["cached_tokens"] == 0
+    assert complete(server.base_url, "sk-globex-example-key")["cached_tokens"] == 160
 
 
 def test_two_servers_on_one_valkey_share_a_prefix(tmp_path: Path) -> None:

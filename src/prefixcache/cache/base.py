@@ -457,6 +457,22 @@ class PrefixCache:
         self._add_held(child.domain, len(child_table.blocks))
         return child
 
+    def drop_domain(self, domain: str) -> list[int]:
+        """Evict every free cached block of isolation domain ``domain`` (a tenant's purge);
+        blocks live sequences hold stay until they are freed. Returns the evicted blocks' ids
+        (their KV is still in the tensors: the caller may zero it). Counted and announced as
+        evictions."""
+        free_cached = self.pool.free_cached_by_domain()
+        num = free_cached.get(domain, 0)
+        if not num:
+            return []
+        others = frozenset(d for d in free_cached if d != domain)
+        # take hands out uncached free blocks first: take them too, and give them all back
+        num_uncached = self.pool.num_free - sum(free_cached.values())
+        taken = self._take(num_uncached + num, None, others)
+        self.pool.release(reversed(taken.blocks))
+        return taken.evicted_ids
+
     def reset(self) -> bool:
         """Drop every cached block. Refuses (False, nothing changed) while any block is in use."""
         if not self.pool.reset():

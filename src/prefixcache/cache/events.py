@@ -10,17 +10,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SHARED_MEDIA = frozenset({"VALKEY"})  # media every replica reads: a block there is everyone's
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """Blocks that became hittable, in chain order: ``block_hashes[0]``'s parent is
-    ``parent_block_hash`` (the namespace root for a first block)."""
+    ``parent_block_hash`` (the namespace root for a first block). ``medium`` (vLLM's field):
+    None for the replica's own KV pool, ``"VALKEY"`` for a lower tier that every replica
+    using the same server reads (`SHARED_MEDIA`)."""
 
     block_hashes: list[bytes]
     parent_block_hash: bytes
     token_ids: list[int]
     block_size: int
     block_ids: list[int] = field(default_factory=list)
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,7 @@ class LLMEngine:
         if config.tiers.enabled and self.cache.enable_prefix_caching:
             self.offload = KVOffload.open(config.tiers, self.loaded.identity,
                                           self.runner.kv_cache, self.cache.identity)
+            self.offload.emit_events = self.cache.enable_kv_events
         self._loading: dict[str, Request] = {}  # requests whose blocks a tier is reading
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=self.model_config.vocab_size,
@@ -440,8 +441,12 @@ class LLMEngine:
         return self.cache.identity.block_digests(request.seq)[:num_blocks]
 
     def take_kv_events(self) -> list[Any]:
-        """Drain the KV events buffered since the last call (empty unless ``kv_events``)."""
-        return self.cache.take_events()
+        """Drain the KV events buffered since the last call (empty unless ``kv_events``): the
+        cache's, then the shared tier's (`BlockStored` with ``medium="VALKEY"``)."""
+        events = self.cache.take_events()
+        if self.offload is not None and self.offload.emit_events:
+            events += self.offload.take_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while requests hold blocks."""
@@ -470,8 +475,18 @@ class LLMEngine:
         }
 
     def purge_domain(self, domain: str) -> dict[str, int]:
-        """Remove ``domain``'s blocks from every lower tier (records removed per tier)."""
+        """Remove ``domain``'s blocks from every lower tier (records removed per tier); thread
+        safe, it does not touch the RAM cache (`drop_domain`)."""
         return self.offload.store.purge_domain(domain) if self.offload is not None else {}
+
+    def drop_domain(self, domain: str) -> int:
+        """Evict ``domain``'s free cached blocks from the RAM cache and zero their KV (between
+        steps, on the engine's thread); returns how many."""
+        block_ids = self.cache.drop_domain(domain)
+        self.runner.kv_cache.zero_blocks(block_ids)
+        if self.check_integrity:
+            self.cache.check_integrity()
+        return len(block_ids)
 
     def flush_tiers(self, timeout: float = 30.0) -> bool:
         """Wait until the blocks queued for the lower tiers are written (False on timeout)."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixcache.attention.kv_cache import PagedKVCache
-from prefixcache.cache import CacheIdentity, Sequence
+from prefixcache.cache import BlockStored, CacheIdentity, Sequence
 from prefixcache.errors import describe_exception
 from prefixcache.tiers import BlockKey, TierConfig, TieredStore, TierIdentity, domain_tag
 from prefixcache.tiers import token_check as make_token_check
@@ -100,6 +100,11 @@ class KVOffload:
         self._done: queue.Queue[Load] = queue.Queue()
         self._num_loading = 0
         self._closed = False
+        # `BlockStored` events of blocks written to a shared tier (for a cache-aware router),
+        # filled by the writer thread when ``emit_events`` and drained by `take_events`
+        self.emit_events = False
+        self._events: list[BlockStored] = []
+        self._events_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
                                         daemon=True)
         self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader",
@@ -227,12 +232,38 @@ class KVOffload:
             keys, data = item
             try:
                 raw = data.contiguous().view(torch.uint8).view(len(keys), -1).numpy()
-                self.store.store([(key, memoryview(raw[i])) for i, key in enumerate(keys)])
+                shared = self.store.store([(key, memoryview(raw[i])) for i, key in enumerate(keys)])
+                if shared and self.emit_events:
+                    self._note_shared(keys, shared)
             except Exception as exc:  # noqa: BLE001 - a failed write is dropped, never a crash
                 logger.error("KV tier write failed: %s", describe_exception(exc))
             finally:
                 with self._pending_lock:
                     self._pending -= len(keys)
+
+    def _note_shared(self, keys: list[BlockKey], digests: set[bytes]) -> None:
+        """Events for the runs of ``keys`` a shared tier now holds (chain order kept)."""
+        bs = self.kv_cache.block_size
+        run: list[BlockKey] = []
+        events = []
+        for key in [*keys, None]:
+            if key is not None and key.digest in digests and (
+                not run or key.parent == run[-1].digest
+            ):
+                run.append(key)
+                continue
+            if run:
+                events.append(BlockStored([k.digest for k in run], run[0].parent, [], bs,
+                                          medium="VALKEY"))
+            run = [key] if key is not None and key.digest in digests else []
+        with self._events_lock:
+            self._events += events
+
+    def take_events(self) -> list[BlockStored]:
+        """The shared tier's `BlockStored` events since the last call."""
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued block is written (tests, shutdown); False on timeout."""

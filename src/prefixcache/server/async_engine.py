@@ -144,9 +144,12 @@ class AsyncEngine:
         return await self.call(self.engine.reset_prefix_cache)
 
     async def purge_domain(self, domain: str) -> dict[str, int]:
-        """Remove ``domain``'s blocks from the lower tiers (off the engine thread: the tiers
-        are thread-safe and a purge walks the disk)."""
-        return await asyncio.to_thread(self.engine.purge_domain, domain)
+        """Remove ``domain``'s free cached blocks from RAM (between steps), then its blocks
+        from the lower tiers (off the engine thread: the tiers are thread-safe and a purge walks
+        the disk). Blocks removed per tier, ``ram`` first."""
+        removed = {"ram": await self.call(lambda: self.engine.drop_domain(domain))}
+        removed.update(await asyncio.to_thread(self.engine.purge_domain, domain))
+        return removed
 
     @property
     def tier_stats(self) -> dict[str, Any] | None:

@@ -15,7 +15,9 @@ Block hashes are our block digests (32 bytes, `docs/block-key.md`), which vLLM's
 ``ExternalBlockHash`` (``bytes | int``) carries as bytes: chained and namespace-rooted, so equal
 digests mean equal KV within one model and cache salt and never across tenants. A chain's first
 block has the namespace root as its ``parent_block_hash`` (vLLM sends None there). ``medium`` is
-``"CPU"``. Token ids are tenant data: with a tenants file they are left out unless asked for.
+``"CPU"`` for the replica's KV pool and ``"VALKEY"`` for blocks written to a shared Valkey tier
+(which every replica on that server can load). Token ids are tenant data: with a tenants file
+they are left out unless asked for.
 
 The sockets live on one publisher thread; the engine thread only hands it encoded batches
 through a bounded queue (a batch that does not fit is dropped and counted, never blocking a step).
@@ -82,7 +84,7 @@ def _wire(
     if isinstance(event, BlockStored):
         return _BlockStored(list(event.block_hashes), event.parent_block_hash,
                             list(event.token_ids) if with_tokens else [], event.block_size,
-                            None, _MEDIUM, None)
+                            None, event.medium or _MEDIUM, None)
     if isinstance(event, BlockRemoved):
         return _BlockRemoved(list(event.block_hashes), _MEDIUM)
     if isinstance(event, AllBlocksCleared):
@@ -104,8 +106,9 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVCacheEvent]]:
     events: list[KVCacheEvent] = []
     for event in batch.events:
         if isinstance(event, _BlockStored):
+            medium = event.medium if event.medium != _MEDIUM else None
             events.append(BlockStored(list(event.block_hashes), event.parent_block_hash or b"",
-                                      list(event.token_ids), event.block_size))
+                                      list(event.token_ids), event.block_size, medium=medium))
         elif isinstance(event, _BlockRemoved):
             events.append(BlockRemoved(list(event.block_hashes)))
         else:

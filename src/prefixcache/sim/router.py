@@ -10,9 +10,16 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 
-from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefixcache.cache.events import (
+    SHARED_MEDIA,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 
 
 class Router:
@@ -122,6 +129,9 @@ class CacheAware(Router):
     requests that share a prefix and arrive before the first one's blocks are committed follow it
     (as SGLang's router inserts at routing time). At most ``max_expected`` digests are expected per
     replica, the oldest forgotten first (a request that never committed cannot pin a prefix).
+    Blocks a replica stored in a shared tier (an event's ``medium`` in `SHARED_MEDIA`: Valkey)
+    count as held by every replica: any of them loads them instead of computing (at most
+    ``max_shared`` remembered, the oldest forgotten first: the tier evicts silently).
     """
 
     name = "cache-aware"
@@ -133,8 +143,11 @@ class CacheAware(Router):
         abs_threshold: int = 16,
         rel_threshold: float = 1.5,
         max_expected: int = 4096,
+        max_shared: int = 1 << 20,
     ) -> None:
         super().__init__(num_replicas, seed)
+        self.max_shared = max_shared
+        self.shared: OrderedDict[bytes, None] = OrderedDict()
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
         self.max_expected = max_expected
@@ -148,6 +161,14 @@ class CacheAware(Router):
     def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
         mirror, expected = self.mirrors[replica], self.expected[replica]
         for event in events:
+            if isinstance(event, BlockStored) and event.medium in SHARED_MEDIA:
+                shared = self.shared
+                for digest in event.block_hashes:
+                    shared[digest] = None
+                    shared.move_to_end(digest)
+                while len(shared) > self.max_shared:
+                    shared.popitem(last=False)
+                continue
             if isinstance(event, (BlockStored, BlockRemoved)):
                 for digest in event.block_hashes:
                     expected.pop(digest, None)
@@ -188,10 +209,10 @@ class CacheAware(Router):
         )
 
     def _matched(self, replica: int, digests: list[bytes]) -> int:
-        mirror, expected = self.mirrors[replica], self.expected[replica]
+        mirror, expected, shared = self.mirrors[replica], self.expected[replica], self.shared
         n = 0
         for digest in digests:
-            if digest not in mirror and digest not in expected:
+            if digest not in mirror and digest not in expected and digest not in shared:
                 break
             n += 1
         return n

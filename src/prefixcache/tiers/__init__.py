@@ -98,16 +98,21 @@ class TieredStore:
             sources += [tier.name] * len(got)
         return payloads, sources
 
-    def store(self, items: Sequence[tuple[BlockKey, bytes | memoryview]]) -> None:
-        """Write ``items`` to every tier that does not hold them yet."""
+    def store(self, items: Sequence[tuple[BlockKey, bytes | memoryview]]) -> set[bytes]:
+        """Write ``items`` to every tier that does not hold them yet. Returns the digests a
+        shared tier (Valkey: every engine on the server reads it) now holds."""
+        shared: set[bytes] = set()
         if not items:
-            return
+            return shared
         digests = [key.digest for key, _ in items]
         for tier in self.tiers:
             held = tier.contains(digests)
             todo = [item for item, h in zip(items, held, strict=True) if not h]
             if todo:
                 tier.put(todo)
+            if tier.shared and tier.stats.up:
+                shared.update(digests)
+        return shared
 
     def purge_domain(self, domain: str) -> dict[str, int]:
         """Remove one isolation domain's blocks from every tier: records removed per tier.

@@ -56,6 +56,7 @@ class KVTier(Protocol):
     (metric labels, logs)."""
 
     name: str
+    shared: bool  # every engine using the same storage reads it (Valkey; a disk is local)
     stats: TierStats
 
     def contains(self, digests: list[bytes]) -> list[bool]:

@@ -46,6 +46,7 @@ class DiskTier:
     """Block records under ``root`` for one ``identity``, at most ``capacity_bytes`` of them."""
 
     name = "disk"
+    shared = False
 
     def __init__(self, root: str | Path, identity: TierIdentity, capacity_bytes: int) -> None:
         if capacity_bytes < 1:
@@ -325,6 +326,13 @@ class DiskTier:
 
     def close(self) -> None:
         pass
+
+
+def held(root: str | Path, identity: TierIdentity, digests: list[bytes]) -> list[bool]:
+    """Which of ``digests`` have a record file under a ``--kv-disk`` directory, for
+    ``identity`` (by name only: nothing is read, created or indexed)."""
+    base = Path(root) / f"v{record.FORMAT_VERSION}" / identity.tag
+    return [(base / d.hex()[:2] / f"{d.hex()}{SUFFIX}").is_file() for d in digests]
 
 
 def purge_dir(root: str | Path, domain_tag: bytes) -> list[bytes]:

@@ -26,7 +26,7 @@ from prefixcache.tiers import record
 from prefixcache.tiers.base import TierStats
 from prefixcache.tiers.record import BadRecord, BlockKey, TierIdentity
 
-__all__ = ["ValkeyTier", "connect", "purge_client", "redact_url"]
+__all__ = ["ValkeyTier", "connect", "held", "purge_client", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class ValkeyTier:
     ``valkey://``, ``rediss://`` for TLS), optionally expiring after ``ttl_s`` seconds."""
 
     name = "valkey"
+    shared = True
 
     def __init__(
         self,
@@ -243,6 +244,15 @@ def purge_client(client: Any, domain_tag: bytes) -> int:
             removed += int(client.delete(*(prefix + m for m in members[i : i + _PURGE_BATCH])))
         client.delete(set_key)
     return removed
+
+
+def held(client: Any, identity: TierIdentity, digests: list[bytes]) -> list[bool]:
+    """Which of ``digests`` the server at ``client`` holds a record of, for ``identity``."""
+    prefix = f"{KEY_PREFIX}:{identity.tag}:"
+    pipe = client.pipeline(transaction=False)
+    for digest in digests:
+        pipe.exists(prefix + digest.hex())
+    return [bool(n) for n in pipe.execute()]
 
 
 def connect(url: str, timeout_s: float = 2.0) -> Any:

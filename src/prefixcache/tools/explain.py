@@ -52,6 +52,8 @@ class ModelView:
 
     identity: str
     tokenizer: Any = None
+    config: Any = None  # the model's config (the KV layout, for the tiers' identity)
+    dtype: str = "float32"
 
 
 @dataclass(slots=True)
@@ -300,7 +302,8 @@ def load_model_view(name: str, dtype: str = "float32") -> ModelView:
         checkpoint = open_checkpoint(name)
         if dtype == "auto":
             dtype = resolve_dtype(checkpoint.config.torch_dtype)
-        return ModelView(checkpoint.identity(dtype), checkpoint.tokenizer())
+        return ModelView(checkpoint.identity(dtype), checkpoint.tokenizer(), checkpoint.config,
+                         dtype)
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot load model {name!r}: {exc}") from None
 
@@ -321,6 +324,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--show-tokens", action="store_true", help="print token ids and pieces at the divergence"
     )
+    parser.add_argument("--kv-disk", metavar="DIR", default=None,
+                        help="also say which of B's blocks this disk tier holds")
+    parser.add_argument("--kv-valkey", metavar="URL", default=None,
+                        help="also say which of B's blocks this Valkey tier holds")
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
 
 
@@ -334,9 +341,76 @@ def run(args: argparse.Namespace) -> int:
     ns_a = Namespace(view_a.identity, args.adapter_a, args.salt_a)
     ns_b = Namespace(view_b.identity, args.adapter_b, args.salt_b)
     ex = explain(a, b, ns_a, ns_b, args.block_size, args.hash_algo)
+    tiers = None
+    if args.kv_disk or args.kv_valkey:
+        chain = BlockHasher(args.block_size, args.hash_algo).chain(b.token_ids, ns_b)
+        chain = chain[: max(len(b.token_ids) - 1, 0) // args.block_size]
+        tiers = tier_residence(view_b, chain, args.block_size, args.hash_algo,
+                               args.kv_disk, args.kv_valkey)
     if args.json:
-        print(json.dumps(ex.as_dict()))
+        print(json.dumps(ex.as_dict() | ({"tiers": tiers} if tiers is not None else {})))
         return 0
     for line in format_explanation(ex, a, b, view_b.tokenizer, args.show_tokens):
         print(line)
+    if tiers is not None:
+        print(*tier_lines(ex, tiers), sep="\n")
     return 0
+
+
+def tier_residence(
+    view: ModelView, chain: list[bytes], block_size: int, hash_algo: str,
+    kv_disk: str | None, kv_valkey: str | None,
+) -> dict[str, list[bool]]:  # fmt: skip
+    """Per lower tier, which of B's blocks (``chain``, those a request could reuse) it holds,
+    under the identity an engine serving ``view`` would write them with."""
+    from prefixcache.tiers import TierIdentity
+
+    config = view.config
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    identity = TierIdentity(view.identity, view.dtype, config.num_hidden_layers,
+                            config.num_key_value_heads, config.head_dim, block_size, hash_algo,
+                            sizes.get(view.dtype, 4))
+    out: dict[str, list[bool]] = {}
+    if kv_disk is not None:
+        from prefixcache.tiers.disk import held as disk_held
+
+        out["disk"] = disk_held(kv_disk, identity, chain)
+    if kv_valkey is not None:
+        from prefixcache.tiers.valkey import connect, redact_url
+        from prefixcache.tiers.valkey import held as valkey_held
+
+        try:
+            out["valkey"] = valkey_held(connect(kv_valkey), identity, chain)
+        except Exception as exc:  # noqa: BLE001 - any client failure: say so, exit non-zero
+            raise CliError(f"cannot reach Valkey at {redact_url(kv_valkey)}: "
+                           f"{type(exc).__name__}") from None
+    return out
+
+
+def tier_lines(ex: Explanation, tiers: dict[str, list[bool]]) -> list[str]:
+    """Where each of B's reusable blocks would come from: A's RAM prefix, then the tiers'
+    longest run after it (nearest tier first), else computed."""
+    num = len(next(iter(tiers.values()), []))
+    source = []
+    for i in range(num):
+        if i < ex.usable_tokens // ex.block_size:
+            source.append("ram")
+            continue
+        found = next((name for name, held in tiers.items() if held[i]), None)
+        if found is None or (source and source[-1] == "computed"):
+            found = "computed"
+        source.append(found)
+    lines = []
+    for name, held in tiers.items():
+        lines.append(f"{name} tier: holds {sum(held)} of B's {num} reusable blocks")
+    runs: list[tuple[str, int, int]] = []
+    for i, name in enumerate(source):
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1], i + 1)
+        else:
+            runs.append((name, i, i + 1))
+    for name, start, end in runs:
+        what = "from A's RAM cache" if name == "ram" else (
+            "computed" if name == "computed" else f"loaded from the {name} tier")
+        lines.append(f"  blocks {start}-{end - 1}: {what}")
+    return lines
