@@ -178,3 +178,39 @@ def test_two_servers_on_one_valkey_share_a_prefix(tmp_path: Path) -> None:
             if server is not None:
                 server.stop()
         valkey.stop()
+
+
+def test_the_simulator_predicts_the_engines_hits_with_a_disk_tier(tmp_path: Path) -> None:
+    import json
+    import random
+
+    path = tmp_path / "traffic.jsonl"
+    running = start_server(["--model", "tiny", "--block-size", "16", "--num-kv-blocks", "40",
+                            "--kv-disk", str(tmp_path / "kv"), "--record-trace", str(path)])
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 250) for _ in range(192)] for _ in range(4)]  # 12 blocks each
+    served = total = 0
+    try:
+        for i in range(24):  # the four prefixes in turn: RAM holds about three of them
+            prompt = prefixes[i % 4] + [rng.randrange(3, 250) for _ in range(20)]
+            details = complete(running.base_url, prompt=prompt)
+            assert running.engine.flush_tiers(30)
+            served += details["cached_tokens"]
+            total += len(prompt)
+    finally:
+        running.stop()
+    engine_ratio = served / total
+
+    def simulate(*tiers: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "-m", "prefixcache", "simulate", str(path), "--format", "record",
+             "--capacity", "40", "--prefix-cache", "hash", "--no-progress", "--no-plots",
+             "--out", str(tmp_path / "sim"), *tiers],
+            capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        rows = json.loads((tmp_path / "sim" / "results.json").read_text())["results"]
+        return float(rows[0]["hit_ratio"])
+
+    with_disk = simulate("--kv-disk-gib", "1")
+    assert abs(with_disk - engine_ratio) <= 0.05
+    assert simulate() < engine_ratio - 0.2  # without the disk, RAM alone would miss

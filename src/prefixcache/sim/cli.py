@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-tps", type=float, default=50.0, help="decode tokens/s of one sequence"
     )
     parser.add_argument("--cost-model", help="calibration JSON (e.g. bench_model.py output)")
+    parser.add_argument("--kv-disk-gib", type=float, default=None, metavar="G",
+                        help="sequential: a disk tier of G GiB under each replica's cache")
+    parser.add_argument("--kv-valkey-gib", type=float, default=None, metavar="G",
+                        help="sequential: one Valkey tier of G GiB shared by the replicas")
+    parser.add_argument("--kv-bytes-per-token", type=float, default=None, metavar="B",
+                        help="KV bytes of one token, all layers (sizes the tiers in blocks and "
+                             "their reads; default 131072, an 8B Llama in bfloat16)")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="timed: concurrency limit")
     parser.add_argument(
         "--max-batched-tokens", type=int, default=8192, help="timed: token budget per step"
@@ -167,13 +175,18 @@ def _plan(args: argparse.Namespace) -> SweepPlan:
     plan = plan_sweep(capacities, kinds, policies, replicas, routers, cluster)
     if not plan.specs:
         raise ValueError("nothing to simulate: " + "; ".join(plan.notes))
+    if args.kv_disk_gib is not None or args.kv_valkey_gib is not None:
+        plan.specs = [replace(s, disk_gib=args.kv_disk_gib, valkey_gib=args.kv_valkey_gib)
+                      for s in plan.specs]
     return plan
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
-    if args.cost_model:
-        return CostModel.from_json(args.cost_model)
-    return CostModel.from_rates(args.prefill_tps, args.decode_tps)
+    model = (CostModel.from_json(args.cost_model) if args.cost_model
+             else CostModel.from_rates(args.prefill_tps, args.decode_tps))
+    if args.kv_bytes_per_token is not None:
+        model = replace(model, kv_bytes_per_token=args.kv_bytes_per_token)
+    return model
 
 
 def _items(text: str, flag: str) -> list[str]:

@@ -23,6 +23,8 @@ class RunSpec:
     capacity_blocks: int | None = None
     replicas: int = 1
     router: str = "round-robin"
+    disk_gib: float | None = None  # a disk tier per replica (sequential mode)
+    valkey_gib: float | None = None  # one Valkey tier shared by the replicas (sequential mode)
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
@@ -38,6 +40,9 @@ class RunSpec:
             )
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        for name, gib in (("--kv-disk-gib", self.disk_gib), ("--kv-valkey-gib", self.valkey_gib)):
+            if gib is not None and not gib > 0:
+                raise ValueError(f"{name} must be > 0, got {gib}")
         if self.capacity_blocks is not None and self.capacity_blocks < self.replicas:
             raise ValueError(f"capacity {self.capacity_blocks} blocks < {self.replicas} replicas")
 
@@ -48,7 +53,14 @@ class RunSpec:
 
     @property
     def capacity_label(self) -> str:
-        return "inf" if self.capacity_blocks is None else format_blocks(self.capacity_blocks)
+        label = "inf" if self.capacity_blocks is None else format_blocks(self.capacity_blocks)
+        tiers = "".join(f"+{name}" for name, gib in (("d", self.disk_gib), ("v", self.valkey_gib))
+                        if gib is not None)
+        return label + tiers
+
+    @property
+    def has_tiers(self) -> bool:
+        return self.disk_gib is not None or self.valkey_gib is not None
 
 
 def format_blocks(n: int) -> str:

@@ -24,12 +24,23 @@ class CostModel:
     decode_step_s: float = 0.02  # a decode step of one sequence (1 / per-sequence tokens/s)
     decode_per_seq_s: float = 0.0001  # extra per sequence in a decode batch
     overhead_s: float = 0.002  # per step, whatever it holds
+    # the lower tiers (`sim/tiers.py`): K and V bytes of one token over all layers (an 8B
+    # Llama in bfloat16: 32 layers x 8 KV heads x 128 x 2 x 2 bytes), and each tier's reads
+    kv_bytes_per_token: float = 131_072.0
+    disk_read_bytes_per_s: float = 2e9  # an NVMe drive
+    disk_latency_s: float = 1e-4
+    valkey_read_bytes_per_s: float = 1.25e9  # 10 Gb/s Ethernet
+    valkey_latency_s: float = 5e-4
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
             raise ValueError("prefill tokens/s must be > 0")
         if min(self.decode_step_s, self.decode_per_seq_s, self.overhead_s) < 0:
             raise ValueError("decode and overhead times must be >= 0")
+        if min(self.kv_bytes_per_token, self.disk_read_bytes_per_s,
+               self.valkey_read_bytes_per_s) <= 0 or min(self.disk_latency_s,
+                                                         self.valkey_latency_s) < 0:
+            raise ValueError("tier bandwidths and KV bytes per token must be > 0, latencies >= 0")
 
     @classmethod
     def from_rates(cls, prefill_tps: float, decode_tps: float) -> CostModel:
@@ -59,7 +70,9 @@ class CostModel:
         obj = _load_object(Path(path))
         obj = obj.get("cost_model", obj) if isinstance(obj.get("cost_model"), dict) else obj
         fields: dict[str, float] = {}
-        for key in ("prefill_tokens_per_s", "decode_step_s", "decode_per_seq_s", "overhead_s"):
+        for key in ("prefill_tokens_per_s", "decode_step_s", "decode_per_seq_s", "overhead_s",
+                    "kv_bytes_per_token", "disk_read_bytes_per_s", "disk_latency_s",
+                    "valkey_read_bytes_per_s", "valkey_latency_s"):
             if key in obj:
                 fields[key] = _positive(obj[key], key, path)
         if "decode_tokens_per_s" in obj:

@@ -27,6 +27,8 @@ _COLUMNS = (
     ("rej", 4, lambda r: str(r.num_rejected)),
     ("wall s", 6, lambda r: f"{r.wall_s:.1f}"),
 )
+_TIER_COLUMN = ("ram/disk/valkey", 17, lambda r: "/".join(
+    f"{r.tier_hit_ratios.get(k, 0.0):.3f}" for k in ("ram", "disk", "valkey")))
 
 
 def _seconds(value: float) -> str:
@@ -37,10 +39,13 @@ def _seconds(value: float) -> str:
 
 def format_table(results: list[ReplayResult]) -> str:
     """One line per configuration, right-aligned columns."""
-    header = " ".join(name.rjust(width) for name, width, _ in _COLUMNS)
+    columns = list(_COLUMNS)
+    if any(r.tier_hit_ratios for r in results):  # the hit split by source, after "hit"
+        columns.insert(6, _TIER_COLUMN)
+    header = " ".join(name.rjust(width) for name, width, _ in columns)
     lines = [header, "-" * len(header)]
     for result in results:
-        lines.append(" ".join(fn(result).rjust(width) for _, width, fn in _COLUMNS))
+        lines.append(" ".join(fn(result).rjust(width) for _, width, fn in columns))
     return "\n".join(lines)
 
 

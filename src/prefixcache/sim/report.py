@@ -53,6 +53,7 @@ class Tally:
     num_preemptions: int = 0
     peak_usage: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # hit tokens a lower tier served
 
     def add(self, num_tokens: int, num_hit: int, ttft_s: float) -> None:
         self.num_requests += 1
@@ -92,6 +93,8 @@ class ReplayResult:
     replica_requests: list[int]
     replica_hit_ratios: list[float]
     wall_s: float
+    # the share of queried tokens each source served: ram (the pool's own hits), disk, valkey
+    tier_hit_ratios: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

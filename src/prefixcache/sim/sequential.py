@@ -21,6 +21,7 @@ from prefixcache.sim.config import RunSpec, build_cache, unlimited_blocks
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.report import ReplayResult, Tally, ideal_hit_ratio, percentile
 from prefixcache.sim.router import Router, make_router
+from prefixcache.sim.tiers import SimTier, TierSpec
 from prefixcache.sim.tokens import TokenSource
 from prefixcache.sim.trace import Trace, TraceRequest
 
@@ -28,20 +29,26 @@ Progress = Callable[[int], None]
 
 
 class _Replica:
-    """One cache plus the finish times of the requests it is serving."""
+    """One cache, its lower tiers (nearest first) and the finish times of the requests it is
+    serving."""
 
-    __slots__ = ("cache", "tally", "in_flight")
+    __slots__ = ("cache", "tally", "in_flight", "tiers")
 
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
         self.tally = Tally()
         self.in_flight: list[float] = []
+        self.tiers: list[SimTier] = []
 
     def load(self, now: float) -> int:
         in_flight = self.in_flight
         while in_flight and in_flight[0] <= now:
             heapq.heappop(in_flight)
         return len(in_flight)
+
+
+def _no_kv(block_ids: list[int], first: int) -> None:
+    """The simulator's blocks hold no KV: an adopted run has nothing to write."""
 
 
 class SequentialRun:
@@ -59,6 +66,20 @@ class SequentialRun:
             _Replica(build_cache(spec, per_replica, trace.block_size, with_events))
             for _ in range(spec.replicas)
         ]
+        model = cost.model
+        self.block_bytes = model.kv_bytes_per_token * trace.block_size
+        gib = float(1 << 30)
+        valkey = None
+        if spec.valkey_gib is not None:
+            valkey = SimTier(TierSpec("valkey", int(spec.valkey_gib * gib // self.block_bytes),
+                                      model.valkey_read_bytes_per_s, model.valkey_latency_s))
+        for replica in self.replicas:  # nearest first: the replica's disk, the shared Valkey
+            if spec.disk_gib is not None:
+                replica.tiers.append(SimTier(TierSpec(
+                    "disk", int(spec.disk_gib * gib // self.block_bytes),
+                    model.disk_read_bytes_per_s, model.disk_latency_s)))
+            if valkey is not None:
+                replica.tiers.append(valkey)
         self.wall_s = 0.0
 
     def feed(self, request: TraceRequest, seq: Sequence, digests: list[bytes]) -> None:
@@ -68,15 +89,44 @@ class SequentialRun:
         index = (self.router.choose_for(digests, request.recorded_digests, loads)
                  if len(self.replicas) > 1 else 0)
         replica = self.replicas[index]
-        num_hit = self._serve(replica, request, seq.fork(seq.seq_id))
+        mine = seq.fork(seq.seq_id)
+        load_s = self._load(replica, mine, digests) if replica.tiers else 0.0
+        num_hit = self._serve(replica, request, mine)
+        if replica.tiers and num_hit < request.input_length:
+            bs = replica.cache.block_size
+            computed = digests[num_hit // bs : request.num_full_blocks(bs)]
+            for tier in replica.tiers:
+                tier.store(computed)
         events = replica.cache.take_events()
         if events and self.router.wants_events:
             self.router.observe(index, events)
-        prefill_s = self.cost.model.prefill_seconds(request.input_length - num_hit)
+        prefill_s = self.cost.model.prefill_seconds(request.input_length - num_hit) + load_s
         replica.tally.add(request.input_length, num_hit, prefill_s)
         finish = now + prefill_s + request.output_length * self.cost.decode_token_s
         heapq.heappush(replica.in_flight, finish)
         self.wall_s += time.perf_counter() - started
+
+    def _load(self, replica: _Replica, seq: Sequence, digests: list[bytes]) -> float:
+        """Extend the RAM hit with the tiers' longest run (adopted into the cache, as the engine
+        does); returns the time the reads take."""
+        cache = replica.cache
+        have = len(cache.match(seq).block_ids)
+        top = min((seq.num_tokens - 1) // cache.block_size, len(digests))
+        runs = []
+        start = have
+        for tier in replica.tiers:
+            n = tier.read_run(digests, start, top)
+            runs.append((tier, n))
+            start += n
+        if start == have or not cache.adopt(seq, have, start - have, _no_kv):
+            return 0.0
+        seconds = 0.0
+        tally = replica.tally.tier_tokens
+        for tier, n in runs:
+            if n:
+                tally[tier.name] = tally.get(tier.name, 0) + n * cache.block_size
+                seconds += tier.read_seconds(n, self.block_bytes)
+        return seconds
 
     @staticmethod
     def _serve(replica: _Replica, request: TraceRequest, seq: Sequence) -> int:
@@ -152,7 +202,21 @@ def summarize(
         replica_requests=[t.num_requests for t in tallies],
         replica_hit_ratios=[round(t.hit_ratio, 6) for t in tallies],
         wall_s=wall_s,
+        tier_hit_ratios=_tier_ratios(tallies, num_hit, num_tokens) if spec.has_tiers else {},
     )
+
+
+def _tier_ratios(tallies: list[Tally], num_hit: int, num_tokens: int) -> dict[str, float]:
+    """The share of queried tokens the pool's own hits and each tier served."""
+    if not num_tokens:
+        return {}
+    per_tier: dict[str, int] = {}
+    for tally in tallies:
+        for name, n in tally.tier_tokens.items():
+            per_tier[name] = per_tier.get(name, 0) + n
+    out = {"ram": (num_hit - sum(per_tier.values())) / num_tokens}
+    out.update({name: n / num_tokens for name, n in sorted(per_tier.items())})
+    return out
 
 
 def replay_sequential(

@@ -212,6 +212,9 @@ def replay_timed(
     progress: Progress | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through one configuration with the scheduler on simulated time."""
+    if spec.has_tiers:
+        raise ValueError("the lower tiers (--kv-disk-gib, --kv-valkey-gib) are modelled in "
+                         "sequential mode only")
     started = time.perf_counter()
     cost = cost or CostModel()
     config = config or ReplicaConfig()

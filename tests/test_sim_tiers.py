@@ -1,0 +1,86 @@
+"""The simulator's lower tiers: a disk under each replica, one Valkey shared by all of them, read
+times in the time to first token, and what the flags refuse."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from prefixcache.sim.config import RunSpec
+from prefixcache.sim.cost_model import CostModel
+from prefixcache.sim.mooncake import read_mooncake
+from prefixcache.sim.sequential import replay_sequential
+from prefixcache.sim.timed import replay_timed
+from prefixcache.sim.trace import Trace, TraceRequest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+COST = CostModel(kv_bytes_per_token=1024.0)  # 512 KiB per 512-token block
+
+
+@pytest.fixture(scope="module")
+def conversation() -> Trace:
+    return read_mooncake(FIXTURES / "mooncake_conversation_300.jsonl")
+
+
+def test_a_disk_under_a_small_pool_recovers_the_unbounded_hit_ratio(conversation: Trace) -> None:
+    unbounded, small, tiered = replay_sequential(conversation, [
+        RunSpec("hash", "lru", None), RunSpec("hash", "lru", 775),  # 10% of the working set
+        RunSpec("hash", "lru", 775, disk_gib=64.0)], COST)
+    assert small.hit_ratio < unbounded.hit_ratio - 0.03
+    assert abs(tiered.hit_ratio - unbounded.hit_ratio) <= 0.02
+    split = tiered.tier_hit_ratios
+    assert set(split) == {"ram", "disk"} and split["disk"] > 0
+    assert abs(split["ram"] + split["disk"] - tiered.hit_ratio) < 1e-9
+    assert unbounded.tier_hit_ratios == {}
+
+
+def test_a_small_disk_keeps_only_its_capacity(conversation: Trace) -> None:
+    big, tiny = replay_sequential(conversation, [
+        RunSpec("hash", "lru", 775, disk_gib=64.0),
+        RunSpec("hash", "lru", 775, disk_gib=800 * 512 * 1024 / (1 << 30))], COST)
+    assert tiny.tier_hit_ratios.get("disk", 0.0) < big.tier_hit_ratios["disk"]
+
+
+def test_tier_reads_cost_time_to_first_token() -> None:
+    block = 16
+    trace = Trace("two", block)
+    ids = list(range(8))
+    trace.requests = [TraceRequest(f"r{i}", float(i), 8 * block + 1, 1, ids) for i in range(2)]
+    slow = replace(COST, disk_read_bytes_per_s=1e3, disk_latency_s=0.5)
+    fast = replace(COST, disk_read_bytes_per_s=1e12, disk_latency_s=0.0)
+    spec = RunSpec("hash", "lru", 9, disk_gib=1.0)  # the pool holds one prompt: then it evicts
+    other = TraceRequest("x", 0.5, 8 * block + 1, 1, list(range(100, 108)))
+    trace.requests.insert(1, other)
+    (slow_run,) = replay_sequential(trace, [spec], slow)
+    (fast_run,) = replay_sequential(trace, [spec], fast)
+    assert slow_run.hit_ratio == fast_run.hit_ratio > 0
+    assert slow_run.ttft_p99_s > fast_run.ttft_p99_s + 0.5
+
+
+def test_valkey_is_shared_by_the_replicas_and_a_disk_is_not(conversation: Trace) -> None:
+    runs = replay_sequential(conversation, [
+        RunSpec("hash", "lru", 600, 2, "round-robin"),
+        RunSpec("hash", "lru", 600, 2, "round-robin", disk_gib=64.0),
+        RunSpec("hash", "lru", 600, 2, "round-robin", valkey_gib=64.0)], COST)
+    alone, disks, valkey = runs
+    assert alone.hit_ratio < disks.hit_ratio < valkey.hit_ratio
+    assert valkey.tier_hit_ratios["valkey"] > 0
+
+
+def test_the_tiers_refuse_what_they_cannot_model(conversation: Trace) -> None:
+    with pytest.raises(ValueError, match="sequential mode only"):
+        replay_timed(conversation, RunSpec("hash", "lru", 300, disk_gib=1.0), COST)
+    with pytest.raises(ValueError, match="--kv-disk-gib must be > 0"):
+        RunSpec("hash", "lru", 300, disk_gib=0.0)
+    with pytest.raises(ValueError, match="holds no block"):
+        replay_sequential(conversation, [RunSpec("hash", "lru", 300, disk_gib=1e-9)], COST)
+    out = subprocess.run([sys.executable, "-m", "prefixcache", "simulate",
+                          str(FIXTURES / "mooncake_conversation_300.jsonl"), "--mode", "timed",
+                          "--kv-disk-gib", "4", "--no-progress"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "sequential mode only" in out.stderr
+    assert "Traceback" not in out.stderr
