@@ -582,3 +582,45 @@ def test_blocks_in_valkey_are_announced_and_count_for_every_replica(valkey: str)
     router.observe(0, shared)  # replica 0 wrote them to Valkey: any replica can load them
     assert [router._matched(i, chain) for i in range(3)] == [10, 10, 10]
     assert router.choose(chain, [4, 1, 2]) == 1  # so the least loaded one gets the request
+
+
+def test_other_requests_keep_stepping_while_one_waits_for_its_blocks(tmp_path: Path) -> None:
+    import threading
+
+    from prefixcache.sched.request import RequestStatus
+
+    first = engine_on(tmp_path)
+    generate(first, PROMPT, "a")
+    written(first)
+    engine = engine_on(tmp_path)
+    tier = engine.offload.store.tiers[0]  # type: ignore[union-attr]
+    release = threading.Event()
+    real_get_run = tier.get_run
+
+    def slow_get_run(keys: list[BlockKey]) -> list[memoryview]:  # a slow disk, for this test
+        release.wait(60)
+        return real_get_run(keys)
+
+    tier.get_run = slow_get_run  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("busy", prompt_token_ids=[5, 6, 7], sampling_params=params)
+    loading = engine.add_request("loading", prompt_token_ids=PROMPT, sampling_params=params)
+    produced = 0
+    for _ in range(10):
+        produced += sum(len(o.new_token_ids) for o in engine.step() if o.request_id == "busy")
+    assert produced == 10 and loading.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    release.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert loading.num_external_cached_tokens == 10 * BS
+
+
+def test_zero_on_reuse_and_tier_blocks_give_the_same_answer(tmp_path: Path,
+                                                            cold: list[int]) -> None:
+    first = engine_on(tmp_path, zero_on_reuse=True)
+    generate(first, PROMPT, "a", salt="s1")
+    written(first)
+    engine = engine_on(tmp_path, zero_on_reuse=True, num_kv_blocks=24)
+    generate(engine, [t ^ 3 for t in PROMPT], "b", salt="s2")  # the pool's blocks change hands
+    out = generate(engine, PROMPT, "c", salt="s1")
+    assert out["external"] == 10 * BS and out["tokens"] == cold
