@@ -214,3 +214,16 @@ def test_the_simulator_predicts_the_engines_hits_with_a_disk_tier(tmp_path: Path
     with_disk = simulate("--kv-disk-gib", "1")
     assert abs(with_disk - engine_ratio) <= 0.05
     assert simulate() < engine_ratio - 0.2  # without the disk, RAM alone would miss
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-disk", "/proc/version/kv"], "--kv-disk"),
+    (["--kv-disk-gib", "0", "--kv-disk", "/tmp"], "--kv-disk-gib must be > 0"),
+    (["--kv-valkey", "not-a-url"], "--kv-valkey 'not-a-url': Valkey URL must specify"),
+])
+def test_a_bad_tier_flag_is_a_clear_error_at_start(flags: list[str], message: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "prefixcache", "serve", "--model", "tiny",
+                          "--port", str(free_port()), *flags], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

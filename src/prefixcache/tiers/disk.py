@@ -63,10 +63,18 @@ class DiskTier:
         self._lock = threading.Lock()
         self._retry_at = 0.0  # writes stopped until then (time.monotonic())
         self._backoff = _BACKOFF_MIN_S
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"--kv-disk {str(self.root)!r} is not a directory")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ValueError(f"--kv-disk {str(self.root)!r}: a file stands where the tier's "
+                             f"directory {self.dir.relative_to(self.root)} goes") from None
         except OSError as exc:
-            self._write_failed(exc)
+            if not self.root.is_dir():  # nothing to read either: a wrong path, not a full disk
+                raise ValueError(f"--kv-disk {str(self.root)!r} cannot be created: "
+                                 f"{exc.strerror or exc}") from None
+            self._write_failed(exc)  # e.g. read-only: what is there can still be read
         self._rebuild()
 
     def __repr__(self) -> str:

@@ -262,7 +262,11 @@ def connect(url: str, timeout_s: float = 2.0) -> Any:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("--kv-valkey needs the 'valkey' client: "
                           "pip install 'prefixcache[tiers]'") from exc
-    return valkey.Valkey.from_url(
-        url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1),
-        socket_connect_timeout=timeout_s, socket_timeout=timeout_s, health_check_interval=30,
-    )
+    try:
+        return valkey.Valkey.from_url(
+            url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1),
+            socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+            health_check_interval=30,
+        )
+    except ValueError as exc:
+        raise ValueError(f"--kv-valkey {redact_url(url)!r}: {exc}") from None
