@@ -624,3 +624,14 @@ def test_zero_on_reuse_and_tier_blocks_give_the_same_answer(tmp_path: Path,
     generate(engine, [t ^ 3 for t in PROMPT], "b", salt="s2")  # the pool's blocks change hands
     out = generate(engine, PROMPT, "c", salt="s1")
     assert out["external"] == 10 * BS and out["tokens"] == cold
+
+
+def test_valkey_records_expire_with_a_ttl(valkey: str) -> None:
+    from prefixcache.tiers.valkey import connect
+
+    engine = engine_on(valkey=valkey, kv_valkey_ttl_s=120)
+    generate(engine, PROMPT, "a")
+    written(engine)
+    client = connect(valkey)
+    ttls = [client.ttl(k) for k in keys(valkey)]
+    assert len(ttls) == 11 and all(0 < t <= 120 for t in ttls)  # records and the domain's set
