@@ -38,13 +38,17 @@ class RunningServer:
         self.thread.join(30)
 
 
-def start_server(argv: list[str]) -> RunningServer:
+def start_server(argv: list[str], receive_buffer: int | None = None) -> RunningServer:
+    """``receive_buffer``: the listening socket's SO_RCVBUF (accepted connections inherit it), to
+    act out a slow or distant network on loopback."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(argv)
     app = build_app(args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     options = {**uvicorn_options(args), "log_config": None}  # pytest captures the logs

@@ -239,3 +239,29 @@ def test_json_logs_cover_uvicorn_and_drop_exception_text():
         root.handlers[:], uvicorn_logger.handlers[:] = saved[0], saved[2]
         root.setLevel(saved[1])
         uvicorn_logger.propagate = saved[3]
+
+
+@pytest.fixture(scope="module")
+def narrow_server() -> RunningServer:
+    """The server behind a small receive buffer: a client's upload outruns what the kernel
+    holds for it, as over a real network."""
+    running = start_server(["--model", MODEL, "--num-kv-blocks", "64",
+                            "--max-request-bytes", str(MAX_BODY)], receive_buffer=8192)
+    yield running
+    running.stop()
+
+
+def test_a_20_mb_body_gets_a_413_the_client_can_read(narrow_server):
+    """Found as a client: a declared body far over the limit got its 413 written and the
+    connection closed while the client was still uploading, so httpx and the openai SDK saw a
+    connection error (and the SDK retried). The rest is now read and dropped first, boundedly."""
+    server = narrow_server
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    prompt = "x" * (20 * 1024 * 1024)
+    response = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=MODEL, prompt=prompt)
+    assert info.value.status_code == 413
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
