@@ -54,6 +54,7 @@ _TIER_KEYS = {
     "kv_valkey_ttl_s": "valkey_ttl_s",
     "offload_prompt_only": "offload_prompt_only",
     "kv_offload_max_pending_blocks": "max_pending_blocks",
+    "kv_offload_max_pending_bytes": "max_pending_bytes",
 }
 _DEPRECATED = {"zero_freed_blocks": "zero_on_reuse"}
 
@@ -99,7 +100,8 @@ class EngineConfig:
         ``schedule_policy``, ``lpm_max_wait_steps``, ``dedup``, ``domain_limits``,
         ``default_domain_limits``, ``seed``, ``dtype``, ``check_integrity``,
         ``logprobs_mode``, and the tiers': ``kv_disk``, ``kv_disk_gib``, ``kv_valkey``,
-        ``kv_valkey_ttl_s``, ``offload_prompt_only``, ``kv_offload_max_pending_blocks``. Deprecated
+        ``kv_valkey_ttl_s``, ``offload_prompt_only``, ``kv_offload_max_pending_blocks``,
+        ``kv_offload_max_pending_bytes``. Deprecated
         spellings (``policy``, ``zero_freed_blocks``) still work, with a warning."""
         for old, new in _DEPRECATED.items():
             if old in settings:

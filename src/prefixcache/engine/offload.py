@@ -90,6 +90,7 @@ class KVOffload:
         self.identity = identity
         self.config = config
         self.stats = OffloadStats()
+        self.max_pending = config.pending_blocks(store.identity.payload_bytes)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._pending = 0  # blocks queued or being written
         self._pending_lock = threading.Lock()
@@ -206,7 +207,7 @@ class KVOffload:
             if not todo:
                 continue
             with self._pending_lock:
-                fits = self._pending + len(todo) <= self.config.max_pending_blocks
+                fits = self._pending + len(todo) <= self.max_pending
                 if fits:
                     self._pending += len(todo)
             if not fits:

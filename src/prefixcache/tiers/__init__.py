@@ -36,21 +36,31 @@ GIB = 1 << 30
 class TierConfig:
     """The lower tiers of an engine (none by default). ``disk_dir`` with ``disk_gib`` of
     capacity; ``valkey_url`` with an optional ``valkey_ttl_s``; ``offload_prompt_only``: write
-    prompt blocks only (else decode blocks too, as they fill); ``max_pending_blocks``: blocks
-    waiting to be written, beyond which new ones are dropped and counted."""
+    prompt blocks only (else decode blocks too, as they fill); blocks waiting to be written take
+    at most ``max_pending_bytes`` of memory (or ``max_pending_blocks`` blocks, if given), beyond
+    which new ones are dropped and counted."""
 
     disk_dir: str | None = None
     disk_gib: float = 16.0
     valkey_url: str | None = None
     valkey_ttl_s: int | None = None
     offload_prompt_only: bool = True
-    max_pending_blocks: int = 4096
+    max_pending_blocks: int | None = None
+    max_pending_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if self.disk_gib <= 0:
             raise ValueError(f"--kv-disk-gib must be > 0, got {self.disk_gib}")
-        if self.max_pending_blocks < 1:
+        if self.max_pending_blocks is not None and self.max_pending_blocks < 1:
             raise ValueError(f"max_pending_blocks must be >= 1, got {self.max_pending_blocks}")
+        if self.max_pending_bytes < 1:
+            raise ValueError(f"max_pending_bytes must be >= 1, got {self.max_pending_bytes}")
+
+    def pending_blocks(self, block_bytes: int) -> int:
+        """How many blocks of ``block_bytes`` may wait for the writer."""
+        if self.max_pending_blocks is not None:
+            return self.max_pending_blocks
+        return max(1, self.max_pending_bytes // block_bytes)
         if self.valkey_ttl_s is not None and self.valkey_ttl_s < 1:
             raise ValueError(f"--kv-valkey-ttl must be >= 1 s, got {self.valkey_ttl_s}")
 
