@@ -27,6 +27,8 @@ from prefixcache.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     JSONObject,
+    MessagesCountRequest,
+    MessagesRequest,
     PurgeRequest,
     ResponsesRequest,
     TokenizeRequest,
@@ -93,9 +95,13 @@ def create_app(
 
 
 def _bearer(request: Request) -> str | None:
+    """The API key: ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    key = request.headers.get("x-api-key", "").strip()
+    return key or None
 
 
 def _auth_dependency(tenants: TenantRegistry) -> Callable[[Request], Tenant]:
@@ -188,6 +194,16 @@ def _add_routes(
     @app.api_route("/metrics", methods=["GET", "HEAD"], dependencies=[Depends(metrics_auth)])
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request,
+                       tenant: Tenant = Depends(auth)) -> Response:
+        return await serving.messages(body, tenant, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: MessagesCountRequest,
+                           tenant: Tenant = Depends(auth)) -> JSONObject:
+        return await serving.count_tokens(body)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(tenant: Tenant = Depends(auth)) -> JSONResponse:

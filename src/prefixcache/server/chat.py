@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from prefixcache.engine.outputs import RequestOutput
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Choice, Job, RenderOptions, finish_reason_of
@@ -36,6 +37,15 @@ class ChatAPI(ServingBase):
     async def chat(
         self, body: ChatCompletionRequest, tenant: Tenant, http: Request
     ) -> Response:
+        prompts, params, options = await self._chat_job(body)
+        return await self._serve(ChatRendering(self), body, prompts, params, options, tenant,
+                                 http)
+
+    async def _chat_job(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[tuple[list[int], str | None]], SamplingParams, RenderOptions]:
+        """A chat body's prompt, sampling parameters and rendering options, every check done
+        (the Messages API builds its jobs through here too)."""
         self._check_common(body)
         tools, choice = tool_choice_of(body)
         if body.top_logprobs is not None:
@@ -66,9 +76,7 @@ class ChatAPI(ServingBase):
                            prompt_logprobs=body.prompt_logprobs is not None,
                            include_usage=include_usage(body),
                            continuous_usage=continuous_usage(body), tools=choice != "none")
-        prompts: list[tuple[list[int], str | None]] = [(token_ids, None)]
-        return await self._serve(ChatRendering(self), body, prompts, params, options, tenant,
-                                 http)
+        return [(token_ids, None)], params, options
 
 
 class ChatRendering(ChunkRendering[ChatCompletionRequest]):

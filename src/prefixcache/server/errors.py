@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.errors import describe_exception
 from prefixcache.server.protocol import JSONObject
 
-__all__ = ["ApiError", "error_body", "install_error_handlers"]
+__all__ = ["ApiError", "anthropic_error_body", "error_body", "install_error_handlers",
+           "is_anthropic_path"]
 
 logger = logging.getLogger("prefixcache.server")
 
@@ -50,6 +51,37 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.status, self.message, self.param, self.code),
                             status_code=self.status)
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The routes of Anthropic's API, whose errors take Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str) -> JSONObject:
+    """``{"type": "error", "error": {"type", "message"}}``, as Anthropic's API answers."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _respond(request: Request, exc: ApiError) -> JSONResponse:
+    if is_anthropic_path(request.url.path):
+        return JSONResponse(anthropic_error_body(exc.status, exc.message),
+                            status_code=exc.status)
+    return exc.response()
 
 
 def error_body(
@@ -94,25 +126,25 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     return f"invalid value for {param!r}: {msg}", param
 
 
-async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = _validation_message(exc.errors())
-    return ApiError(400, message, param=param).response()
+    return _respond(request, ApiError(400, message, param=param))
 
 
-async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return _respond(request, exc)
 
 
-async def _on_http(_: Request, exc: Exception) -> JSONResponse:
+async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return ApiError(exc.status_code, str(exc.detail)).response()
+    return _respond(request, ApiError(exc.status_code, str(exc.detail)))
 
 
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # no traceback text: an exception's message may quote the request (see describe_exception)
     logger.error("internal error: %s", describe_exception(exc))
-    return ApiError(500, "internal server error").response()
+    return _respond(request, ApiError(500, "internal server error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -16,7 +16,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from prefixcache.server.errors import error_body
+from prefixcache.server.errors import anthropic_error_body, error_body, is_anthropic_path
 
 __all__ = ["BodyLimit", "HeaderTimeoutH11Protocol", "header_timeout_protocol"]
 
@@ -38,7 +38,7 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._reject(send)
+            await self._reject(scope, send)
             return
         # read the whole body (at most max_bytes) before the app sees it: an app that reads
         # the body itself would turn a failure here into its own 400
@@ -54,7 +54,7 @@ class BodyLimit:
                 parts.clear()
                 if message.get("more_body", False):
                     await self._discard(receive)
-                await self._reject(send)
+                await self._reject(scope, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -90,9 +90,11 @@ class BodyLimit:
                 return
             budget -= len(message.get("body", b""))
 
-    async def _reject(self, send: Send) -> None:
+    async def _reject(self, scope: Scope, send: Send) -> None:
         message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
-        body = json.dumps(error_body(413, message, code="request_too_large")).encode()
+        payload = (anthropic_error_body(413, message) if is_anthropic_path(scope.get("path", ""))
+                   else error_body(413, message, code="request_too_large"))
+        body = json.dumps(payload).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})

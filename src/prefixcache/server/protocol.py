@@ -243,6 +243,81 @@ class ResponsesRequest(Lenient):
     text: ResponsesText | None = None
 
 
+# ---- the Anthropic Messages API ----------------------------------------------------------------
+
+
+class MessagesText(Lenient):
+    """A text block; ``cache_control`` marks a cache breakpoint (accepted, not yet honoured)."""
+
+    type: Literal["text"]
+    text: StrictStr
+    cache_control: JSONObject | None = None
+
+
+class MessagesToolUse(Lenient):
+    """An assistant's past tool call."""
+
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: JSONObject
+    cache_control: JSONObject | None = None
+
+
+class MessagesToolResult(Lenient):
+    """A user turn's answer to a tool call."""
+
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[MessagesText] = ""
+    is_error: StrictBool = False
+    cache_control: JSONObject | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+
+
+MessagesBlock = Annotated[MessagesText | MessagesToolUse | MessagesToolResult,
+                          Field(discriminator="type")]
+
+
+class MessagesMessage(Lenient):
+    role: Literal["user", "assistant"]
+    content: StrictStr | Annotated[list[MessagesBlock], Field(min_length=1)]
+
+
+class MessagesTool(Lenient):
+    name: FunctionName
+    description: StrictStr | None = None
+    input_schema: JSONObject
+    cache_control: JSONObject | None = None
+
+
+class MessagesCountRequest(Lenient):
+    """``POST /v1/messages/count_tokens``."""
+
+    model: StrictStr
+    messages: Annotated[list[MessagesMessage], Field(min_length=1)]
+    system: StrictStr | list[MessagesText] | None = None
+    tools: list[MessagesTool] | None = None
+    tool_choice: JSONObject | None = None
+
+
+class MessagesRequest(MessagesCountRequest):
+    """``POST /v1/messages``, as Anthropic documents it (``cache_salt``: our extension)."""
+
+    max_tokens: StrictInt
+    stop_sequences: list[StrictStr] | None = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = 0
+    stream: StrictBool = False
+    metadata: JSONObject | None = None
+    cache_control: JSONObject | None = None  # the automatic breakpoint (accepted, not honoured)
+    cache_salt: StrictStr | None = None
+
+
 class TokenizeRequest(Lenient):
     """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered by the template."""
 

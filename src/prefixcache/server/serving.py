@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from prefixcache.server.chat import ChatAPI
 from prefixcache.server.completions import CompletionsAPI
+from prefixcache.server.messages import MessagesAPI
 from prefixcache.server.responses import ResponsesAPI
 from prefixcache.server.tokenizer_api import TokenizerAPI
 
 __all__ = ["OpenAIServing"]
 
 
-class OpenAIServing(CompletionsAPI, ChatAPI, ResponsesAPI, TokenizerAPI):
-    """Completions, chat completions, responses and the tokenizer endpoints over one model."""
+class OpenAIServing(CompletionsAPI, MessagesAPI, ChatAPI, ResponsesAPI, TokenizerAPI):
+    """Completions, chat completions, responses, Anthropic's messages and the tokenizer
+    endpoints over one model."""

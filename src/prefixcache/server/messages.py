@@ -1,0 +1,237 @@
+"""`POST /v1/messages` (Anthropic's Messages API) and `POST /v1/messages/count_tokens`.
+
+A Messages body becomes the chat body it means — ``system`` first, text blocks joined,
+``tool_use`` blocks an assistant's tool calls, ``tool_result`` blocks tool messages, ``tools`` and
+``tool_choice`` mapped to the chat machinery's — and runs through the chat endpoint's own checks
+and sampling (`ChatAPI._chat_job`), so a greedy answer equals ``/v1/chat/completions``'. The answer
+is rendered as Anthropic's ``message`` object or its event stream (`MessagesRendering`): text and
+``tool_use`` content blocks, ``stop_reason`` (``end_turn``, ``max_tokens``, ``tool_use``), and
+usage as ``input_tokens`` (computed), ``cache_read_input_tokens`` (served from the prefix
+cache) and ``cache_creation_input_tokens``. ``cache_control`` breakpoints are accepted and not
+yet honoured (no pins): every prompt block is cached as usual and creation is reported as 0.
+Errors on these routes use Anthropic's shape (`errors.install_error_handlers`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from prefixcache.server.chat import ChatAPI
+from prefixcache.server.errors import ApiError
+from prefixcache.server.jobs import Choice, Job
+from prefixcache.server.protocol import (
+    ChatCompletionRequest,
+    JSONObject,
+    MessagesCountRequest,
+    MessagesRequest,
+    MessagesText,
+    MessagesToolResult,
+    MessagesToolUse,
+)
+from prefixcache.server.serving_base import Rendering, text_bytes
+from prefixcache.server.tenancy import Tenant
+from prefixcache.server.tools import parse_tool_calls
+
+__all__ = ["MessagesAPI", "MessagesRendering", "chat_body_of"]
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
+
+
+class MessagesAPI(ChatAPI):
+    """The Messages endpoints."""
+
+    async def messages(self, body: MessagesRequest, tenant: Tenant, http: Request) -> Response:
+        if body.max_tokens < 1:
+            raise ApiError(400, "max_tokens must be >= 1", param="max_tokens")
+        chat = chat_body_of(body)
+        prompts, params, options = await self._chat_job(chat)
+        return await self._serve(MessagesRendering(self), chat, prompts, params, options,
+                                 tenant, http)
+
+    async def count_tokens(self, body: MessagesCountRequest) -> JSONObject:
+        self._check_model(body.model)
+        chat = chat_body_of(body)
+        tools, choice = _chat_tools(chat)
+        self._check_prompt_bytes(sum(text_bytes(m.text()) for m in chat.messages), "messages")
+        token_ids = await self._off_loop(
+            self._render_messages, (chat.messages, "messages", True,
+                                    tools if choice != "none" else None))
+        return {"input_tokens": len(token_ids)}
+
+
+def _chat_tools(chat: ChatCompletionRequest) -> tuple[list[JSONObject], Any]:
+    from prefixcache.server.request_params import tool_choice_of
+
+    return tool_choice_of(chat)
+
+
+def chat_body_of(body: MessagesCountRequest) -> ChatCompletionRequest:
+    """The chat completions body a Messages body means."""
+    messages: list[JSONObject] = []
+    if body.system is not None:
+        system = body.system if isinstance(body.system, str) else "".join(
+            block.text for block in body.system)
+        messages.append({"role": "system", "content": system})
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        texts = [b.text for b in message.content if isinstance(b, MessagesText)]
+        uses = [b for b in message.content if isinstance(b, MessagesToolUse)]
+        results = [b for b in message.content if isinstance(b, MessagesToolResult)]
+        if message.role == "assistant":
+            if results:
+                raise ApiError(400, "tool_result blocks belong in user turns",
+                               param=f"messages.{i}.content")
+            item: JSONObject = {"role": "assistant", "content": "".join(texts)}
+            if uses:
+                item["tool_calls"] = [
+                    {"id": u.id, "type": "function",
+                     "function": {"name": u.name, "arguments": json.dumps(u.input)}}
+                    for u in uses]
+            messages.append(item)
+            continue
+        if uses:
+            raise ApiError(400, "tool_use blocks belong in assistant turns",
+                           param=f"messages.{i}.content")
+        messages += [{"role": "tool", "tool_call_id": r.tool_use_id, "content": r.text()}
+                     for r in results]
+        if texts or not results:
+            messages.append({"role": "user", "content": "".join(texts)})
+    tools = [{"type": "function", "function": {
+        "name": t.name, "parameters": t.input_schema,
+        **({"description": t.description} if t.description is not None else {})}}
+        for t in body.tools or []]
+    fields: JSONObject = {"model": body.model, "messages": messages}
+    if tools:
+        fields["tools"] = tools
+    if body.tool_choice is not None:
+        fields["tool_choice"] = _tool_choice(body.tool_choice)
+    if isinstance(body, MessagesRequest):
+        fields.update(max_tokens=body.max_tokens, temperature=body.temperature,
+                      top_p=body.top_p, top_k=body.top_k, stream=body.stream)
+        if body.stop_sequences:
+            fields["stop"] = body.stop_sequences
+        if body.cache_salt is not None:
+            fields["cache_salt"] = body.cache_salt
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValueError as exc:
+        raise ApiError(400, f"invalid messages: {exc.__class__.__name__}",
+                       param="messages") from None
+
+
+def _tool_choice(choice: JSONObject) -> Any:
+    kind = choice.get("type")
+    if kind == "auto":
+        return "auto"
+    if kind == "any":
+        return "required"
+    if kind == "none":
+        return "none"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ApiError(400, "tool_choice must be {'type': 'auto' | 'any' | 'none'} or "
+                   "{'type': 'tool', 'name': ...}", param="tool_choice")
+
+
+class MessagesRendering(Rendering[ChatCompletionRequest]):
+    """A job as Anthropic's ``message`` object or its event stream."""
+
+    id_prefix = "msg"
+
+    def _usage(self, job: Job, num_output: int) -> JSONObject:
+        prompt = job.prompts[0]
+        return {"input_tokens": job.num_prompt_tokens - prompt.num_cached,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": prompt.num_cached,
+                "output_tokens": num_output}
+
+    def _blocks(self, job: Job, choice: Choice) -> tuple[list[JSONObject], str]:
+        text: str | None = choice.text
+        calls: list[JSONObject] = []
+        if job.options.tools:
+            text, calls = parse_tool_calls(choice.text)
+        blocks: list[JSONObject] = [{"type": "text", "text": text}] if text else []
+        for call in calls:
+            function = call["function"]
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                arguments = {}
+            blocks.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix(
+                "call_"), "name": function["name"], "input": arguments})
+        reason = "tool_use" if calls else _STOP_REASONS.get(choice.reason or "", "end_turn")
+        return blocks, reason
+
+    def _message(self, job: Job, content: list[JSONObject], reason: str | None,
+                 usage: JSONObject) -> JSONObject:
+        return {"id": job.public_id.replace("-", "_", 1), "type": "message",
+                "role": "assistant", "model": job.model, "content": content,
+                "stop_reason": reason, "stop_sequence": None, "usage": usage}
+
+    def body(self, job: Job, request: ChatCompletionRequest) -> JSONObject:
+        choice = job.prompts[0].choices[0]
+        blocks, reason = self._blocks(job, choice)
+        return self._message(job, blocks, reason, self._usage(job, job.num_output_tokens))
+
+    async def stream(self, job: Job, request: ChatCompletionRequest) -> AsyncIterator[str]:
+        """message_start, then per content block start / deltas / stop, message_delta (stop
+        reason, output tokens) and message_stop; ``ping`` after the start, as Anthropic sends.
+        With tools the answer is parsed whole, so its blocks come at the end."""
+
+        def event(kind: str, **payload: Any) -> str:
+            data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
+            return f"event: {kind}\ndata: {data}\n\n"
+
+        try:
+            yield event("message_start", message=self._message(job, [], None,
+                                                               self._usage(job, 0)))
+            yield event("ping")
+            choice = job.prompts[0].choices[0]
+            live = not job.options.tools
+            opened = False
+            while not job.done:
+                try:
+                    output, _, choice = await self.serving._next(job)
+                except ApiError as exc:
+                    yield event("error", error={"type": "api_error", "message": exc.message})
+                    return
+                if live and output.text:
+                    if not opened:
+                        yield event("content_block_start", index=0,
+                                    content_block={"type": "text", "text": ""})
+                        opened = True
+                    yield event("content_block_delta", index=0,
+                                delta={"type": "text_delta", "text": output.text})
+            blocks, reason = self._blocks(job, choice)
+            if live:
+                if not opened:
+                    yield event("content_block_start", index=0,
+                                content_block={"type": "text", "text": ""})
+                yield event("content_block_stop", index=0)
+            else:
+                for index, block in enumerate(blocks):
+                    if block["type"] == "text":
+                        yield event("content_block_start", index=index,
+                                    content_block={"type": "text", "text": ""})
+                        yield event("content_block_delta", index=index,
+                                    delta={"type": "text_delta", "text": block["text"]})
+                    else:
+                        yield event("content_block_start", index=index,
+                                    content_block={**block, "input": {}})
+                        yield event("content_block_delta", index=index, delta={
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(block["input"])})
+                    yield event("content_block_stop", index=index)
+            yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": None},
+                        usage={"output_tokens": job.num_output_tokens})
+            yield event("message_stop")
+        finally:
+            self.serving._finish(job)
+

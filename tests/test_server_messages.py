@@ -1,0 +1,154 @@
+"""`POST /v1/messages` (Anthropic's Messages API) through the official `anthropic` SDK against a
+real server: create, stream, count_tokens, tools, errors in Anthropic's shape, x-api-key auth,
+and greedy answers equal to /v1/chat/completions'."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from server_harness import RunningServer, start_server
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tenants.toml"
+SECRET = b"0123456789abcdef0123456789abcdef"
+ACME = "sk-acme-example-key-1"
+GREEDY = {"temperature": 0.0}  # this SDK has no sampling parameters of its own
+SYSTEM = "You are the archive's clerk. Answer in one short sentence, citing the shelf. " * 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    secret = tmp_path_factory.mktemp("secret") / "secret"
+    secret.write_bytes(SECRET)
+    running = start_server(["--model", "tiny", "--tenants", str(EXAMPLE), "--secret-file",
+                            str(secret), "--num-kv-blocks", "256"])
+    yield running
+    running.stop()
+
+
+def sdk(server: RunningServer, key: str = ACME) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=key, max_retries=0)
+
+
+def test_create_answers_as_chat_completions_and_reports_cache_reads(server) -> None:
+    client = sdk(server)
+    messages = [{"role": "user", "content": "Where is the map room?"}]
+    first = client.messages.create(model="tiny", max_tokens=8, system=SYSTEM, messages=messages,
+                                   extra_body=GREEDY)
+    assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
+    assert first.stop_reason in ("end_turn", "max_tokens")
+    text = "".join(b.text for b in first.content if b.type == "text")
+    chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ACME, max_retries=0)
+    same = chat.chat.completions.create(
+        model="tiny", max_tokens=8, extra_body=GREEDY,
+        messages=[{"role": "system", "content": SYSTEM}, *messages])
+    assert text == same.choices[0].message.content
+    again = client.messages.create(model="tiny", max_tokens=8, extra_body=GREEDY, system=[
+        {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+        messages=messages)
+    use = again.usage
+    assert use.cache_read_input_tokens > 0 and use.cache_creation_input_tokens == 0
+    total = use.input_tokens + use.cache_read_input_tokens + use.cache_creation_input_tokens
+    assert total == same.usage.prompt_tokens and use.output_tokens == again.usage.output_tokens
+
+
+def test_stream_sends_anthropics_event_sequence(server) -> None:
+    client = sdk(server)
+    with client.messages.stream(model="tiny", max_tokens=12, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": "Name a shelf."}]) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    whole = client.messages.create(model="tiny", max_tokens=12, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": "Name a shelf."}])
+    assert text == "".join(b.text for b in whole.content) == "".join(
+        b.text for b in final.content)
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    raw = httpx.post(server.base_url + "/v1/messages", headers={"x-api-key": ACME,
+                     "anthropic-version": "2023-06-01"}, timeout=60, json={
+        "model": "tiny", "max_tokens": 4, "stream": True,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    kinds = [line.split(": ", 1)[1] for line in raw.text.splitlines()
+             if line.startswith("event: ")]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[3:-3]) <= {"content_block_delta"}
+
+
+def test_count_tokens_and_tools(server) -> None:
+    client = sdk(server)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    counted = client.messages.count_tokens(model="tiny", system=SYSTEM, messages=messages)
+    answer = client.messages.create(model="tiny", max_tokens=1, system=SYSTEM,
+                                    messages=messages)
+    assert counted.input_tokens == (answer.usage.input_tokens
+                                    + answer.usage.cache_read_input_tokens)
+    tools = [{"name": "get_weather", "description": "The weather of a city",
+              "input_schema": {"type": "object", "additionalProperties": False,
+                               "properties": {"city": {"type": "string", "maxLength": 10}},
+                               "required": ["city"]}}]
+    forced = client.messages.create(model="tiny", max_tokens=300, extra_body=GREEDY, tools=tools,
+                                    tool_choice={"type": "tool", "name": "get_weather"},
+                                    messages=messages)
+    uses = [b for b in forced.content if b.type == "tool_use"]
+    assert forced.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
+    assert isinstance(uses[0].input.get("city"), str)
+    follow = client.messages.create(model="tiny", max_tokens=4, tools=tools, messages=[
+        *messages, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": uses[0].id, "name": "get_weather", "input": uses[0].input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                      "content": "sunny, 21 C"}]}])
+    assert follow.type == "message"
+    with client.messages.stream(model="tiny", max_tokens=300, extra_body=GREEDY, tools=tools,
+                                tool_choice={"type": "any"}, messages=messages) as s:
+        streamed = s.get_final_message()
+    assert [b.type for b in streamed.content][-1] == "tool_use"
+
+
+def test_errors_take_anthropics_shape_and_keys_work_either_way(server) -> None:
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        sdk(server, "sk-not-a-tenant").messages.create(
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert denied.value.status_code == 401
+    assert denied.value.body["type"] == "error"  # type: ignore[index]
+    assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    for body, fragment in (
+        ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}, "max_tokens"),
+        ({"model": "tiny", "max_tokens": 4, "messages": []}, "messages"),
+        ({"model": "tiny", "max_tokens": 4, "messages": [
+            {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                               "content": "?"}]}]}, "tool_result"),
+        ({"model": "tiny", "max_tokens": 4, "tool_choice": {"type": "tool", "name": "nope"},
+          "tools": [{"name": "a", "input_schema": {"type": "object"}}],
+          "messages": [{"role": "user", "content": "Hi"}]}, "tool_choice"),
+    ):
+        reply = httpx.post(server.base_url + "/v1/messages", json=body, timeout=30,
+                           headers={"x-api-key": ACME})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert fragment in error["error"]["message"], error
+    bearer = httpx.post(server.base_url + "/v1/messages/count_tokens", timeout=30,
+                        headers={"authorization": f"Bearer {ACME}"},
+                        json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})
+    assert bearer.status_code == 200 and bearer.json()["input_tokens"] > 0
+    openai_shape = httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
+                              headers={"x-api-key": ACME}, content=json.dumps({"model": "tiny"}))
+    assert openai_shape.status_code == 400 and "error" in openai_shape.json()
+
+
+def test_tenants_stay_apart_on_messages(server) -> None:
+    prompt = [{"role": "user", "content": "A confidential question about shelf nine? " * 4}]
+    sdk(server).messages.create(model="tiny", max_tokens=2, messages=prompt)
+    other = sdk(server, "sk-globex-example-key").messages.create(model="tiny", max_tokens=2,
+                                                                 messages=prompt)
+    assert other.usage.cache_read_input_tokens == 0
+    mine = sdk(server).messages.create(model="tiny", max_tokens=2, messages=prompt)
+    assert mine.usage.cache_read_input_tokens > 0
