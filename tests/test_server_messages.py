@@ -152,3 +152,32 @@ def test_tenants_stay_apart_on_messages(server) -> None:
     assert other.usage.cache_read_input_tokens == 0
     mine = sdk(server).messages.create(model="tiny", max_tokens=2, messages=prompt)
     assert mine.usage.cache_read_input_tokens > 0
+
+
+def test_cache_control_pins_the_prefix_and_reports_creation_then_reads(server) -> None:
+    client = sdk(server)
+    system = [{"type": "text", "text": "Shelf rules, volume two. " * 12,
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    messages = [{"role": "user", "content": "Which volume?"}]
+    first = client.messages.create(model="tiny", max_tokens=2, system=system, messages=messages)
+    use = first.usage
+    assert use.cache_read_input_tokens == 0 and use.cache_creation_input_tokens >= 256
+    assert use.cache_creation.ephemeral_1h_input_tokens == use.cache_creation_input_tokens
+    prompt = use.input_tokens + use.cache_creation_input_tokens + use.cache_read_input_tokens
+    assert prompt == client.messages.count_tokens(model="tiny", system=system,
+                                                  messages=messages).input_tokens
+    pin = server.engine.pins.of_domain("tenant:acme")[-1]  # an earlier test pinned one too
+    assert pin.num_tokens == use.cache_creation_input_tokens and pin.ttl_s == 3600.0
+    second = client.messages.create(model="tiny", max_tokens=2, system=system,
+                                    messages=[{"role": "user", "content": "And the shelf?"}])
+    assert second.usage.cache_read_input_tokens >= use.cache_creation_input_tokens
+    assert second.usage.cache_creation_input_tokens == 0
+    for body, fragment in (
+        ({"cache_control": {"type": "ephemeral", "ttl": "2h"}}, "'5m' or '1h'"),
+        ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}] * 5},
+         "at most 4"),
+    ):
+        reply = httpx.post(server.base_url + "/v1/messages", timeout=30,
+                           headers={"x-api-key": ACME},
+                           json={"model": "tiny", "max_tokens": 2, "messages": messages, **body})
+        assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]

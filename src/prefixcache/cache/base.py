@@ -438,6 +438,24 @@ class PrefixCache:
             self._free(stand_in, notify=False)
         return end - have
 
+    def hold(self, seq: Sequence, num_blocks: int) -> int:
+        """Take a reference on the cached blocks among ``seq``'s first ``num_blocks`` (from the
+        first, as far as they are cached), computing nothing and counting no lookup: a pin.
+        ``seq`` is then live, its blocks out of every free queue; `free` lets them go. Returns
+        how many blocks it holds (0: none cached, or ``seq`` is live already)."""
+        if not (self.enable_prefix_caching and seq.use_cache) or seq.seq_id in self._tables:
+            return 0
+        if num_blocks > (len(seq.token_ids) - 1) // self.block_size:
+            raise ValueError(f"hold: {num_blocks} blocks leave no token of {seq.seq_id!r}")
+        hit = self.index.lookup(seq)
+        if not hit.block_ids:
+            return 0
+        if len(hit.block_ids) > num_blocks:  # a longer sequence than the blocks asked for
+            raise ValueError(f"hold: give {seq.seq_id!r} num_blocks * block_size + 1 tokens")
+        hit.epoch = self.pool.epoch
+        block_ids = self._allocate_first(seq, 0, hit, counted=False)
+        return 0 if block_ids is None else len(block_ids)
+
     def fork(self, seq: Sequence, child_id: str) -> Sequence:
         """A child sharing every block of ``seq`` (ref counts up), for n > 1 sampling."""
         table = self._live_table(seq)

@@ -77,6 +77,7 @@ class EngineConfig:
     check_integrity: bool = False
     logprobs_mode: str = "raw_logprobs"
     tiers: TierConfig = field(default_factory=TierConfig)
+    max_pinned_blocks: int | None = None  # per isolation domain; None: a quarter of the pool
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -86,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPE_CHOICES)}")
         if self.kv_memory_bytes < 1:
             raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
+        if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
+            raise ValueError(f"max_pinned_blocks must be >= 0, got {self.max_pinned_blocks}")
 
     @property
     def block_size(self) -> int:
@@ -113,7 +116,8 @@ class EngineConfig:
         scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
         tiers = {_TIER_KEYS[k]: settings.pop(k) for k in list(settings) if k in _TIER_KEYS}
         tiers = {k: v for k, v in tiers.items() if v is not None}  # None: the default
-        known = {"dtype", "seed", "kv_memory_bytes", "check_integrity", "logprobs_mode"}
+        known = {"dtype", "seed", "kv_memory_bytes", "check_integrity", "logprobs_mode",
+                 "max_pinned_blocks"}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
@@ -161,6 +165,7 @@ class EngineConfig:
             kv_valkey=getattr(args, "kv_valkey", None),
             kv_valkey_ttl_s=getattr(args, "kv_valkey_ttl", None),
             offload_prompt_only=not getattr(args, "kv_offload_decode", False),
+            max_pinned_blocks=getattr(args, "max_pinned_blocks", None),
         )
 
 
@@ -233,6 +238,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
                              "maxmemory policy decides)")
     parser.add_argument("--kv-offload-decode", action="store_true",
                         help="write decode blocks to the tiers too, not just prompt blocks")
+    parser.add_argument("--max-pinned-blocks", type=int, default=None, metavar="N",
+                        help="KV blocks each tenant may pin with cache_control or "
+                             "prompt_cache_retention (default: a quarter of the pool)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES,

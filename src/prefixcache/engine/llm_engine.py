@@ -27,6 +27,7 @@ from prefixcache.engine.input_processor import InputProcessor
 from prefixcache.engine.offload import KVOffload, Load
 from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
+from prefixcache.engine.pins import PinTable
 from prefixcache.engine.request import Request
 from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
@@ -92,6 +93,10 @@ class LLMEngine:
                                           self.runner.kv_cache, self.cache.identity)
             self.offload.emit_events = self.cache.enable_kv_events
         self._loading: dict[str, Request] = {}  # requests whose blocks a tier is reading
+        # prefixes kept from eviction for a time (cache_control), per domain within a budget
+        max_pinned = config.max_pinned_blocks
+        self.pins = PinTable(self.cache, num_blocks // 4 if max_pinned is None else max_pinned)
+        self.num_pins_released_by_reset = 0
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, block_size=self.block_size,
@@ -141,10 +146,13 @@ class LLMEngine:
         use_cache: bool = True,
         arrival_time: float | None = None,
         domain: str = "",
+        pins: SequenceABC[tuple[int, float]] = (),
     ) -> Request:
         """Queue a request. Bad input raises ValueError (`InvalidParam` naming the field,
         from `InputProcessor`) and leaves the engine unchanged. ``domain`` is its isolation
-        domain (tenant or group) for fair sharing and caps."""
+        domain (tenant or group) for fair sharing and caps. ``pins``: ``(num_tokens, ttl_s)``
+        prefixes of the prompt to keep from eviction once the request is done (cache
+        breakpoints; `PinTable`)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -154,6 +162,12 @@ class LLMEngine:
             request.matcher = self.grammars.matcher(params.structured_outputs)
         if arrival_time is not None:
             request.timing.arrival_time = arrival_time
+        for num_tokens, ttl_s in pins:
+            if num_tokens < 0 or not ttl_s > 0:
+                raise ValueError(f"a pin needs num_tokens >= 0 and ttl_s > 0, got "
+                                 f"{(num_tokens, ttl_s)}")
+        request.pin_requests = [(min(n, request.num_prompt_tokens - 1), t) for n, t in pins]
+        self.pins.refresh(request.seq)  # a request through a pinned prefix extends the pin
         self._groups[request_id] = request
         if not self._start_load(request):
             self.scheduler.add(request)
@@ -289,6 +303,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one batch; returns what each touched choice gained."""
+        self.pins.expire()
         if self.offload is not None:
             self._admit_loaded()
         outputs, self._pending = self._pending, []
@@ -395,6 +410,9 @@ class LLMEngine:
             return False
         parent = self._groups.pop(request_id, None)
         if parent is not None:
+            if parent.pin_requests and parent.finish_reason in ("stop", "length"):
+                for num_tokens, ttl_s in parent.pin_requests:
+                    self.pins.pin(parent.seq, num_tokens, ttl_s)
             self.output_processor.record(parent)
             if self.on_request_finished is not None:
                 self.on_request_finished(parent)
@@ -449,8 +467,19 @@ class LLMEngine:
         return events
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block; refused (False) while requests hold blocks."""
-        return self.cache.reset()
+        """Drop every cached block, pinned ones included (``num_pins_released_by_reset`` says
+        how many pins went); refused (False, nothing changed) while requests hold blocks."""
+        self.num_pins_released_by_reset = 0
+        if self.scheduler.has_unfinished() or self._loading:
+            return False
+        pins = list(self.pins.pins.values())
+        self.pins.release_all()
+        if not self.cache.reset():
+            for pin in pins:  # not reset after all: hold them again
+                self.pins.pin(pin.seq, pin.num_tokens, pin.ttl_s)
+            return False
+        self.num_pins_released_by_reset = len(pins)
+        return True
 
     def stats(self) -> dict[str, Any]:
         """Cache counters, scheduler counters and per-request timing of finished requests."""

@@ -68,6 +68,8 @@ class Request(SchedRequest):
     # prompt tokens whose KV a lower tier (disk, Valkey) supplied, part of num_cached_tokens;
     # None: the engine has no lower tier
     num_external_cached_tokens: int | None = field(default=None, kw_only=True)
+    # (num_tokens, ttl_s): prompt prefixes to pin when the request is done (cache breakpoints)
+    pin_requests: list[tuple[int, float]] = field(default_factory=list, kw_only=True)
 
     def __post_init__(self) -> None:
         self.n = self.params.num_choices

@@ -162,6 +162,7 @@ class AsyncEngine:
     async def add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         salt: str | None, use_cache: bool, domain: str = "", queue: OutputQueue | None = None,
+        pins: list[tuple[int, float]] | None = None,
     ) -> OutputQueue:
         """Queue a request; its outputs arrive on the returned queue (``queue``, which several
         requests may share, or a new one), the last one with ``request_finished``. Raises
@@ -183,7 +184,8 @@ class AsyncEngine:
 
         def add_in_thread() -> None:
             self.engine.add_request(request_id, None, params, prompt_token_ids=prompt_token_ids,
-                                    cache_salt=salt, use_cache=use_cache, domain=domain)
+                                    cache_salt=salt, use_cache=use_cache, domain=domain,
+                                    pins=pins or ())
             self._streams[request_id] = stream
 
         self._count(domain, +1)

@@ -64,6 +64,8 @@ class RenderOptions:
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
     tools: bool = False  # chat: the answer may hold tool calls, parsed out of its text
+    # (num_tokens, ttl_s): cache breakpoints, pinned once the request is done (messages)
+    pins: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Choice, Job
 from prefixcache.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     JSONObject,
     MessagesCountRequest,
     MessagesRequest,
@@ -48,10 +49,32 @@ class MessagesAPI(ChatAPI):
     async def messages(self, body: MessagesRequest, tenant: Tenant, http: Request) -> Response:
         if body.max_tokens < 1:
             raise ApiError(400, "max_tokens must be >= 1", param="max_tokens")
+        breaks = breakpoints(body)
         chat = chat_body_of(body)
         prompts, params, options = await self._chat_job(chat)
+        token_ids = prompts[0][0]
+        bs = self.engine.limits.block_size
+        for truncated, ttl_s in breaks:
+            length = len(token_ids) - 1 if truncated is None else await self._prefix_length(
+                truncated, token_ids)
+            options.pins.append((length // bs * bs, ttl_s))
         return await self._serve(MessagesRendering(self), chat, prompts, params, options,
                                  tenant, http)
+
+    async def _prefix_length(self, truncated: MessagesCountRequest, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` the conversation cut after a breakpoint renders to (the
+        common prefix: a template may close a cut conversation differently)."""
+        fields = _chat_fields(truncated)
+        messages = [ChatMessage.model_validate(m) for m in fields["messages"]] or [
+            ChatMessage(role="system", content="")]
+        prefix = await self._off_loop(self._render_messages,
+                                      (messages, "messages", False, fields.get("tools")))
+        n = 0
+        for a, b in zip(prefix, token_ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        return min(n, len(token_ids) - 1)
 
     async def count_tokens(self, body: MessagesCountRequest) -> JSONObject:
         self._check_model(body.model)
@@ -72,6 +95,62 @@ def _chat_tools(chat: ChatCompletionRequest) -> tuple[list[JSONObject], Any]:
 
 def chat_body_of(body: MessagesCountRequest) -> ChatCompletionRequest:
     """The chat completions body a Messages body means."""
+    try:
+        return ChatCompletionRequest.model_validate(_chat_fields(body))
+    except ValueError as exc:
+        raise ApiError(400, f"invalid messages: {exc.__class__.__name__}",
+                       param="messages") from None
+
+
+_TTLS = {"5m": 300.0, "1h": 3600.0}
+MAX_BREAKPOINTS = 4
+
+
+def breakpoints(body: MessagesRequest) -> list[tuple[MessagesCountRequest | None, float]]:
+    """The body's cache breakpoints in Anthropic's prefix order (tools, system, messages):
+    each the conversation cut right after its block, with its TTL in seconds; the top-level
+    ``cache_control`` adds one at the prompt's end (None). At most four."""
+    out: list[tuple[MessagesCountRequest | None, float]] = []
+
+    def cut(**update: object) -> MessagesCountRequest:
+        return body.model_copy(update={"messages": [], "system": None, **update})
+
+    for i, tool in enumerate(body.tools or []):
+        if tool.cache_control is not None:
+            out.append((cut(), _ttl(tool.cache_control, f"tools.{i}.cache_control")))
+    if isinstance(body.system, list):
+        for i, text in enumerate(body.system):
+            if text.cache_control is not None:
+                out.append((cut(system=body.system[: i + 1]),
+                            _ttl(text.cache_control, f"system.{i}.cache_control")))
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, str):
+            continue
+        for j, block in enumerate(message.content):
+            if block.cache_control is None:
+                continue
+            last = message.model_copy(update={"content": message.content[: j + 1]})
+            out.append((cut(system=body.system, messages=[*body.messages[:i], last]),
+                        _ttl(block.cache_control, f"messages.{i}.content.{j}.cache_control")))
+    if body.cache_control is not None:
+        out.append((None, _ttl(body.cache_control, "cache_control")))
+    if len(out) > MAX_BREAKPOINTS:
+        raise ApiError(400, f"at most {MAX_BREAKPOINTS} blocks may have cache_control, "
+                       f"found {len(out)}", param="cache_control")
+    return out
+
+
+def _ttl(control: JSONObject, param: str) -> float:
+    if control.get("type") != "ephemeral":
+        raise ApiError(400, "cache_control.type must be 'ephemeral'", param=param)
+    ttl = control.get("ttl", "5m")
+    if ttl not in _TTLS:
+        raise ApiError(400, "cache_control.ttl must be '5m' or '1h'", param=param)
+    return _TTLS[ttl]
+
+
+def _chat_fields(body: MessagesCountRequest) -> JSONObject:
+    """The fields of the chat completions body ``body`` means."""
     messages: list[JSONObject] = []
     if body.system is not None:
         system = body.system if isinstance(body.system, str) else "".join(
@@ -119,11 +198,7 @@ def chat_body_of(body: MessagesCountRequest) -> ChatCompletionRequest:
             fields["stop"] = body.stop_sequences
         if body.cache_salt is not None:
             fields["cache_salt"] = body.cache_salt
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValueError as exc:
-        raise ApiError(400, f"invalid messages: {exc.__class__.__name__}",
-                       param="messages") from None
+    return fields
 
 
 def _tool_choice(choice: JSONObject) -> Any:
@@ -146,10 +221,20 @@ class MessagesRendering(Rendering[ChatCompletionRequest]):
     id_prefix = "msg"
 
     def _usage(self, job: Job, num_output: int) -> JSONObject:
-        prompt = job.prompts[0]
-        return {"input_tokens": job.num_prompt_tokens - prompt.num_cached,
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": prompt.num_cached,
+        """Anthropic's usage: read (served from the cache), created (the breakpoints' prefix
+        beyond what was read: written and pinned, 1-hour ones first) and the rest computed."""
+        cached = job.prompts[0].num_cached
+        pins = job.options.pins
+        end_1h = max((n for n, ttl in pins if ttl > 300.0), default=0)
+        end = max((n for n, _ in pins), default=0)
+        created_1h = max(0, end_1h - cached)
+        created_5m = max(0, end - max(cached, end_1h))
+        created = created_1h + created_5m
+        return {"input_tokens": job.num_prompt_tokens - cached - created,
+                "cache_creation_input_tokens": created,
+                "cache_read_input_tokens": cached,
+                "cache_creation": {"ephemeral_5m_input_tokens": created_5m,
+                                   "ephemeral_1h_input_tokens": created_1h},
                 "output_tokens": num_output}
 
     def _blocks(self, job: Job, choice: Choice) -> tuple[list[JSONObject], str]:

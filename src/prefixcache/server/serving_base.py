@@ -255,7 +255,8 @@ class ServingBase:
         try:
             for prompt in job.prompts:
                 await self.engine.add(prompt.request_id, prompt.token_ids, params, scope.salt,
-                                      scope.use_cache, tenant.scheduling_domain, queue=queue)
+                                      scope.use_cache, tenant.scheduling_domain, queue=queue,
+                                      pins=options.pins)
                 job.num_added += 1
         except EngineOverloaded as exc:
             self._finish(job)

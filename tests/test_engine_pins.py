@@ -1,0 +1,92 @@
+"""Pinned prefixes (`engine/pins.py`): a pinned prompt survives another tenant's eviction flood,
+expires exactly at its TTL on a controlled clock, refreshes on a hit, stays inside its domain's
+budget, and a reset says what it did with the pins."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(engine: LLMEngine, rid: str, prompt: list[int], domain: str,
+        pins: list[tuple[int, float]] | None = None) -> int:
+    engine.add_request(rid, prompt_token_ids=prompt, cache_salt=domain, domain=domain,
+                       sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
+                       pins=pins or [])
+    cached = -1
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                cached = out.num_cached_tokens
+    return cached
+
+
+def flood(engine: LLMEngine, rng: random.Random, domain: str, n: int = 12) -> None:
+    for _ in range(n):
+        run(engine, f"flood-{rng.random()}", [rng.randrange(3, 250) for _ in range(161)],
+            domain)
+
+
+@pytest.fixture
+def engine() -> Any:
+    engine = LLMEngine("tiny", block_size=BS, num_kv_blocks=40, check_integrity=True,
+                       max_pinned_blocks=12)
+    engine.pins.clock = Clock()
+    return engine
+
+
+def test_a_pinned_prefix_survives_a_flood_and_expires_at_its_ttl(engine: LLMEngine) -> None:
+    rng = random.Random(3)
+    pinned = [rng.randrange(3, 250) for _ in range(161)]
+    unpinned = [rng.randrange(3, 250) for _ in range(161)]
+    run(engine, "p", pinned, "tenant:a", pins=[(160, 300.0)])
+    run(engine, "u", unpinned, "tenant:a")
+    assert [p.num_blocks for p in engine.pins.of_domain("tenant:a")] == [10]
+    flood(engine, rng, "tenant:b")  # another tenant's churn (fair shares guard a's cache too)
+    flood(engine, rng, "tenant:a")  # and a's own, which may evict a's unpinned blocks
+    assert run(engine, "p2", pinned, "tenant:a") == 160  # still every pinned block
+    assert run(engine, "u2", unpinned, "tenant:a") == 0  # evicted by the flood
+    engine.pins.clock.now += 299.0  # type: ignore[attr-defined]
+    engine.step()
+    assert engine.pins.of_domain("tenant:a")  # the hit at p2 refreshed it: 300 s from then
+    engine.pins.clock.now += 2.0  # type: ignore[attr-defined]
+    engine.step()
+    assert not engine.pins.pins and engine.pins.num_expired == 1
+    flood(engine, rng, "tenant:a")
+    assert run(engine, "p3", pinned, "tenant:a") == 0  # evictable again after the TTL
+
+
+def test_the_pin_budget_releases_the_domains_oldest_pin_never_anothers(engine) -> None:
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 250) for _ in range(97)] for _ in range(3)]  # 6 blocks each
+    run(engine, "b0", prompts[0], "tenant:b", pins=[(96, 60.0)])
+    run(engine, "a0", prompts[1], "tenant:a", pins=[(96, 60.0)])
+    run(engine, "a1", prompts[2], "tenant:a", pins=[(96, 60.0)])
+    assert engine.pins.blocks_pinned("tenant:a") == 12 and engine.pins.blocks_pinned(
+        "tenant:b") == 6
+    run(engine, "a2", [t ^ 1 for t in prompts[1]], "tenant:a", pins=[(96, 60.0)])
+    assert engine.pins.blocks_pinned("tenant:a") == 12  # a0's pin went, b0's stayed
+    assert engine.pins.blocks_pinned("tenant:b") == 6 and engine.pins.num_evicted_for_budget == 1
+
+
+def test_a_reset_releases_the_pins_and_says_so(engine: LLMEngine) -> None:
+    run(engine, "p", list(range(3, 164)), "tenant:a", pins=[(160, 300.0)])
+    assert engine.reset_prefix_cache() and engine.num_pins_released_by_reset == 1
+    assert not engine.pins.pins and engine.cache.num_cached_blocks == 0
