@@ -304,7 +304,7 @@ def test_reset_prefix_cache(server: RunningServer, client: openai.OpenAI) -> Non
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **greedy())
     wait_idle(server)
     response = httpx.post(server.base_url + "/reset_prefix_cache")
-    assert response.status_code == 200 and response.json() == {"reset": True}
+    assert response.status_code == 200 and response.json() == {"reset": True, "pins_released": 0}
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **greedy())
     assert again.usage.prompt_tokens_details.cached_tokens == 0
 

@@ -181,3 +181,13 @@ def test_cache_control_pins_the_prefix_and_reports_creation_then_reads(server) -
                            headers={"x-api-key": ACME},
                            json={"model": "tiny", "max_tokens": 2, "messages": messages, **body})
         assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]
+
+
+def test_a_reset_says_how_many_pins_it_released(server) -> None:
+    pinned = len(server.engine.pins.pins)
+    assert pinned >= 1  # the breakpoints above
+    reply = httpx.post(server.base_url + "/reset_prefix_cache", timeout=30,
+                       headers={"x-api-key": "sk-ops-admin-example-key"})
+    assert reply.status_code == 200 and reply.json() == {"reset": True,
+                                                         "pins_released": pinned}
+    assert not server.engine.pins.pins

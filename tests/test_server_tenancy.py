@@ -172,7 +172,7 @@ def test_reset_needs_admin(server: RunningServer) -> None:
     cached(server, OPS, prompt)
     wait_idle(server)
     done = httpx.post(url, headers={"authorization": f"Bearer {OPS}"})
-    assert done.status_code == 200 and done.json() == {"reset": True}
+    assert done.status_code == 200 and done.json() == {"reset": True, "pins_released": 0}
     assert cached(server, OPS, prompt) == 0
 
 

@@ -241,9 +241,10 @@ async def _purge(
 async def _reset(async_engine: AsyncEngine, tenant: Tenant) -> JSONResponse:
     if not tenant.admin:
         raise ApiError(403, "resetting the prefix cache needs an admin API key")
-    done = await async_engine.reset_prefix_cache()
+    done, num_pins = await async_engine.reset_prefix_cache_and_pins()
     if not done:
         raise ApiError(409, "the prefix cache was not reset: requests still hold KV blocks; "
                        "retry when the server is idle", code="cache_in_use")
-    logger.info("prefix cache reset by an admin of %s", tenant.isolation_domain)
-    return JSONResponse({"reset": True})
+    logger.info("prefix cache reset by an admin of %s (%d pins released)",
+                tenant.isolation_domain, num_pins)
+    return JSONResponse({"reset": True, "pins_released": num_pins})

@@ -143,6 +143,14 @@ class AsyncEngine:
         """Drop every cached block between steps; False while requests hold blocks."""
         return await self.call(self.engine.reset_prefix_cache)
 
+    async def reset_prefix_cache_and_pins(self) -> tuple[bool, int]:
+        """`reset_prefix_cache`, and how many pins the reset released."""
+        def reset() -> tuple[bool, int]:
+            done = self.engine.reset_prefix_cache()
+            return done, self.engine.num_pins_released_by_reset
+
+        return await self.call(reset)
+
     async def purge_domain(self, domain: str) -> dict[str, int]:
         """Remove ``domain``'s free cached blocks from RAM (between steps), then its blocks
         from the lower tiers (off the engine thread: the tiers are thread-safe and a purge walks
