@@ -183,6 +183,22 @@ def test_cache_control_pins_the_prefix_and_reports_creation_then_reads(server) -
         assert reply.status_code == 400 and fragment in reply.json()["error"]["message"]
 
 
+def test_openai_prompt_cache_retention_24h_pins_the_prompt(server) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ACME, max_retries=0)
+    before = {p.pin_id for p in server.engine.pins.of_domain("tenant:acme")}
+    out = client.chat.completions.create(
+        model="tiny", max_tokens=2, messages=[{"role": "user", "content": "Keep me. " * 30}],
+        extra_body={"prompt_cache_retention": "24h", "prompt_cache_key": "clerk-7"})
+    new = [p for p in server.engine.pins.of_domain("tenant:acme") if p.pin_id not in before]
+    assert len(new) == 1 and new[0].ttl_s == 24 * 3600.0
+    assert new[0].num_tokens == (out.usage.prompt_tokens - 1) // 16 * 16
+    bad = httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
+                     headers={"x-api-key": ACME}, json={
+                         "model": "tiny", "max_tokens": 2, "prompt_cache_retention": "forever",
+                         "messages": [{"role": "user", "content": "Hi"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_retention"
+
+
 def test_a_reset_says_how_many_pins_it_released(server) -> None:
     pinned = len(server.engine.pins.pins)
     assert pinned >= 1  # the breakpoints above

@@ -137,6 +137,10 @@ class _SamplingFields(Lenient):
     stream_options: StreamOptions | None = None
     cache_salt: StrictStr | None = None  # extension (vLLM): narrows reuse inside the namespace
     user: StrictStr | None = None
+    # OpenAI's prompt caching: "24h" pins the prompt's blocks (within the tenant's budget); the
+    # key is a routing hint, never part of a block's identity
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_key: StrictStr | None = None
     frequency_penalty: Number = 0.0
     presence_penalty: Number = 0.0
     repetition_penalty: Number = 1.0  # extension (vLLM)
@@ -241,6 +245,8 @@ class ResponsesRequest(Lenient):
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None  # extension (vLLM)
     text: ResponsesText | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_key: StrictStr | None = None
 
 
 # ---- the Anthropic Messages API ----------------------------------------------------------------

@@ -49,6 +49,8 @@ A = TypeVar("A")
 T = TypeVar("T")
 
 
+RETENTION_24H_S = 24 * 3600.0  # prompt_cache_retention: "24h"
+
 class StreamableBody(Protocol):
     """What `ServingBase._serve` reads of a request body (every API's has these)."""
 
@@ -252,11 +254,15 @@ class ServingBase:
                     [Choice() for _ in range(params.num_choices)])
             for i, (ids, text) in enumerate(prompts)
         ], options, start)
+        retain = getattr(body, "prompt_cache_retention", None) == "24h"
         try:
             for prompt in job.prompts:
+                pins = options.pins
+                if retain:  # OpenAI's extended retention: the whole prompt, a day
+                    pins = [*pins, (len(prompt.token_ids) - 1, RETENTION_24H_S)]
                 await self.engine.add(prompt.request_id, prompt.token_ids, params, scope.salt,
                                       scope.use_cache, tenant.scheduling_domain, queue=queue,
-                                      pins=options.pins)
+                                      pins=pins)
                 job.num_added += 1
         except EngineOverloaded as exc:
             self._finish(job)
