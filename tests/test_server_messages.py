@@ -199,6 +199,40 @@ def test_openai_prompt_cache_retention_24h_pins_the_prompt(server) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_retention"
 
 
+def test_warm_up_pins_and_a_tenant_sees_and_releases_only_its_own(server) -> None:
+    headers = {"x-api-key": ACME}
+    system = "The warm archive: " + "volumes and shelves. " * 14
+    warm = httpx.post(server.base_url + "/v1/cache/warm", timeout=60, headers=headers, json={
+        "model": "tiny", "messages": [{"role": "system", "content": system}], "ttl": "1h"})
+    assert warm.status_code == 200, warm.text
+    out = warm.json()
+    assert out["object"] == "cache.warm" and out["pinned_tokens"] >= 256
+    assert out["ttl_s"] == 3600.0
+    listed = httpx.get(server.base_url + "/v1/cache/pins", headers=headers, timeout=30).json()
+    mine = [p for p in listed["data"] if p["num_tokens"] == out["pinned_tokens"]]
+    assert mine and 0 < mine[-1]["expires_in_s"] <= 3600.0
+    assert set(mine[-1]) == {"id", "num_tokens", "ttl_s", "expires_in_s", "last_block_digest"}
+    other = {"x-api-key": "sk-globex-example-key"}
+    assert httpx.get(server.base_url + "/v1/cache/pins", headers=other,
+                     timeout=30).json()["data"] == []
+    pin_id = mine[-1]["id"]
+    refused = httpx.delete(f"{server.base_url}/v1/cache/pins/{pin_id}", headers=other, timeout=30)
+    assert refused.status_code == 404
+    hit = sdk(server).messages.create(
+        model="tiny", max_tokens=2, system=system,
+        messages=[{"role": "user", "content": "Which shelf?"}])
+    assert hit.usage.cache_read_input_tokens >= out["pinned_tokens"] - 16
+    done = httpx.delete(f"{server.base_url}/v1/cache/pins/{pin_id}", headers=headers, timeout=30)
+    assert done.status_code == 200 and done.json() == {"id": pin_id, "deleted": True}
+    ids = httpx.post(server.base_url + "/v1/cache/warm", headers=headers, timeout=60, json={
+        "model": "tiny", "prompt": list(range(3, 60)), "ttl": 120}).json()
+    assert ids["prompt_tokens"] == 57 and ids["pinned_tokens"] == 48 and ids["ttl_s"] == 120.0
+    for body in ({"model": "tiny"}, {"model": "tiny", "prompt": "x", "ttl": "2d"},
+                 {"model": "tiny", "prompt": "x", "ttl": 0}):
+        assert httpx.post(server.base_url + "/v1/cache/warm", json=body, headers=headers,
+                          timeout=30).status_code == 400
+
+
 def test_a_reset_says_how_many_pins_it_released(server) -> None:
     pinned = len(server.engine.pins.pins)
     assert pinned >= 1  # the breakpoints above

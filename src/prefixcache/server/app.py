@@ -32,6 +32,7 @@ from prefixcache.server.protocol import (
     PurgeRequest,
     ResponsesRequest,
     TokenizeRequest,
+    WarmRequest,
 )
 from prefixcache.server.serving import OpenAIServing
 from prefixcache.server.tenancy import Tenant, TenantRegistry
@@ -204,6 +205,19 @@ def _add_routes(
     async def count_tokens(body: MessagesCountRequest,
                            tenant: Tenant = Depends(auth)) -> JSONObject:
         return await serving.count_tokens(body)
+
+    @app.post("/v1/cache/warm")
+    async def warm(body: WarmRequest, request: Request,
+                   tenant: Tenant = Depends(auth)) -> Response:
+        return await serving.warm(body, tenant, request)
+
+    @app.get("/v1/cache/pins")
+    async def pins(tenant: Tenant = Depends(auth)) -> JSONObject:
+        return await serving.list_pins(tenant)
+
+    @app.delete("/v1/cache/pins/{pin_id}")
+    async def delete_pin(pin_id: str, tenant: Tenant = Depends(auth)) -> JSONObject:
+        return await serving.delete_pin(pin_id, tenant)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(tenant: Tenant = Depends(auth)) -> JSONResponse:

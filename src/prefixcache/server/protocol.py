@@ -324,6 +324,18 @@ class MessagesRequest(MessagesCountRequest):
     cache_salt: StrictStr | None = None
 
 
+class WarmRequest(Lenient):
+    """``POST /v1/cache/warm``: a ``prompt`` (text or token ids) or chat ``messages`` to prefill
+    into the caller's namespace, pinned for ``ttl`` (``5m``, ``1h``, ``24h`` or seconds)."""
+
+    model: StrictStr
+    prompt: StrictStr | TokenIds | None = None
+    messages: list[ChatMessage] | None = None
+    ttl: Literal["5m", "1h", "24h"] | Number | None = None
+    cache_salt: StrictStr | None = None
+    stream: StrictBool = False  # a warm-up answers once: true is refused
+
+
 class TokenizeRequest(Lenient):
     """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered by the template."""
 

@@ -8,6 +8,7 @@ them together, what `app.create_app` routes to.
 
 from __future__ import annotations
 
+from prefixcache.server.cache_api import CacheAPI
 from prefixcache.server.chat import ChatAPI
 from prefixcache.server.completions import CompletionsAPI
 from prefixcache.server.messages import MessagesAPI
@@ -17,6 +18,6 @@ from prefixcache.server.tokenizer_api import TokenizerAPI
 __all__ = ["OpenAIServing"]
 
 
-class OpenAIServing(CompletionsAPI, MessagesAPI, ChatAPI, ResponsesAPI, TokenizerAPI):
+class OpenAIServing(CacheAPI, CompletionsAPI, MessagesAPI, ChatAPI, ResponsesAPI, TokenizerAPI):
     """Completions, chat completions, responses, Anthropic's messages and the tokenizer
     endpoints over one model."""
