@@ -7,9 +7,10 @@ and sampling (`ChatAPI._chat_job`), so a greedy answer equals ``/v1/chat/complet
 is rendered as Anthropic's ``message`` object or its event stream (`MessagesRendering`): text and
 ``tool_use`` content blocks, ``stop_reason`` (``end_turn``, ``max_tokens``, ``tool_use``), and
 usage as ``input_tokens`` (computed), ``cache_read_input_tokens`` (served from the prefix
-cache) and ``cache_creation_input_tokens``. ``cache_control`` breakpoints are accepted and not
-yet honoured (no pins): every prompt block is cached as usual and creation is reported as 0.
-Errors on these routes use Anthropic's shape (`errors.install_error_handlers`).
+cache) and ``cache_creation_input_tokens`` (written and pinned). Each ``cache_control``
+breakpoint pins the prefix through its block for its TTL (`breakpoints`; `engine/pins.py`); the
+definitions are in ``docs/prompt-caching.md``. Errors on these routes use Anthropic's shape
+(`errors.install_error_handlers`).
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ class ResponsesRequest(Lenient):
 
 
 class MessagesText(Lenient):
-    """A text block; ``cache_control`` marks a cache breakpoint (accepted, not yet honoured)."""
+    """A text block; ``cache_control`` marks a cache breakpoint (the prefix through it is
+    pinned)."""
 
     type: Literal["text"]
     text: StrictStr
@@ -320,7 +321,7 @@ class MessagesRequest(MessagesCountRequest):
     top_k: StrictInt = 0
     stream: StrictBool = False
     metadata: JSONObject | None = None
-    cache_control: JSONObject | None = None  # the automatic breakpoint (accepted, not honoured)
+    cache_control: JSONObject | None = None  # the automatic breakpoint: the whole prompt
     cache_salt: StrictStr | None = None
 
 
