@@ -233,6 +233,36 @@ def test_warm_up_pins_and_a_tenant_sees_and_releases_only_its_own(server) -> Non
                           timeout=30).status_code == 400
 
 
+def test_serve_warm_preloads_and_pins_each_tenants_prompts(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    warm = tmp_path / "warm.jsonl"
+    system = "Standing orders of the archive. " * 12
+    warm.write_text("\n".join(json.dumps(line) for line in (
+        {"tenant": "acme", "messages": [{"role": "system", "content": system}], "ttl": "1h"},
+        {"tenant": "globex", "prompt": list(range(3, 100))},
+    )) + "\n")
+    running = start_server(["--model", "tiny", "--tenants", str(EXAMPLE), "--secret-file",
+                            str(secret), "--warm", str(warm)])
+    try:
+        pins = running.engine.pins
+        assert [p.ttl_s for p in pins.of_domain("tenant:acme")] == [3600.0]
+        assert pins.of_domain("group:partners") == []  # no ttl: cached, not pinned
+        hit = sdk(running).messages.create(model="tiny", max_tokens=2, system=system, messages=[
+            {"role": "user", "content": "What now?"}])
+        assert hit.usage.cache_read_input_tokens >= pins.of_domain("tenant:acme")[0].num_tokens
+    finally:
+        running.stop()
+    warm.write_text('{"tenant": "nobody", "prompt": "x"}\n')
+    out = subprocess.run([sys.executable, "-m", "prefixcache", "serve", "--model", "tiny",
+                          "--tenants", str(EXAMPLE), "--secret-file", str(secret), "--warm",
+                          str(warm)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"--warm {warm}:1: no such tenant" in out.stderr
+
+
 def test_a_reset_says_how_many_pins_it_released(server) -> None:
     pinned = len(server.engine.pins.pins)
     assert pinned >= 1  # the breakpoints above

@@ -38,8 +38,11 @@ class CacheAPI(CompletionsAPI):
         if body.messages is not None:
             self._check_prompt_bytes(sum(text_bytes(m.text()) for m in body.messages),
                                      "messages")
+            # ending before a user turn (a system prompt): the prefix later conversations share,
+            # without the assistant's generation prompt
+            ask = bool(body.messages) and body.messages[-1].role == "user"
             token_ids = await self._off_loop(self._render_messages,
-                                             (body.messages, "messages", True, None))
+                                             (body.messages, "messages", ask, None))
         else:
             assert body.prompt is not None
             self._check_prompt_bytes(text_bytes(body.prompt), "prompt")

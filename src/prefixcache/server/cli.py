@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="chat max_tokens when the client sends none")
     parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument("--warm", default=None, metavar="FILE",
+                        help="JSONL of prompts or conversations to prefill (and pin, with a "
+                             "ttl) per tenant before the port opens (docs/prompt-caching.md)")
     parser.add_argument("--record-trace", default=None, metavar="FILE",
                         help="append each finished request's token counts and block digests "
                              "(never text) to FILE, for `prefixcache simulate`")
@@ -230,6 +233,11 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
     from prefixcache.tools.cachelog import configure_from_env
 
     configure_from_env(engine)  # PREFIXCACHE_LOG=json: JSON logs + cache decisions (no text)
+    if getattr(args, "warm", None):
+        from prefixcache.server.warm import warm_from_file
+
+        warm_from_file(engine, tenants, args.warm,
+                       literal_content=not args.trust_special_tokens_in_content)
     if args.record_trace:
         _record_trace(engine, args.record_trace, getattr(args, "trace_epoch", None))
     from prefixcache.attention import native_attention
