@@ -263,6 +263,34 @@ def test_serve_warm_preloads_and_pins_each_tenants_prompts(tmp_path: Path) -> No
     assert out.returncode == 2 and f"--warm {warm}:1: no such tenant" in out.stderr
 
 
+def test_langchain_chat_anthropic_and_litellm_anthropic_talk_to_messages(server) -> None:
+    import os
+
+    from langchain_anthropic import ChatAnthropic
+
+    chat = ChatAnthropic(model="tiny", base_url=server.base_url, api_key=ACME, max_tokens=8,
+                         temperature=0.0, max_retries=0)
+    reply = chat.invoke([("system", SYSTEM), ("human", "Where is the map room?")])
+    direct = sdk(server).messages.create(
+        model="tiny", max_tokens=8, system=SYSTEM, extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Where is the map room?"}])
+    assert reply.content == "".join(b.text for b in direct.content)
+    assert reply.usage_metadata["input_tokens"] > 0
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # no fetch of the price list
+    import litellm
+
+    litellm.telemetry = False
+    out = litellm.completion(model="anthropic/tiny", api_base=server.base_url, api_key=ACME,
+                             max_tokens=8, temperature=0.0,
+                             messages=[{"role": "system", "content": SYSTEM},
+                                       {"role": "user", "content": "Where is the map room?"}])
+    assert out.choices[0].message.content == reply.content
+    stream = litellm.completion(model="anthropic/tiny", api_base=server.base_url,
+                                api_key=ACME, max_tokens=8, temperature=0.0, stream=True,
+                                messages=[{"role": "user", "content": "Where is the map room?"}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream)
+
+
 def test_a_reset_says_how_many_pins_it_released(server) -> None:
     pinned = len(server.engine.pins.pins)
     assert pinned >= 1  # the breakpoints above
