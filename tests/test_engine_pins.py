@@ -90,3 +90,27 @@ def test_a_reset_releases_the_pins_and_says_so(engine: LLMEngine) -> None:
     run(engine, "p", list(range(3, 164)), "tenant:a", pins=[(160, 300.0)])
     assert engine.reset_prefix_cache() and engine.num_pins_released_by_reset == 1
     assert not engine.pins.pins and engine.cache.num_cached_blocks == 0
+
+
+def test_a_domains_own_budget_replaces_the_default() -> None:
+    engine = LLMEngine("tiny", block_size=BS, num_kv_blocks=40, max_pinned_blocks=12,
+                       pin_budgets={"tenant:small": 3, "tenant:none": 0})
+    prompt = list(range(3, 164))  # 10 blocks
+    run(engine, "a", prompt, "tenant:small", pins=[(160, 60.0)])
+    run(engine, "b", prompt, "tenant:none", pins=[(160, 60.0)])
+    run(engine, "c", prompt, "tenant:other", pins=[(160, 60.0)])
+    assert engine.pins.blocks_pinned("tenant:small") == 3
+    assert engine.pins.blocks_pinned("tenant:none") == 0
+    assert engine.pins.blocks_pinned("tenant:other") == 10
+
+
+def test_the_tenants_file_sets_each_tenants_pin_budget(tmp_path) -> None:
+    from prefixcache.server.tenancy import TenancyError, load_tenants
+
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.a]\napi_keys = ['long-enough-key']\nmax_pinned_blocks = 7\n")
+    (tenant,) = set(load_tenants(path).values())
+    assert tenant.max_pinned_blocks == 7
+    path.write_text("[tenants.a]\napi_keys = ['long-enough-key']\nmax_pinned_blocks = -1\n")
+    with pytest.raises(TenancyError, match="max_pinned_blocks"):
+        load_tenants(path)

@@ -78,6 +78,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     tiers: TierConfig = field(default_factory=TierConfig)
     max_pinned_blocks: int | None = None  # per isolation domain; None: a quarter of the pool
+    pin_budgets: Mapping[str, int] | None = None  # per domain, replacing max_pinned_blocks
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -117,7 +118,7 @@ class EngineConfig:
         tiers = {_TIER_KEYS[k]: settings.pop(k) for k in list(settings) if k in _TIER_KEYS}
         tiers = {k: v for k, v in tiers.items() if v is not None}  # None: the default
         known = {"dtype", "seed", "kv_memory_bytes", "check_integrity", "logprobs_mode",
-                 "max_pinned_blocks"}
+                 "max_pinned_blocks", "pin_budgets"}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
@@ -136,6 +137,7 @@ class EngineConfig:
         *,
         domain_limits: Mapping[str, DomainLimits] | None = None,
         default_domain_limits: DomainLimits | None = None,
+        pin_budgets: Mapping[str, int] | None = None,
     ) -> EngineConfig:
         """From the flags `add_engine_arguments` defines (``serve``, ``generate``)."""
         if args.policy is not None:
@@ -166,6 +168,7 @@ class EngineConfig:
             kv_valkey_ttl_s=getattr(args, "kv_valkey_ttl", None),
             offload_prompt_only=not getattr(args, "kv_offload_decode", False),
             max_pinned_blocks=getattr(args, "max_pinned_blocks", None),
+            pin_budgets=pin_budgets,
         )
 
 

@@ -95,7 +95,8 @@ class LLMEngine:
         self._loading: dict[str, Request] = {}  # requests whose blocks a tier is reading
         # prefixes kept from eviction for a time (cache_control), per domain within a budget
         max_pinned = config.max_pinned_blocks
-        self.pins = PinTable(self.cache, num_blocks // 4 if max_pinned is None else max_pinned)
+        self.pins = PinTable(self.cache, num_blocks // 4 if max_pinned is None else max_pinned,
+                             budgets=config.pin_budgets)
         self.num_pins_released_by_reset = 0
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=self.model_config.vocab_size,

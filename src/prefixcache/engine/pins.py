@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prefixcache.cache import PrefixCache, Sequence
@@ -41,17 +41,23 @@ class PinTable:
 
     def __init__(
         self, cache: PrefixCache, max_blocks_per_domain: int,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, budgets: Mapping[str, int] | None = None,
     ) -> None:  # fmt: skip
-        if max_blocks_per_domain < 0:
-            raise ValueError(f"max_blocks_per_domain must be >= 0, got {max_blocks_per_domain}")
+        """``budgets``: per-domain budgets that replace ``max_blocks_per_domain``."""
+        if max_blocks_per_domain < 0 or any(b < 0 for b in (budgets or {}).values()):
+            raise ValueError("pin budgets must be >= 0")
         self.cache = cache
         self.max_blocks_per_domain = max_blocks_per_domain
+        self.budgets = dict(budgets or {})
         self.clock = clock
         self.pins: dict[str, Pin] = {}  # in creation order: the oldest first
         self._ids = itertools.count(1)
         self.num_expired = 0
         self.num_evicted_for_budget = 0
+
+    def budget(self, domain: str) -> int:
+        """How many blocks ``domain`` may pin."""
+        return self.budgets.get(domain, self.max_blocks_per_domain)
 
     def blocks_pinned(self, domain: str) -> int:
         return sum(p.num_blocks for p in self.pins.values() if p.domain == domain)
@@ -61,7 +67,8 @@ class PinTable:
         ``ttl_s`` seconds; None when none of them is cached or the budget is 0. An existing pin
         of the same prefix and domain is refreshed instead (its TTL the longer of the two)."""
         bs = self.cache.block_size
-        num_blocks = min(num_tokens // bs, self.max_blocks_per_domain)
+        budget = self.budget(seq.domain)
+        num_blocks = min(num_tokens // bs, budget)
         if num_blocks < 1:
             return None
         digests = self.cache.identity.block_digests(seq)
@@ -72,7 +79,7 @@ class PinTable:
                 pin.ttl_s = max(pin.ttl_s, ttl_s)
                 pin.expires_at = max(pin.expires_at, self.clock() + ttl_s)
                 return pin
-        while self.blocks_pinned(seq.domain) + num_blocks > self.max_blocks_per_domain:
+        while self.blocks_pinned(seq.domain) + num_blocks > budget:
             oldest = next(p for p in self.pins.values() if p.domain == seq.domain)
             self.release(oldest.pin_id)
             self.num_evicted_for_budget += 1

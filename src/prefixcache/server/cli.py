@@ -155,6 +155,17 @@ def _domain_limits(
     return default, limits
 
 
+def _pin_budgets(tenants: TenantRegistry | None) -> dict[str, int]:
+    """Each domain's pin budget from the tenants file (a group takes its members' smallest)."""
+    budgets: dict[str, int] = {}
+    for tenant in tenants.tenants() if tenants is not None else []:
+        if tenant.max_pinned_blocks is not None:
+            domain = tenant.scheduling_domain
+            budgets[domain] = min(budgets.get(domain, tenant.max_pinned_blocks),
+                                  tenant.max_pinned_blocks)
+    return budgets
+
+
 def _kv_events(
     args: argparse.Namespace, tenants: TenantRegistry | None
 ) -> tuple[KVEventsConfig | None, bool]:
@@ -185,7 +196,8 @@ def _engine(args: argparse.Namespace, tenants: TenantRegistry | None = None,
     default_limits, limits = _domain_limits(args, tenants)
     try:
         config = EngineConfig.from_args(
-            args, domain_limits=limits, default_domain_limits=default_limits
+            args, domain_limits=limits, default_domain_limits=default_limits,
+            pin_budgets=_pin_budgets(tenants),
         )
         if events:
             config = replace(config, cache=replace(config.cache, enable_kv_events=True,

@@ -37,7 +37,8 @@ __all__ = [
 
 SECRET_ENV = "PREFIXCACHE_SECRET"
 MODES = ("tenant", "group", "none")
-_TENANT_FIELDS = {"api_keys", "isolation", "admin", "max_running_seqs", "max_kv_blocks"}
+_TENANT_FIELDS = {"api_keys", "isolation", "admin", "max_running_seqs", "max_kv_blocks",
+                  "max_pinned_blocks"}
 # type tags of the salt encoding: a tenant named X never equals a group named X, and an absent
 # client salt never equals an empty one
 _TAG_TENANT, _TAG_GROUP, _TAG_SALT, _TAG_NO_SALT = b"T", b"G", b"S", b"N"
@@ -57,6 +58,7 @@ class Tenant:
     admin: bool = False
     max_running_seqs: int | None = None  # caps of its scheduling domain (tenants file)
     max_kv_blocks: int | None = None
+    max_pinned_blocks: int | None = None  # the prefix pins of its scheduling domain (tenants file)
 
     @property
     def mode(self) -> str:
@@ -208,13 +210,15 @@ def _parse_tenant(tenant_id: str, table: object) -> tuple[Tenant, list[str]]:
     if not isinstance(admin, bool):
         raise TenancyError(f"{where}: admin must be true or false")
     _check_isolation(where, isolation)
-    caps = {name: table.get(name) for name in ("max_running_seqs", "max_kv_blocks")}
+    caps = {name: table.get(name)
+            for name in ("max_running_seqs", "max_kv_blocks", "max_pinned_blocks")}
     for name, value in caps.items():
+        low = 0 if name == "max_pinned_blocks" else 1  # 0 pins: the tenant may pin nothing
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise TenancyError(f"{where}: {name} must be a positive integer")
+                                  or value < low):
+            raise TenancyError(f"{where}: {name} must be an integer >= {low}")
     return Tenant(tenant_id, isolation, admin, caps["max_running_seqs"],
-                  caps["max_kv_blocks"]), keys
+                  caps["max_kv_blocks"], caps["max_pinned_blocks"]), keys
 
 
 def _valid_key(key: object) -> bool:
