@@ -291,6 +291,35 @@ def test_langchain_chat_anthropic_and_litellm_anthropic_talk_to_messages(server)
     assert "".join(c.choices[0].delta.content or "" for c in stream)
 
 
+def test_the_anthropic_sdk_against_the_built_in_smollm2() -> None:
+    """As against `make serve`: the trained model's real answers, plain and streamed; the
+    token counts sum; the second call reads what the first's breakpoint created."""
+    running = start_server(["--model", "smollm2"])
+    try:
+        client = anthropic.Anthropic(base_url=running.base_url, api_key="unused", max_retries=0)
+        system = [{"type": "text", "cache_control": {"type": "ephemeral"},
+                   "text": "You are a terse geography assistant. Answer in one short sentence."}]
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        first = client.messages.create(model="smollm2", max_tokens=24, system=system,
+                                       messages=ask, extra_body=GREEDY)
+        assert "Paris" in first.content[0].text and first.stop_reason == "end_turn"
+        counted = client.messages.count_tokens(model="smollm2", system=system, messages=ask)
+        use = first.usage
+        assert (use.input_tokens + use.cache_creation_input_tokens
+                + use.cache_read_input_tokens) == counted.input_tokens
+        assert use.cache_creation_input_tokens > 0
+        with client.messages.stream(model="smollm2", max_tokens=24, system=system,
+                                    messages=[{"role": "user", "content":
+                                               "What is the capital of Italy?"}],
+                                    extra_body=GREEDY) as stream:
+            text = "".join(stream.text_stream)
+            second = stream.get_final_message()
+        assert "Rome" in text
+        assert second.usage.cache_read_input_tokens >= use.cache_creation_input_tokens
+    finally:
+        running.stop()
+
+
 def test_a_reset_says_how_many_pins_it_released(server) -> None:
     pinned = len(server.engine.pins.pins)
     assert pinned >= 1  # the breakpoints above

@@ -267,27 +267,31 @@ class MessagesRendering(Rendering[ChatCompletionRequest]):
         return self._message(job, blocks, reason, self._usage(job, job.num_output_tokens))
 
     async def stream(self, job: Job, request: ChatCompletionRequest) -> AsyncIterator[str]:
-        """message_start, then per content block start / deltas / stop, message_delta (stop
-        reason, output tokens) and message_stop; ``ping`` after the start, as Anthropic sends.
-        With tools the answer is parsed whole, so its blocks come at the end."""
+        """message_start (once the prefill is done, so its usage says what the cache served),
+        ``ping``, then per content block start / deltas / stop, message_delta (stop reason, the
+        whole usage) and message_stop, as Anthropic sends them. With tools the answer is parsed
+        whole, so its blocks come at the end."""
 
         def event(kind: str, **payload: Any) -> str:
             data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
             return f"event: {kind}\ndata: {data}\n\n"
 
         try:
-            yield event("message_start", message=self._message(job, [], None,
-                                                               self._usage(job, 0)))
-            yield event("ping")
             choice = job.prompts[0].choices[0]
             live = not job.options.tools
             opened = False
+            started = False
             while not job.done:
                 try:
                     output, _, choice = await self.serving._next(job)
                 except ApiError as exc:
                     yield event("error", error={"type": "api_error", "message": exc.message})
                     return
+                if not started:  # after the prefill: the usage knows what the cache served
+                    started = True
+                    yield event("message_start", message=self._message(
+                        job, [], None, self._usage(job, job.num_output_tokens)))
+                    yield event("ping")
                 if live and output.text:
                     if not opened:
                         yield event("content_block_start", index=0,
@@ -295,6 +299,10 @@ class MessagesRendering(Rendering[ChatCompletionRequest]):
                         opened = True
                     yield event("content_block_delta", index=0,
                                 delta={"type": "text_delta", "text": output.text})
+            if not started:
+                yield event("message_start", message=self._message(job, [], None,
+                                                                   self._usage(job, 0)))
+                yield event("ping")
             blocks, reason = self._blocks(job, choice)
             if live:
                 if not opened:
@@ -316,7 +324,7 @@ class MessagesRendering(Rendering[ChatCompletionRequest]):
                             "partial_json": json.dumps(block["input"])})
                     yield event("content_block_stop", index=index)
             yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": None},
-                        usage={"output_tokens": job.num_output_tokens})
+                        usage=self._usage(job, job.num_output_tokens))
             yield event("message_stop")
         finally:
             self.serving._finish(job)
