@@ -19,7 +19,19 @@ from dataclasses import dataclass
 
 from prefixcache.cache import PrefixCache, Sequence
 
-__all__ = ["Pin", "PinTable"]
+__all__ = ["MAX_TTL_S", "TTLS", "Pin", "PinTable", "ttl_seconds"]
+
+TTLS = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0}  # the named TTLs the APIs take
+MAX_TTL_S = TTLS["24h"]
+
+
+def ttl_seconds(value: object) -> float | None:
+    """A TTL given by name (``5m``, ``1h``, ``24h``) or in seconds, in ``(0, 1 day]``; None
+    for anything else."""
+    seconds = TTLS.get(value) if isinstance(value, str) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return None
+    return float(seconds) if 0 < seconds <= MAX_TTL_S else None
 
 
 @dataclass(slots=True, eq=False)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from prefixcache.engine.pins import ttl_seconds
 from prefixcache.server.completions import CompletionsAPI
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Job, RenderOptions
@@ -23,7 +24,6 @@ from prefixcache.server.tenancy import Tenant
 
 __all__ = ["CacheAPI"]
 
-_TTLS = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0}
 
 
 class CacheAPI(CompletionsAPI):
@@ -47,9 +47,8 @@ class CacheAPI(CompletionsAPI):
             assert body.prompt is not None
             self._check_prompt_bytes(text_bytes(body.prompt), "prompt")
             token_ids = (await self._off_loop(self._completion_prompts, [body.prompt]))[0][0]
-        ttl = body.ttl
-        ttl_s = _TTLS[ttl] if isinstance(ttl, str) else None if ttl is None else float(ttl)
-        if ttl_s is not None and not 0 < ttl_s <= _TTLS["24h"]:
+        ttl_s = None if body.ttl is None else ttl_seconds(body.ttl)
+        if body.ttl is not None and ttl_s is None:
             raise ApiError(400, "ttl must be '5m', '1h', '24h' or seconds in (0, 86400]",
                            param="ttl")
         options = RenderOptions()

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from prefixcache.engine.pins import TTLS
 from prefixcache.server.chat import ChatAPI
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Choice, Job
@@ -103,7 +104,6 @@ def chat_body_of(body: MessagesCountRequest) -> ChatCompletionRequest:
                        param="messages") from None
 
 
-_TTLS = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4
 
 
@@ -145,9 +145,9 @@ def _ttl(control: JSONObject, param: str) -> float:
     if control.get("type") != "ephemeral":
         raise ApiError(400, "cache_control.type must be 'ephemeral'", param=param)
     ttl = control.get("ttl", "5m")
-    if ttl not in _TTLS:
+    if ttl not in ("5m", "1h"):  # Anthropic's two
         raise ApiError(400, "cache_control.ttl must be '5m' or '1h'", param=param)
-    return _TTLS[ttl]
+    return TTLS[ttl]
 
 
 def _chat_fields(body: MessagesCountRequest) -> JSONObject:

@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixcache.engine.outputs import RequestOutput
+from prefixcache.engine.pins import TTLS
 from prefixcache.engine.sampling_params import SamplingParams, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
@@ -49,7 +50,6 @@ A = TypeVar("A")
 T = TypeVar("T")
 
 
-RETENTION_24H_S = 24 * 3600.0  # prompt_cache_retention: "24h"
 
 class StreamableBody(Protocol):
     """What `ServingBase._serve` reads of a request body (every API's has these)."""
@@ -259,7 +259,7 @@ class ServingBase:
             for prompt in job.prompts:
                 pins = options.pins
                 if retain:  # OpenAI's extended retention: the whole prompt, a day
-                    pins = [*pins, (len(prompt.token_ids) - 1, RETENTION_24H_S)]
+                    pins = [*pins, (len(prompt.token_ids) - 1, TTLS["24h"])]
                 await self.engine.add(prompt.request_id, prompt.token_ids, params, scope.salt,
                                       scope.use_cache, tenant.scheduling_domain, queue=queue,
                                       pins=pins)

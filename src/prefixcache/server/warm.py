@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prefixcache.engine.pins import ttl_seconds
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.errors import CliError
 from prefixcache.server.protocol import ChatMessage
@@ -32,7 +33,6 @@ __all__ = ["warm_from_file"]
 
 logger = logging.getLogger("prefixcache.server")
 
-_TTLS = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0}
 _FIELDS = {"tenant", "prompt", "messages", "ttl", "cache_salt"}
 
 
@@ -94,11 +94,10 @@ def _tokens(engine: LLMEngine, item: dict[str, Any], where: str, literal: bool) 
 
 
 def _ttl(value: Any, where: str) -> float:
-    seconds = _TTLS.get(value) if isinstance(value, str) else value
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not (
-            0 < seconds <= _TTLS["24h"]):
+    seconds = ttl_seconds(value)
+    if seconds is None:
         raise CliError(f"{where}: ttl must be '5m', '1h', '24h' or seconds in (0, 86400]")
-    return float(seconds)
+    return seconds
 
 
 def _prefill(engine: LLMEngine, rid: str, token_ids: list[int], tenants: TenantRegistry,
