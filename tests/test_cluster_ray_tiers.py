@@ -1,9 +1,11 @@
 """`prefixcache serve --replicas 2 --kv-valkey URL` on Ray Serve: a prefix one replica computed is
-loaded, not recomputed, by the other. Its own module: the replicas of test_cluster_ray.py's
-module-scoped cluster are gone before this one asks Ray for CPUs."""
+loaded, not recomputed, by the other. The command starts a Ray instance of its own (no
+$RAY_ADDRESS): Serve's HTTP proxy in CI's shared instance already listens on the port of
+test_cluster_ray.py's cluster, and a second Serve application there would not get its own."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -34,9 +36,10 @@ def test_replicas_on_one_valkey_load_each_others_prefixes(tmp_path: Path) -> Non
            "--router", "round-robin", "--port", str(port), "--cpus-per-replica", "1",
            "--threads-per-replica", "1", "--num-kv-blocks", "256", "--kv-valkey", url,
            "--metrics-key", "cluster-metrics-key"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: _replicas(base) == 2, 180, proc, log)

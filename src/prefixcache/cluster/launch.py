@@ -84,8 +84,10 @@ def _connect(args: argparse.Namespace) -> bool:
         if address:
             ray.init(address=address, log_to_driver=True)
             return False
-        ray.init(num_cpus=max(os.cpu_count() or 1,
-                              int(args.replicas * args.cpus_per_replica + 0.999)),
+        # "local": a Ray of our own even where `ray start` left a cluster to find (ray.init
+        # would join that one, and refuse the CPU count)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1,
+                                               int(args.replicas * args.cpus_per_replica + 0.999)),
                  include_dashboard=False)
         return True
     except (ConnectionError, RuntimeError, ValueError) as exc:
