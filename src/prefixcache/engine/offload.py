@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,12 +131,15 @@ class KVOffload:
 
     def keys(self, seq: Sequence, start: int, end: int) -> list[BlockKey]:
         """The tier keys of ``seq``'s blocks ``start .. end - 1``."""
+        return self._keys(seq, range(start, end))
+
+    def _keys(self, seq: Sequence, indices: SequenceABC[int]) -> list[BlockKey]:
         digests = self.identity.block_digests(seq)
         token_bytes = seq.block_token_bytes
         tag = domain_tag(seq.domain)
-        root = self.identity.root(seq) if start == 0 else b""
+        root = self.identity.root(seq) if indices and indices[0] == 0 else b""
         out = []
-        for i in range(start, end):
+        for i in indices:
             parent = digests[i - 1] if i else root
             out.append(BlockKey(digests[i], parent, make_token_check(parent, token_bytes[i]), tag))
         return out
@@ -214,7 +218,7 @@ class KVOffload:
                 self.stats.blocks_dropped += len(todo)
                 continue
             data = self.kv_cache.read_blocks([chunk.block_table[i] for i in todo])
-            keys = [k for i in todo for k in self.keys(seq, i, i + 1)]
+            keys = self._keys(seq, todo)
             for key in keys:
                 self._remember(key.digest)
             self.stats.blocks_queued += len(todo)

@@ -36,6 +36,7 @@ from prefixcache.server.protocol import (
     MessagesToolResult,
     MessagesToolUse,
 )
+from prefixcache.server.request_params import tool_choice_of
 from prefixcache.server.serving_base import Rendering, text_bytes
 from prefixcache.server.tenancy import Tenant
 from prefixcache.server.tools import parse_tool_calls
@@ -81,18 +82,12 @@ class MessagesAPI(ChatAPI):
     async def count_tokens(self, body: MessagesCountRequest) -> JSONObject:
         self._check_model(body.model)
         chat = chat_body_of(body)
-        tools, choice = _chat_tools(chat)
+        tools, choice = tool_choice_of(chat)
         self._check_prompt_bytes(sum(text_bytes(m.text()) for m in chat.messages), "messages")
         token_ids = await self._off_loop(
             self._render_messages, (chat.messages, "messages", True,
                                     tools if choice != "none" else None))
         return {"input_tokens": len(token_ids)}
-
-
-def _chat_tools(chat: ChatCompletionRequest) -> tuple[list[JSONObject], Any]:
-    from prefixcache.server.request_params import tool_choice_of
-
-    return tool_choice_of(chat)
 
 
 def chat_body_of(body: MessagesCountRequest) -> ChatCompletionRequest:
