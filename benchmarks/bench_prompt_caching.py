@@ -1,5 +1,5 @@
 """Pinned prompt caching under a flood: time to first token of a request behind a long system
-prompt, pinned (a ``cache_control`` breakpoint: `engine/pins.py`) vs not, after a flood of other
+prompt, pinned (a ``cache_control`` breakpoint: `cache/pins.py`) vs not, after a flood of other
 conversations has gone through a small KV pool.
 
 SmolLM2-135M (float32), a 1,024-token system prompt + a 32-token question, one output token; a

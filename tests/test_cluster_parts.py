@@ -69,6 +69,9 @@ def _post(server: RunningServer, path: str, key: str, body: dict) -> dict:
     ("/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "cache_salt": "narrow",
                               "messages": [{"role": "user", "content": LONG + "four"}]}),
     ("/v1/responses", {"model": "tiny", "input": LONG + "five", "max_output_tokens": 1}),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 1, "system": [
+        {"type": "text", "text": LONG, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "six"}]}]}),
 ])
 def test_ingress_digests_are_the_replica_cache_digests(tenanted, path, body) -> None:
     server, argv = tenanted
@@ -77,6 +80,8 @@ def test_ingress_digests_are_the_replica_cache_digests(tenanted, path, body) -> 
     digests = digester.digests(path, ACME, raw)
     usage = _post(server, path, ACME, body)["usage"]
     prompt_tokens = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if path == "/v1/messages":  # Anthropic's input_tokens leave out what the cache read or wrote
+        prompt_tokens += usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
     if isinstance(body.get("prompt"), list):
         prompt_tokens = len(server.engine.tokenizer.encode(body["prompt"][0]))
     assert len(digests) == prompt_tokens // server.engine.block_size > 0
@@ -96,6 +101,41 @@ def test_ingress_gives_no_digests_for_what_the_replica_rejects(tenanted) -> None
     assert digester.digests("/v1/models", ACME, good) == []
     # isolation "none": the replica never reads the cache for it, so nothing to route on
     assert digester.digests("/v1/completions", "sk-hospital-example-key", good) == []
+
+
+def test_prompt_cache_key_is_a_routing_key_scoped_to_the_tenant_never_an_identity(
+        tenanted) -> None:
+    server, argv = tenanted
+    digester = _digester(server, argv)
+    body = {"model": "tiny", "max_tokens": 1, "messages": [
+        {"role": "system", "content": LONG}, {"role": "user", "content": "seven"}]}
+    plain = digester.route("/v1/chat/completions", ACME, json.dumps(body).encode())
+    keyed = digester.route("/v1/chat/completions", ACME,
+                           json.dumps({**body, "prompt_cache_key": "user-42"}).encode())
+    again = digester.route("/v1/chat/completions", ACME,
+                           json.dumps({**body, "prompt_cache_key": "user-42"}).encode())
+    other = digester.route("/v1/chat/completions", ACME,
+                           json.dumps({**body, "prompt_cache_key": "user-43"}).encode())
+    globex = digester.route("/v1/chat/completions", GLOBEX,
+                            json.dumps({**body, "prompt_cache_key": "user-42"}).encode())
+    assert plain.affinity_key is None and keyed.affinity_key == again.affinity_key
+    assert keyed.block_digests == plain.block_digests  # the key names no block
+    assert other.affinity_key not in (None, keyed.affinity_key)
+    assert globex.affinity_key not in (None, keyed.affinity_key)  # scoped by the namespace
+    assert b"user-42" not in keyed.affinity_key
+
+
+def test_x_api_key_authenticates_the_ingress_like_a_bearer_token() -> None:
+    from starlette.requests import Request
+
+    from prefixcache.server.app import api_key_of
+
+    def request(headers: list[tuple[bytes, bytes]]) -> Request:
+        return Request({"type": "http", "headers": headers})
+
+    assert api_key_of(request([(b"x-api-key", ACME.encode())])) == ACME
+    assert api_key_of(request([(b"authorization", f"Bearer {ACME}".encode())])) == ACME
+    assert api_key_of(request([])) is None
 
 
 def _forwarded(body: dict, path: str = "/v1/completions") -> ForwardedRequest:

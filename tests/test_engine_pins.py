@@ -1,4 +1,4 @@
-"""Pinned prefixes (`engine/pins.py`): a pinned prompt survives another tenant's eviction flood,
+"""Pinned prefixes (`cache/pins.py`): a pinned prompt survives another tenant's eviction flood,
 expires exactly at its TTL on a controlled clock, refreshes on a hit, stays inside its domain's
 budget, and a reset says what it did with the pins."""
 
@@ -114,3 +114,29 @@ def test_the_tenants_file_sets_each_tenants_pin_budget(tmp_path) -> None:
     path.write_text("[tenants.a]\napi_keys = ['long-enough-key']\nmax_pinned_blocks = -1\n")
     with pytest.raises(TenancyError, match="max_pinned_blocks"):
         load_tenants(path)
+
+
+def test_another_tenants_burst_runs_beside_a_pin_and_the_pin_survives_preemption(
+        engine: LLMEngine) -> None:
+    """Tenant a pins 10 of the 40 blocks; tenant b then sends more at once than the other 30
+    hold (preemption follows). Every request of b finishes with its full output, and a's
+    pinned prefix is still all there afterwards."""
+    rng = random.Random(5)
+    pinned = [rng.randrange(3, 250) for _ in range(161)]
+    run(engine, "p", pinned, "tenant:a", pins=[(160, 300.0)])
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    for i in range(5):  # 5 x (96 prompt + 24 output) tokens: 40 blocks wanted, 30 free
+        engine.add_request(f"b{i}", prompt_token_ids=[rng.randrange(3, 250) for _ in range(96)],
+                           cache_salt="tenant:b", domain="tenant:b", sampling_params=params)
+    done: dict[str, Any] = {}
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == [f"b{i}" for i in range(5)]
+    assert all(o.num_output_tokens == 24 and o.finish_reason == "length" and o.error is None
+               for o in done.values())
+    assert engine.scheduler.num_preemptions > 0  # the burst did not fit beside the pin
+    assert run(engine, "p2", pinned, "tenant:a") == 160

@@ -114,7 +114,8 @@ def test_generators_are_deterministic_and_share_prefixes(name: str) -> None:
     assert [(r.arrival_s, r.hash_ids) for r in first.requests] == [
         (r.arrival_s, r.hash_ids) for r in second.requests
     ]
-    assert 0.2 < ideal_hit_ratio(first) < 1.0
+    # pinned-prompt's flood shares nothing by design: only its one system prompt repeats
+    assert (0.05 if name == "pinned-prompt" else 0.2) < ideal_hit_ratio(first) < 1.0
     times = [r.arrival_s for r in first.requests]
     assert times == sorted(times)
 

@@ -371,6 +371,26 @@ def test_a_full_write_queue_drops_and_counts(tmp_path: Path, cold: list[int]) ->
     assert stats["blocks_dropped"] == 10 and stats["blocks_queued"] == 0
 
 
+@pytest.mark.parametrize("ttl_s,at_rest", [(3600.0, 10), (300.0, 0)])
+def test_an_hour_long_pin_writes_its_prefix_through_to_the_disk(
+        tmp_path: Path, cold: list[int], ttl_s: float, at_rest: int) -> None:
+    """The write-behind drops every block here (a queue of 4); a pin of an hour still puts
+    the pinned prefix at rest, so a restarted engine reads it; a 5-minute pin does not."""
+    engine = engine_on(tmp_path, kv_offload_max_pending_blocks=4)
+    engine.add_request("p", prompt_token_ids=PROMPT, pins=[(10 * BS, ttl_s)],
+                       sampling_params=SamplingParams(max_tokens=6, temperature=0.0,
+                                                      ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    written(engine)
+    stats = engine.stats()["tiers"]["engine"]
+    assert stats["blocks_dropped"] == 10 and stats["blocks_written_through"] == at_rest
+    assert len(record_files(tmp_path)) == at_rest
+    engine.close()
+    again = generate(engine_on(tmp_path), PROMPT, "q")
+    assert again["tokens"] == cold and again["external"] == at_rest * BS
+
+
 def test_an_abort_while_loading_ends_the_request(tmp_path: Path) -> None:
     first = engine_on(tmp_path)
     generate(first, PROMPT, "a")

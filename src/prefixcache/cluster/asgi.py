@@ -34,6 +34,7 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     block_digests: list[bytes] = field(default_factory=list)
+    affinity_key: bytes | None = None  # prompt_cache_key, scoped to the tenant (cluster.digests)
     pin: str | None = None  # a replica's id: this request goes to that replica (/metrics)
 
 

@@ -34,7 +34,7 @@ __all__ = ["EngineReplica", "Ingress"]
 logger = logging.getLogger("prefixcache.cluster")
 
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
-_PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
 class EngineReplica:
@@ -134,7 +134,9 @@ class Ingress:
             return _error(413, f"the request body is larger than {self.max_request_bytes} bytes")
         forwarded = _forwarded(request, body)
         if request.method == "POST" and path in _PROMPT_PATHS:
-            forwarded.block_digests = await self._digests(request, path, body)
+            route = await self._route(request, path, body)
+            forwarded.block_digests = route.block_digests
+            forwarded.affinity_key = route.affinity_key
         return await self._forward(forwarded)
 
     def _routing(self, request: Request) -> Response:
@@ -149,12 +151,11 @@ class Ingress:
         stats = router_stats("EngineReplica") or {"policy": None}
         return JSONResponse({**stats, "retries": self.num_retries})
 
-    async def _digests(self, request: Request, path: str, body: bytes) -> list[bytes]:
+    async def _route(self, request: Request, path: str, body: bytes) -> Any:
+        from prefixcache.server.app import api_key_of
+
         digester = await self._get_digester()
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        key = token.strip() if scheme.lower() == "bearer" else None
-        return await asyncio.to_thread(digester.digests, path, key or None, body)
+        return await asyncio.to_thread(digester.route, path, api_key_of(request), body)
 
     async def _get_digester(self) -> Any:
         if self._digester is None:

@@ -5,14 +5,17 @@ replicas' caches do: the same token ids (the same tokenizer and chat template), 
 namespace (the tenant's derived salt, from the same server secret), the same model identity and
 block hashing. `PromptDigester` does that from the request body alone, before any replica sees it;
 a body it cannot read gets no digests (the router then balances by load) and the replica answers
-it, with the same error it gives today. Prompt text never leaves this object: the router sees
-digests only.
+it, with the same error it gives today. A body's ``prompt_cache_key`` becomes the request's
+affinity key, scoped to its namespace (a keyed digest: two tenants' equal keys differ) and never
+part of any block's identity. Prompt text never leaves this object: the router sees digests only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixcache.cache.identity import CacheIdentity
@@ -22,9 +25,17 @@ if TYPE_CHECKING:
     from prefixcache.model.tokenizer import Tokenizer
     from prefixcache.server.tenancy import TenantRegistry
 
-__all__ = ["CacheIdentity", "PromptDigester"]
+__all__ = ["CacheIdentity", "PromptDigester", "Route"]
 
 logger = logging.getLogger("prefixcache.cluster")
+
+
+@dataclass(slots=True)
+class Route:
+    """What the router gets for one request."""
+
+    block_digests: list[bytes] = field(default_factory=list)
+    affinity_key: bytes | None = None  # from prompt_cache_key, scoped to the namespace
 
 
 class PromptDigester:
@@ -40,24 +51,31 @@ class PromptDigester:
         self.literal_content = literal_content
 
     def digests(self, path: str, api_key: str | None, body: bytes) -> list[bytes]:
+        return self.route(path, api_key, body).block_digests
+
+    def route(self, path: str, api_key: str | None, body: bytes) -> Route:
         from pydantic import ValidationError
 
         from prefixcache.server.errors import ApiError
-        from prefixcache.server.request_params import prompt_token_ids
+        from prefixcache.server.request_params import prompt_cache_key, prompt_token_ids
 
         tenant = self.tenants.authenticate(api_key)
         if tenant is None:
-            return []  # the replica answers 401
+            return Route()  # the replica answers 401
         try:
-            found = prompt_token_ids(path, json.loads(body), self.tokenizer,
-                                     self.literal_content)
+            parsed = json.loads(body)
+            found = prompt_token_ids(path, parsed, self.tokenizer, self.literal_content)
         except (ValueError, TypeError, ApiError, ValidationError, RecursionError):
-            return []  # the replica answers 400 (json.JSONDecodeError is a ValueError)
+            return Route()  # the replica answers 400 (json.JSONDecodeError is a ValueError)
         if found is None:
-            return []
+            return Route()
         token_ids, client_salt = found
         scope = self.tenants.scope(tenant, client_salt)
+        key = prompt_cache_key(parsed)
+        affinity = None if key is None else hashlib.blake2b(
+            key.encode(), digest_size=16, person=b"prompt_cache_key",
+            key=(scope.salt or "").encode()[:64]).digest()
         if not scope.use_cache:
-            return []
+            return Route(affinity_key=affinity)
         seq = Sequence("route", token_ids, scope.salt, copy=False)
-        return list(self.identity.block_digests(seq))
+        return Route(list(self.identity.block_digests(seq)), affinity)

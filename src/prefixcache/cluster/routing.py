@@ -9,6 +9,7 @@ replica holds one slot; a restarted replica takes the slot its predecessor left,
 mirror.
 
 What the router sees: the request's block digests (computed by the ingress, never prompt text),
+its affinity key (``prompt_cache_key``, keyed by the tenant's namespace),
 its own count of requests in flight per replica (routed minus completed), and, for
 ``cache-aware``, the replicas' KV events, subscribed to on the ZMQ endpoints each replica reports
 in its routing stats (`cluster.feed.EventFeed`). A replica that dies is forgotten at once
@@ -52,6 +53,7 @@ class PrefixCacheRouter(RequestRouter):
         self._feed_of: dict[ReplicaID, str] = {}  # replica -> its event endpoint being read
         self.num_routed = [0] * num_replicas
         self.num_with_digests = 0
+        self.num_with_key = 0  # routed with a prompt_cache_key
         self._feed: Any = None
         if self.rule.wants_events:
             from prefixcache.cluster.feed import EventFeed
@@ -145,7 +147,8 @@ class PrefixCacheRouter(RequestRouter):
         pinned = _forwarded_of(pending_request)
         if pinned is not None and pinned.pin is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == pinned.pin]]
-        digests = _digests_of(pending_request)
+        digests = pinned.block_digests if pinned is not None else []
+        key = pinned.affinity_key if pinned is not None else None
         by_slot = {self._slot_of[r.replica_id]: r for r in candidate_replicas
                    if r.replica_id in self._slot_of}
         loads = [self._in_flight.get(by_slot[s].replica_id, 0) if s in by_slot else _BUSY
@@ -153,7 +156,7 @@ class PrefixCacheRouter(RequestRouter):
         if not by_slot:
             return [candidate_replicas]
         with self._lock:
-            slot = self.rule.choose(digests, loads)
+            slot = self.rule.choose(digests, loads, key)
         first = by_slot.get(slot)
         if first is None:  # the rule's replica is not live: the least loaded one is
             first = min(by_slot.values(), key=lambda r: self._in_flight.get(r.replica_id, 0))
@@ -167,8 +170,11 @@ class PrefixCacheRouter(RequestRouter):
         slot = self._slot_of.get(replica_id)
         if slot is not None:
             self.num_routed[slot] += 1
-        if _digests_of(pending_request):
+        forwarded = _forwarded_of(pending_request)
+        if forwarded is not None and forwarded.block_digests:
             self.num_with_digests += 1
+        if forwarded is not None and forwarded.affinity_key is not None:
+            self.num_with_key += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self._in_flight.get(replica_id, 0) > 0:
@@ -180,7 +186,8 @@ class PrefixCacheRouter(RequestRouter):
                                              "routing_stats": dict(r.routing_stats or {})}
                     for r in self.curr_replicas.values()}
         return {"policy": self.policy, "routed_per_slot": list(self.num_routed),
-                "routed_with_digests": self.num_with_digests, "replicas": replicas,
+                "routed_with_digests": self.num_with_digests,
+                "routed_with_key": self.num_with_key, "replicas": replicas,
                 "event_replays": getattr(self._feed, "num_replays", 0),
                 "event_gaps_lost": getattr(self._feed, "num_lost", 0)}
 
@@ -190,8 +197,3 @@ def _forwarded_of(pending: PendingRequest | None) -> ForwardedRequest | None:
         if isinstance(arg, ForwardedRequest):
             return arg
     return None
-
-
-def _digests_of(pending: PendingRequest | None) -> list[bytes]:
-    forwarded = _forwarded_of(pending)
-    return [] if forwarded is None else forwarded.block_digests

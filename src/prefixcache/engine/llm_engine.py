@@ -22,12 +22,12 @@ import torch
 
 from prefixcache.attention.kv_cache import PagedKVCache
 from prefixcache.cache import CacheIdentity, PrefixCache, Sequence, make_prefix_cache
+from prefixcache.cache.pins import TTLS, PinTable
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.input_processor import InputProcessor
 from prefixcache.engine.offload import KVOffload, Load
 from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
-from prefixcache.engine.pins import PinTable
 from prefixcache.engine.request import Request
 from prefixcache.engine.runner import ModelRunner
 from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
@@ -40,6 +40,8 @@ from prefixcache.model.loader import LoadedModel
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.sched import Scheduler, SchedulerOutput
 from prefixcache.sched.request import RequestStatus
+
+PERSISTENT_PIN_S = TTLS["1h"]  # a pin this long is written through to the lower tiers
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
 
@@ -406,6 +408,13 @@ class LLMEngine:
         parent = self._groups.get(request_id)
         return parent is None or parent.all_finished
 
+    def _pin(self, seq: Sequence, num_tokens: int, ttl_s: float) -> None:
+        """Pin ``seq``'s prefix; a pin of an hour or more also writes it through to the lower
+        tiers (`KVOffload.write_through`), where they keep it past a restart."""
+        pin = self.pins.pin(seq, num_tokens, ttl_s)
+        if pin is not None and self.offload is not None and ttl_s >= PERSISTENT_PIN_S:
+            self.offload.write_through(pin.seq, self.cache.block_table(pin.seq))
+
     def _retire_if_done(self, request_id: str) -> bool:
         if not self._group_done(request_id):
             return False
@@ -413,7 +422,7 @@ class LLMEngine:
         if parent is not None:
             if parent.pin_requests and parent.finish_reason in ("stop", "length"):
                 for num_tokens, ttl_s in parent.pin_requests:
-                    self.pins.pin(parent.seq, num_tokens, ttl_s)
+                    self._pin(parent.seq, num_tokens, ttl_s)
             self.output_processor.record(parent)
             if self.on_request_finished is not None:
                 self.on_request_finished(parent)

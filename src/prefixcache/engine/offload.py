@@ -72,6 +72,7 @@ class OffloadStats:
 
     blocks_queued: int = 0  # blocks copied out for the writer
     blocks_dropped: int = 0  # blocks not queued: the write queue was full
+    blocks_written_through: int = 0  # queued for a long-lived pin (`write_through`)
     write_copy_seconds: float = 0.0  # engine-thread time spent copying blocks out
     loads: int = 0  # requests sent to the loader
     blocks_loaded: int = 0  # blocks adopted into the pool from a tier
@@ -224,6 +225,25 @@ class KVOffload:
             self.stats.blocks_queued += len(todo)
             self._writes.put((keys, data))
         self.stats.write_copy_seconds += time.perf_counter() - start_t
+
+    def write_through(self, seq: Sequence, block_ids: list[int]) -> int:
+        """Queue ``seq``'s first ``len(block_ids)`` blocks (held in ``block_ids``) for every tier,
+        past the queue's bound and whether or not the write-behind wrote them before: a
+        long-lived pin's prefix is then at rest even if an earlier write was dropped or the
+        tier evicted it since (the tiers skip what they hold). Returns the blocks queued."""
+        if not block_ids or not seq.use_cache:
+            return 0
+        indices = range(len(block_ids))
+        keys = self._keys(seq, indices)
+        data = self.kv_cache.read_blocks(block_ids)
+        with self._pending_lock:
+            self._pending += len(keys)
+        for key in keys:
+            self._remember(key.digest)
+        self.stats.blocks_queued += len(keys)
+        self.stats.blocks_written_through += len(keys)
+        self._writes.put((keys, data))
+        return len(keys)
 
     def _remember(self, digest: bytes) -> None:
         known = self._known

@@ -95,7 +95,7 @@ def create_app(
     return app
 
 
-def _bearer(request: Request) -> str | None:
+def api_key_of(request: Request) -> str | None:
     """The API key: ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -107,9 +107,9 @@ def _bearer(request: Request) -> str | None:
 
 def _auth_dependency(tenants: TenantRegistry) -> Callable[[Request], Tenant]:
     def authenticate(request: Request) -> Tenant:
-        tenant = tenants.authenticate(_bearer(request))
+        tenant = tenants.authenticate(api_key_of(request))
         if tenant is None:
-            reason = "missing" if _bearer(request) is None else "invalid"
+            reason = "missing" if api_key_of(request) is None else "invalid"
             raise ApiError(401, f"{reason} API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
         return tenant
@@ -126,7 +126,7 @@ def metrics_authorization(
     def authorize(request: Request) -> None:
         if tenants.trusted:
             return
-        token = _bearer(request)
+        token = api_key_of(request)
         if token and key_digest is not None and hmac.compare_digest(
             hashlib.sha256(token.encode()).digest(), key_digest
         ):

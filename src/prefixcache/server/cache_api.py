@@ -3,7 +3,7 @@
 
 Warming prefills a prompt (or chat messages) in the caller's own namespace — one output token,
 discarded — so its blocks are committed, and pins them for ``ttl`` within the tenant's budget
-(`engine/pins.py`). A tenant sees and releases only its own pins; a pin is described by its
+(`cache/pins.py`). A tenant sees and releases only its own pins; a pin is described by its
 id, token count, TTL, time left and last block's digest, never by tokens or text.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from prefixcache.engine.pins import ttl_seconds
+from prefixcache.cache.pins import ttl_seconds
 from prefixcache.server.completions import CompletionsAPI
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Job, RenderOptions

@@ -212,7 +212,7 @@ def _record_trace(engine: LLMEngine, path: str, epoch: float | None = None) -> N
     ``epoch``: times count from this wall-clock instant (a cluster's replicas share one)."""
     import time
 
-    from prefixcache.sim.record import TraceRecorder
+    from prefixcache.sim.record import TraceRecorder, tenant_label
 
     clock = time.time if epoch is not None else time.monotonic
     try:
@@ -222,8 +222,10 @@ def _record_trace(engine: LLMEngine, path: str, epoch: float | None = None) -> N
         raise CliError(f"cannot write --record-trace {path}: {exc.strerror}") from None
     def record(request: Request) -> None:
         digests = engine.prompt_block_digests(request)
+        domain = request.domain
         recorder.record(request.num_prompt_tokens, len(request.output_token_ids), digests,
-                        max(request.num_cached_tokens, 0))
+                        max(request.num_cached_tokens, 0), pins=request.pin_requests,
+                        tenant=tenant_label(domain) if domain else "")
 
     engine.on_request_finished = record
     logger.info("recording finished requests (counts and block digests only) to %s", path)

@@ -8,7 +8,7 @@ is rendered as Anthropic's ``message`` object or its event stream (`MessagesRend
 ``tool_use`` content blocks, ``stop_reason`` (``end_turn``, ``max_tokens``, ``tool_use``), and
 usage as ``input_tokens`` (computed), ``cache_read_input_tokens`` (served from the prefix
 cache) and ``cache_creation_input_tokens`` (written and pinned). Each ``cache_control``
-breakpoint pins the prefix through its block for its TTL (`breakpoints`; `engine/pins.py`); the
+breakpoint pins the prefix through its block for its TTL (`breakpoints`; `cache/pins.py`); the
 definitions are in ``docs/prompt-caching.md``. Errors on these routes use Anthropic's shape
 (`errors.install_error_handlers`).
 """
@@ -22,19 +22,17 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from prefixcache.engine.pins import TTLS
+from prefixcache.cache.pins import TTLS
 from prefixcache.server.chat import ChatAPI
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Choice, Job
+from prefixcache.server.messages_body import chat_body_of, chat_fields
 from prefixcache.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     JSONObject,
     MessagesCountRequest,
     MessagesRequest,
-    MessagesText,
-    MessagesToolResult,
-    MessagesToolUse,
 )
 from prefixcache.server.request_params import tool_choice_of
 from prefixcache.server.serving_base import Rendering, text_bytes
@@ -67,7 +65,7 @@ class MessagesAPI(ChatAPI):
     async def _prefix_length(self, truncated: MessagesCountRequest, token_ids: list[int]) -> int:
         """How many of ``token_ids`` the conversation cut after a breakpoint renders to (the
         common prefix: a template may close a cut conversation differently)."""
-        fields = _chat_fields(truncated)
+        fields = chat_fields(truncated)
         messages = [ChatMessage.model_validate(m) for m in fields["messages"]] or [
             ChatMessage(role="system", content="")]
         prefix = await self._off_loop(self._render_messages,
@@ -88,15 +86,6 @@ class MessagesAPI(ChatAPI):
             self._render_messages, (chat.messages, "messages", True,
                                     tools if choice != "none" else None))
         return {"input_tokens": len(token_ids)}
-
-
-def chat_body_of(body: MessagesCountRequest) -> ChatCompletionRequest:
-    """The chat completions body a Messages body means."""
-    try:
-        return ChatCompletionRequest.model_validate(_chat_fields(body))
-    except ValueError as exc:
-        raise ApiError(400, f"invalid messages: {exc.__class__.__name__}",
-                       param="messages") from None
 
 
 MAX_BREAKPOINTS = 4
@@ -143,72 +132,6 @@ def _ttl(control: JSONObject, param: str) -> float:
     if ttl not in ("5m", "1h"):  # Anthropic's two
         raise ApiError(400, "cache_control.ttl must be '5m' or '1h'", param=param)
     return TTLS[ttl]
-
-
-def _chat_fields(body: MessagesCountRequest) -> JSONObject:
-    """The fields of the chat completions body ``body`` means."""
-    messages: list[JSONObject] = []
-    if body.system is not None:
-        system = body.system if isinstance(body.system, str) else "".join(
-            block.text for block in body.system)
-        messages.append({"role": "system", "content": system})
-    for i, message in enumerate(body.messages):
-        if isinstance(message.content, str):
-            messages.append({"role": message.role, "content": message.content})
-            continue
-        texts = [b.text for b in message.content if isinstance(b, MessagesText)]
-        uses = [b for b in message.content if isinstance(b, MessagesToolUse)]
-        results = [b for b in message.content if isinstance(b, MessagesToolResult)]
-        if message.role == "assistant":
-            if results:
-                raise ApiError(400, "tool_result blocks belong in user turns",
-                               param=f"messages.{i}.content")
-            item: JSONObject = {"role": "assistant", "content": "".join(texts)}
-            if uses:
-                item["tool_calls"] = [
-                    {"id": u.id, "type": "function",
-                     "function": {"name": u.name, "arguments": json.dumps(u.input)}}
-                    for u in uses]
-            messages.append(item)
-            continue
-        if uses:
-            raise ApiError(400, "tool_use blocks belong in assistant turns",
-                           param=f"messages.{i}.content")
-        messages += [{"role": "tool", "tool_call_id": r.tool_use_id, "content": r.text()}
-                     for r in results]
-        if texts or not results:
-            messages.append({"role": "user", "content": "".join(texts)})
-    tools = [{"type": "function", "function": {
-        "name": t.name, "parameters": t.input_schema,
-        **({"description": t.description} if t.description is not None else {})}}
-        for t in body.tools or []]
-    fields: JSONObject = {"model": body.model, "messages": messages}
-    if tools:
-        fields["tools"] = tools
-    if body.tool_choice is not None:
-        fields["tool_choice"] = _tool_choice(body.tool_choice)
-    if isinstance(body, MessagesRequest):
-        fields.update(max_tokens=body.max_tokens, temperature=body.temperature,
-                      top_p=body.top_p, top_k=body.top_k, stream=body.stream)
-        if body.stop_sequences:
-            fields["stop"] = body.stop_sequences
-        if body.cache_salt is not None:
-            fields["cache_salt"] = body.cache_salt
-    return fields
-
-
-def _tool_choice(choice: JSONObject) -> Any:
-    kind = choice.get("type")
-    if kind == "auto":
-        return "auto"
-    if kind == "any":
-        return "required"
-    if kind == "none":
-        return "none"
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise ApiError(400, "tool_choice must be {'type': 'auto' | 'any' | 'none'} or "
-                   "{'type': 'tool', 'name': ...}", param="tool_choice")
 
 
 class MessagesRendering(Rendering[ChatCompletionRequest]):

@@ -9,7 +9,6 @@ by prompt text, token ids or client-supplied strings.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import fields
@@ -25,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from prefixcache.engine.outputs import EngineSnapshot
+from prefixcache.sim.record import tenant_label
 
 __all__ = ["CONTENT_TYPE", "DOMAIN_LABELS", "EngineSnapshot", "ServerMetrics"]
 
@@ -112,7 +112,7 @@ class ServerMetrics:
         if self.domain_labels == "name":
             return domain
         if self.domain_labels == "digest":
-            return "d:" + hashlib.sha256(domain.encode()).hexdigest()[:12]
+            return tenant_label(domain)
         return "all"
 
     def observe_first_token(self, domain: str, seconds: float, num_cached: int) -> None:

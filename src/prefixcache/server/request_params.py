@@ -10,11 +10,13 @@ from prefixcache.engine.sampling_params import MAX_LOGPROBS, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
+from prefixcache.server.messages_body import chat_body_of
 from prefixcache.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     JSONObject,
+    MessagesRequest,
     ResponsesRequest,
 )
 from prefixcache.server.tools import render_messages
@@ -184,4 +186,16 @@ def prompt_token_ids(
         response = ResponsesRequest.model_validate(body)
         return (render_chat(tokenizer, response_messages(response), "input", True, None,
                             literal_content), response.cache_salt)
+    if path == "/v1/messages":
+        messages = MessagesRequest.model_validate(body)
+        chat = chat_body_of(messages)
+        tools, choice = tool_choice_of(chat)
+        return render_chat(tokenizer, chat.messages, "messages", True,
+                           tools if choice != "none" else None, literal_content), chat.cache_salt
     return None
+
+
+def prompt_cache_key(body: Any) -> str | None:
+    """OpenAI's ``prompt_cache_key`` of a request body (a routing hint), if it has one."""
+    key = body.get("prompt_cache_key") if isinstance(body, dict) else None
+    return key if isinstance(key, str) and key else None

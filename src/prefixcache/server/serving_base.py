@@ -24,8 +24,8 @@ from typing import Any, Generic, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prefixcache.cache.pins import TTLS
 from prefixcache.engine.outputs import RequestOutput
-from prefixcache.engine.pins import TTLS
 from prefixcache.engine.sampling_params import SamplingParams, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol

@@ -8,7 +8,7 @@ Each line of the JSONL file is one prompt::
 ``tenant`` names a tenant of the tenants file (omitted, or ``default``, without one); ``prompt``
 is text or token ids, ``messages`` a chat conversation rendered by the model's template; the
 blocks go into that tenant's own namespace (its HMAC salt, narrowed by ``cache_salt``) and,
-with ``ttl`` (``5m``, ``1h``, ``24h`` or seconds up to a day), are pinned (`engine/pins.py`). A
+with ``ttl`` (``5m``, ``1h``, ``24h`` or seconds up to a day), are pinned (`cache/pins.py`). A
 line that cannot be used stops the start with its line number and the reason.
 """
 
@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.engine.pins import ttl_seconds
+from prefixcache.cache.pins import ttl_seconds
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.errors import CliError
 from prefixcache.server.protocol import ChatMessage

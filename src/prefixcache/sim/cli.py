@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bytes-per-token", type=float, default=None, metavar="B",
                         help="KV bytes of one token, all layers (sizes the tiers in blocks and "
                              "their reads; default 131072, an 8B Llama in bfloat16)")
+    parser.add_argument("--pins", default="on", metavar="on,off",
+                        help="honour the trace's cache breakpoints (tenant pins): on, off, or "
+                             "on,off to compare (sequential mode)")
+    parser.add_argument("--max-pinned-blocks", type=int, default=None, metavar="N",
+                        help="blocks each tenant may pin per replica (default: a quarter)")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="timed: concurrency limit")
     parser.add_argument(
         "--max-batched-tokens", type=int, default=8192, help="timed: token budget per step"
@@ -178,6 +183,9 @@ def _plan(args: argparse.Namespace) -> SweepPlan:
     if args.kv_disk_gib is not None or args.kv_valkey_gib is not None:
         plan.specs = [replace(s, disk_gib=args.kv_disk_gib, valkey_gib=args.kv_valkey_gib)
                       for s in plan.specs]
+    pins = [p == "on" for p in _choices(args.pins, "--pins", ("on", "off"))]
+    plan.specs = [replace(s, pins=p, max_pinned_blocks=args.max_pinned_blocks)
+                  for s in plan.specs for p in dict.fromkeys(pins)]
     return plan
 
 

@@ -25,6 +25,8 @@ class RunSpec:
     router: str = "round-robin"
     disk_gib: float | None = None  # a disk tier per replica (sequential mode)
     valkey_gib: float | None = None  # one Valkey tier shared by the replicas (sequential mode)
+    pins: bool = True  # honour the trace's cache breakpoints (sequential mode)
+    max_pinned_blocks: int | None = None  # per tenant and replica; None: a quarter of a replica
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
@@ -43,6 +45,8 @@ class RunSpec:
         for name, gib in (("--kv-disk-gib", self.disk_gib), ("--kv-valkey-gib", self.valkey_gib)):
             if gib is not None and not gib > 0:
                 raise ValueError(f"{name} must be > 0, got {gib}")
+        if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
+            raise ValueError(f"--max-pinned-blocks must be >= 0, got {self.max_pinned_blocks}")
         if self.capacity_blocks is not None and self.capacity_blocks < self.replicas:
             raise ValueError(f"capacity {self.capacity_blocks} blocks < {self.replicas} replicas")
 
@@ -56,7 +60,7 @@ class RunSpec:
         label = "inf" if self.capacity_blocks is None else format_blocks(self.capacity_blocks)
         tiers = "".join(f"+{name}" for name, gib in (("d", self.disk_gib), ("v", self.valkey_gib))
                         if gib is not None)
-        return label + tiers
+        return label + tiers + ("" if self.pins else "-nopin")
 
     @property
     def has_tiers(self) -> bool:

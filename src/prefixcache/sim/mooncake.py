@@ -6,7 +6,7 @@ shape from other tools (LMCache's LMBench) write the timestamp as a string of na
 hash ids as arbitrary 32-bit integers: numbers given as decimal strings are accepted, and the
 time unit is ``time_unit`` (``s``, ``ms``, ``us``, ``ns``) or, with ``auto``, detected from the
 largest timestamp (>= 1e17: ns, >= 1e14: us, else ms). Arrivals are shifted to start at 0.
-Reads files only.
+A line may also carry ``tenant`` and ``pins`` (`trace.read_cache_fields`). Reads files only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.sim.errors import TraceFormatError
-from prefixcache.sim.trace import Trace, TraceRequest
+from prefixcache.sim.trace import Trace, TraceRequest, read_cache_fields
 
 MOONCAKE_BLOCK_SIZE = 512
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
@@ -70,6 +70,7 @@ def _parse_line(line: str, where: str) -> TraceRequest:
         raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from exc
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object")
+    tenant, pins = read_cache_fields(obj, where)
     try:
         return TraceRequest(
             request_id=where.rsplit(":", 1)[-1],
@@ -77,6 +78,8 @@ def _parse_line(line: str, where: str) -> TraceRequest:
             input_length=int(_number(obj, "input_length", where)),
             output_length=int(_number(obj, "output_length", where)),
             hash_ids=hash_id_list(obj.get("hash_ids"), where),
+            tenant=tenant,
+            pins=pins,
         )
     except TraceFormatError:
         raise  # already says where

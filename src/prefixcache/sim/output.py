@@ -42,10 +42,24 @@ def format_table(results: list[ReplayResult]) -> str:
     columns = list(_COLUMNS)
     if any(r.tier_hit_ratios for r in results):  # the hit split by source, after "hit"
         columns.insert(6, _TIER_COLUMN)
+    if any(r.num_pins for r in results):
+        columns.insert(6, ("pins", 6, lambda r: f"{r.num_pins:,}"))
     header = " ".join(name.rjust(width) for name, width, _ in columns)
     lines = [header, "-" * len(header)]
     for result in results:
         lines.append(" ".join(fn(result).rjust(width) for _, width, fn in columns))
+    tenants = sorted({t for r in results for t in r.tenant_hit_ratios})
+    if tenants:  # what one tenant's pins do to the others: the hit ratio of each, per row
+        names = [t or "(none)" for t in tenants]
+        width = max(6, *(len(n) for n in names))
+        head = " ".join(n.rjust(w) for n, w in (("cache", 6), ("capacity", 8), ("router", 15)))
+        lines += ["", "hit ratio by tenant:",
+                  head + " " + " ".join(n.rjust(width) for n in names)]
+        for r in results:
+            row = " ".join(v.rjust(w) for v, w in ((r.prefix_cache, 6), (r.capacity_label, 8),
+                                                   (r.router, 15)))
+            lines.append(row + " " + " ".join(
+                f"{r.tenant_hit_ratios.get(t, 0.0):.3f}".rjust(width) for t in tenants))
     return "\n".join(lines)
 
 

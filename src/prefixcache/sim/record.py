@@ -8,13 +8,18 @@ The first line is a header, every other line one request::
 
 ``t`` is seconds since the recorder started; ``block_digests`` are the chained digests of the
 prompt's complete blocks (they already encode the namespace, so tenants stay apart without any
-tenant id in the file). The server writes it with ``--record-trace FILE`` through
-`TraceRecorder`; `read_record` turns it back into a `Trace` (each distinct digest becomes a hash
-id). Neither knows about caches or HTTP.
+tenant id in the file). A request that pinned prefixes (``cache_control`` breakpoints,
+``prompt_cache_retention``) adds ``"pins": [[num_tokens, ttl_s], ...]``; a request of a
+tenant adds ``"tenant"``: a stable digest of its isolation domain (`tenant_label`, as
+``/metrics`` labels domains with ``--metrics-domain-labels digest``), which pin budgets and the
+replay's per-tenant hit ratios are counted by. The server writes it with ``--record-trace
+FILE`` through `TraceRecorder`; `read_record` turns it back into a `Trace` (each distinct digest
+becomes a hash id). Neither knows about caches or HTTP.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -24,7 +29,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from prefixcache.sim.errors import TraceFormatError
-from prefixcache.sim.trace import Trace, TraceRequest
+from prefixcache.sim.trace import Trace, TraceRequest, read_cache_fields
 
 FORMAT_NAME = "prefixcache-trace"
 FORMAT_VERSION = 1
@@ -66,8 +71,11 @@ class TraceRecorder:
         block_digests: Sequence[bytes],
         cached_tokens: int = 0,
         arrival_s: float | None = None,
+        pins: Sequence[tuple[int, float]] = (),
+        tenant: str = "",
     ) -> None:
-        """One request: prompt and output token counts and its prompt's block digests."""
+        """One request: prompt and output token counts and its prompt's block digests; with
+        ``pins``, its breakpoints; ``tenant``: its `tenant_label`."""
         t = self._clock() - self._start if arrival_s is None else arrival_s
         line = {
             "t": round(t, 6),
@@ -76,6 +84,10 @@ class TraceRecorder:
             "cached_tokens": cached_tokens,
             "block_digests": [d.hex() for d in block_digests],
         }
+        if pins:
+            line["pins"] = [[n, ttl] for n, ttl in pins]
+        if tenant:
+            line["tenant"] = tenant
         self._write(line)
         self.num_records += 1
 
@@ -103,6 +115,11 @@ class TraceRecorder:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def tenant_label(domain: str) -> str:
+    """A stable, one-way label of an isolation domain (never the tenant's name)."""
+    return "d:" + hashlib.sha256(domain.encode()).hexdigest()[:12]
 
 
 def merge_records(parts: Sequence[str | Path], path: str | Path) -> int:
@@ -169,6 +186,7 @@ def _parse(line: str, ids: dict[str, int], where: str) -> TraceRequest:
     if not isinstance(digests, list) or not all(_is_hex(d) for d in digests):
         raise TraceFormatError(f"{where}: 'block_digests' must be a list of hex strings")
     hash_ids = [ids.setdefault(d, len(ids)) for d in digests]
+    tenant, pins = read_cache_fields(obj, where)
     try:
         return TraceRequest(
             where.rsplit(":", 1)[-1],
@@ -177,6 +195,8 @@ def _parse(line: str, ids: dict[str, int], where: str) -> TraceRequest:
             int(obj["output_length"]),
             hash_ids,
             recorded_digests=[bytes.fromhex(d) for d in digests],
+            tenant=tenant,
+            pins=pins,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceFormatError(f"{where}: bad request record ({exc})") from exc

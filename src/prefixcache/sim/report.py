@@ -54,12 +54,19 @@ class Tally:
     peak_usage: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     tier_tokens: dict[str, int] = field(default_factory=dict)  # hit tokens a lower tier served
+    tenant_tokens: dict[str, list[int]] = field(default_factory=dict)  # tenant -> [queried, hit]
+    num_pins: int = 0  # pins made (a breakpoint whose prefix was already pinned refreshes it)
 
-    def add(self, num_tokens: int, num_hit: int, ttft_s: float) -> None:
+    def add(self, num_tokens: int, num_hit: int, ttft_s: float, tenant: str | None = None) -> None:
+        """One request; ``tenant``: also count it under that tenant (None: not split)."""
         self.num_requests += 1
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit
         self.ttft_s.append(ttft_s)
+        if tenant is not None:
+            counts = self.tenant_tokens.setdefault(tenant, [0, 0])
+            counts[0] += num_tokens
+            counts[1] += num_hit
 
     @property
     def hit_ratio(self) -> float:
@@ -95,6 +102,9 @@ class ReplayResult:
     wall_s: float
     # the share of queried tokens each source served: ram (the pool's own hits), disk, valkey
     tier_hit_ratios: dict[str, float] = field(default_factory=dict)
+    # a trace with tenants or pins: each tenant's hit ratio ("" the untenanted requests)
+    tenant_hit_ratios: dict[str, float] = field(default_factory=dict)
+    num_pins: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -1,8 +1,12 @@
 """Routers that pick a replica for each request in cluster mode.
 
 A router sees only what a real one would: the request's block digests, the replicas' current
-loads (requests in flight) and, for ``cache-aware``, the KV events the replicas publish (it keeps
-its own mirror of each replica's cached digests). Knows nothing about scheduling or time.
+loads (requests in flight), the request's affinity ``key`` if it has one (OpenAI's
+``prompt_cache_key``, scoped to its tenant by the ingress: never part of a block's identity) and,
+for ``cache-aware``, the KV events the replicas publish (it keeps its own mirror of each
+replica's cached digests). A key is combined with the prompt's prefix (the digest of its first
+``k`` blocks), as OpenAI routes: requests with one key and one prefix go to one replica, and one
+prefix under different keys may spread. Knows nothing about scheduling or time.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class Router:
         self.num_replicas = num_replicas
         self._next = 0
 
-    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+    def choose(self, digests: list[bytes], loads: list[int], key: bytes | None = None) -> int:
+        """The replica for a request with these block ``digests``; ``key``: its affinity key."""
         raise NotImplementedError
 
     def choose_for(self, digests: list[bytes], recorded: list[bytes], loads: list[int]) -> int:
@@ -65,7 +70,7 @@ class Router:
 class RoundRobin(Router):
     name = "round-robin"
 
-    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+    def choose(self, digests: list[bytes], loads: list[int], key: bytes | None = None) -> int:
         chosen = self._next
         self._next = (chosen + 1) % self.num_replicas
         return chosen
@@ -78,19 +83,46 @@ class RandomRouter(Router):
         super().__init__(num_replicas, seed)
         self._rng = random.Random(seed)
 
-    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+    def choose(self, digests: list[bytes], loads: list[int], key: bytes | None = None) -> int:
         return self._rng.randrange(self.num_replicas)
 
 
 class LeastLoaded(Router):
     name = "least-loaded"
 
-    def choose(self, digests: list[bytes], loads: list[int]) -> int:
+    def choose(self, digests: list[bytes], loads: list[int], key: bytes | None = None) -> int:
         return self.least_loaded(loads)
 
 
+class _Ring:
+    """Consistent hashing of keys onto replicas (``vnodes`` points each)."""
+
+    def __init__(self, num_replicas: int, vnodes: int = 64) -> None:
+        ring = sorted(
+            (_point(f"replica-{r}-{v}".encode()), r)
+            for r in range(num_replicas)
+            for v in range(vnodes)
+        )
+        self._points = [p for p, _ in ring]
+        self._owners = [r for _, r in ring]
+
+    def owner(self, data: bytes) -> int:
+        index = bisect.bisect(self._points, _point(data)) % len(self._points)
+        return self._owners[index]
+
+
+def affinity_point(digests: list[bytes], k: int, key: bytes | None) -> bytes | None:
+    """What a request hashes to for affinity: its first ``k`` blocks' digest (which chains all
+    of them), combined with its ``key`` when it has one; None when it has neither."""
+    prefix = digests[min(k, len(digests)) - 1] if digests else b""
+    if key is None:
+        return prefix or None
+    return hashlib.blake2b(prefix, digest_size=16, key=key[:64]).digest()
+
+
 class PrefixAffinity(Router):
-    """Consistent hashing on the digest of the first ``k`` blocks (which chains all of them)."""
+    """Consistent hashing on the digest of the first ``k`` blocks (which chains all of them),
+    combined with the request's affinity key when it has one."""
 
     name = "prefix-affinity"
     reads_digest_bytes = True
@@ -100,20 +132,13 @@ class PrefixAffinity(Router):
         if k < 1:
             raise ValueError(f"prefix-affinity k must be >= 1, got {k}")
         self.k = k
-        ring = sorted(
-            (_point(f"replica-{r}-{v}".encode()), r)
-            for r in range(num_replicas)
-            for v in range(vnodes)
-        )
-        self._points = [p for p, _ in ring]
-        self._owners = [r for _, r in ring]
+        self._ring = _Ring(num_replicas, vnodes)
 
-    def choose(self, digests: list[bytes], loads: list[int]) -> int:
-        if not digests:  # no complete block: nothing to be affine to
+    def choose(self, digests: list[bytes], loads: list[int], key: bytes | None = None) -> int:
+        point = affinity_point(digests, self.k, key)
+        if point is None:  # no complete block and no key: nothing to be affine to
             return self.least_loaded(loads)
-        key = _point(digests[min(self.k, len(digests)) - 1])
-        index = bisect.bisect(self._points, key) % len(self._points)
-        return self._owners[index]
+        return self._ring.owner(point)
 
 
 class CacheAware(Router):
@@ -132,6 +157,11 @@ class CacheAware(Router):
     Blocks a replica stored in a shared tier (an event's ``medium`` in `SHARED_MEDIA`: Valkey)
     count as held by every replica: any of them loads them instead of computing (at most
     ``max_shared`` remembered, the oldest forgotten first: the tier evicts silently).
+
+    A request with an affinity ``key`` that no replica holds any of goes where the key and its
+    first ``k`` blocks hash to (not the least loaded one), so the requests of one key gather on
+    one replica before any of them has committed; among replicas holding equally long prefixes,
+    the same replica wins the tie. The load guard still comes first.
     """
 
     name = "cache-aware"
@@ -153,6 +183,8 @@ class CacheAware(Router):
         self.max_expected = max_expected
         self.mirrors: list[set[bytes]] = [set() for _ in range(num_replicas)]
         self.expected: list[dict[bytes, None]] = [{} for _ in range(num_replicas)]
+        self.k = 4  # the prefix an affinity key is combined with, in blocks
+        self._ring = _Ring(num_replicas)
 
     @property
     def wants_events(self) -> bool:
@@ -184,8 +216,8 @@ class CacheAware(Router):
         self.mirrors[replica].clear()
         self.expected[replica].clear()
 
-    def choose(self, digests: list[bytes], loads: list[int]) -> int:
-        chosen = self._choose(digests, loads)
+    def choose(self, digests: list[bytes], loads: list[int], key: bytes | None = None) -> int:
+        chosen = self._choose(digests, loads, key)
         expected = self.expected[chosen]
         for digest in digests:
             if digest not in self.mirrors[chosen]:
@@ -195,18 +227,21 @@ class CacheAware(Router):
             del expected[next(iter(expected))]
         return chosen
 
-    def _choose(self, digests: list[bytes], loads: list[int]) -> int:
+    def _choose(self, digests: list[bytes], loads: list[int], key: bytes | None) -> int:
         low, high = min(loads), max(loads)
         if high - low > self.abs_threshold and high > self.rel_threshold * low:
             return self.least_loaded(loads)
         matched = [self._matched(i, digests) for i in range(self.num_replicas)]
         best = max(matched)
+        point = None if key is None else affinity_point(digests, self.k, key)
+        owner = -1 if point is None else self._ring.owner(point)
         if best == 0:
+            if owner >= 0:
+                return owner
             return min(range(self.num_replicas),
                        key=lambda i: (loads[i], len(self.mirrors[i]) + len(self.expected[i])))
-        return min(
-            (i for i in range(self.num_replicas) if matched[i] == best), key=lambda i: loads[i]
-        )
+        return min((i for i in range(self.num_replicas) if matched[i] == best),
+                   key=lambda i: (i != owner, loads[i]))
 
     def _matched(self, replica: int, digests: list[bytes]) -> int:
         mirror, expected, shared = self.mirrors[replica], self.expected[replica], self.shared

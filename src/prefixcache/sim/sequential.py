@@ -17,6 +17,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 from prefixcache.cache import PrefixCache, Sequence
+from prefixcache.cache.pins import PinTable
 from prefixcache.sim.config import RunSpec, build_cache, unlimited_blocks
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.report import ReplayResult, Tally, ideal_hit_ratio, percentile
@@ -29,16 +30,20 @@ Progress = Callable[[int], None]
 
 
 class _Replica:
-    """One cache, its lower tiers (nearest first) and the finish times of the requests it is
-    serving."""
+    """One cache, its lower tiers (nearest first), its pins (on the trace's clock) and the finish
+    times of the requests it is serving."""
 
-    __slots__ = ("cache", "tally", "in_flight", "tiers")
+    __slots__ = ("cache", "tally", "in_flight", "tiers", "pins", "now")
 
-    def __init__(self, cache: PrefixCache) -> None:
+    def __init__(self, cache: PrefixCache, max_pinned_blocks: int | None = None) -> None:
         self.cache = cache
         self.tally = Tally()
         self.in_flight: list[float] = []
         self.tiers: list[SimTier] = []
+        self.now = 0.0
+        self.pins: PinTable | None = None
+        if max_pinned_blocks is not None:
+            self.pins = PinTable(cache, max_pinned_blocks, clock=lambda: self.now)
 
     def load(self, now: float) -> int:
         in_flight = self.in_flight
@@ -62,8 +67,12 @@ class SequentialRun:
         per_replica = unlimited_blocks(trace, False) if total is None else total // spec.replicas
         self.router: Router = make_router(spec.router, spec.replicas)
         with_events = self.router.wants_events
+        self.split_tenants = trace.has_cache_control
+        pinned = None
+        if spec.pins and any(r.pins for r in trace.requests):
+            pinned = per_replica // 4 if spec.max_pinned_blocks is None else spec.max_pinned_blocks
         self.replicas = [
-            _Replica(build_cache(spec, per_replica, trace.block_size, with_events))
+            _Replica(build_cache(spec, per_replica, trace.block_size, with_events), pinned)
             for _ in range(spec.replicas)
         ]
         model = cost.model
@@ -90,6 +99,10 @@ class SequentialRun:
                  if len(self.replicas) > 1 else 0)
         replica = self.replicas[index]
         mine = seq.fork(seq.seq_id)
+        if replica.pins is not None:
+            replica.now = now
+            replica.pins.expire()
+            replica.pins.refresh(mine)  # a request through a pinned prefix extends the pin
         load_s = self._load(replica, mine, digests) if replica.tiers else 0.0
         num_hit = self._serve(replica, request, mine)
         if replica.tiers and num_hit < request.input_length:
@@ -101,7 +114,8 @@ class SequentialRun:
         if events and self.router.wants_events:
             self.router.observe(index, events)
         prefill_s = self.cost.model.prefill_seconds(request.input_length - num_hit) + load_s
-        replica.tally.add(request.input_length, num_hit, prefill_s)
+        replica.tally.add(request.input_length, num_hit, prefill_s,
+                          request.tenant if self.split_tenants else None)
         finish = now + prefill_s + request.output_length * self.cost.decode_token_s
         heapq.heappush(replica.in_flight, finish)
         self.wall_s += time.perf_counter() - started
@@ -139,6 +153,11 @@ class SequentialRun:
         usage = cache.usage
         if usage > replica.tally.peak_usage:
             replica.tally.peak_usage = usage
+        pins = replica.pins
+        if pins is not None:
+            for num_tokens, ttl_s in request.pins:  # as the engine: once the prompt is committed
+                pins.pin(seq, min(num_tokens, request.input_length - 1), ttl_s)
+            replica.tally.num_pins = pins.num_made
         cache.free(seq)
         return hit.num_tokens
 
@@ -203,7 +222,21 @@ def summarize(
         replica_hit_ratios=[round(t.hit_ratio, 6) for t in tallies],
         wall_s=wall_s,
         tier_hit_ratios=_tier_ratios(tallies, num_hit, num_tokens) if spec.has_tiers else {},
+        tenant_hit_ratios=_tenant_ratios(tallies),
+        num_pins=sum(t.num_pins for t in tallies),
     )
+
+
+def _tenant_ratios(tallies: list[Tally]) -> dict[str, float]:
+    """Each tenant's hit ratio over every replica (empty when the trace names no tenant)."""
+    totals: dict[str, list[int]] = {}
+    for tally in tallies:
+        for tenant, (queried, hit) in tally.tenant_tokens.items():
+            total = totals.setdefault(tenant, [0, 0])
+            total[0] += queried
+            total[1] += hit
+    return {t: round(hit / queried, 6) if queried else 0.0
+            for t, (queried, hit) in sorted(totals.items())}
 
 
 def _tier_ratios(tallies: list[Tally], num_hit: int, num_tokens: int) -> dict[str, float]:
@@ -233,8 +266,9 @@ def replay_sequential(
     first = runs[0].replicas[0].cache
     identity = first.identity
     source = TokenSource(trace)
-    for request in trace.requests:
-        seq = Sequence(request.request_id, source.prompt(request), copy=False)
+    for request in trace.requests:  # a tenant's blocks live in its own namespace
+        seq = Sequence(request.request_id, source.prompt(request), request.tenant or None,
+                       copy=False, domain=request.tenant)
         digests = identity.block_digests(seq)
         for run in runs:
             run.feed(request, seq, digests)

@@ -1,5 +1,5 @@
 """Synthetic workloads in trace form: shared system prompts, repeated prefixes, multi-turn chat,
-few-shot, tree-of-thought and agentic loops.
+few-shot, tree-of-thought, agentic loops, and a pinned system prompt beside a flooding tenant.
 
 A generator describes each prompt as a list of *segments* (a content key and a token length);
 `BlockIds` cuts the segment stream into blocks and names each complete block by its chain (parent
@@ -54,13 +54,13 @@ class _Builder:
         self.block_ids = BlockIds(block_size)
         self.rng = random.Random(seed)
 
-    def add(self, t: float, segments: list[Segment], output_length: int, group: str) -> None:
+    def add(self, t: float, segments: list[Segment], output_length: int, group: str,
+            tenant: str = "", pins: list[tuple[int, float]] | None = None) -> None:
         request_id = str(len(self.trace.requests))
         input_length = sum(length for _, length in segments)
         hash_ids = self.block_ids.hash_ids(segments)
-        self.trace.requests.append(
-            TraceRequest(request_id, t, input_length, output_length, hash_ids, group)
-        )
+        self.trace.requests.append(TraceRequest(request_id, t, input_length, output_length,
+                                                hash_ids, group, tenant=tenant, pins=pins or []))
 
     def poisson_times(self, n: int, rate: float) -> list[float]:
         t, out = 0.0, []
@@ -219,6 +219,39 @@ def agentic(
     return b.done()
 
 
+def pinned_prompt(
+    *,
+    system_len: int = 2048,
+    question_len: int = 64,
+    num_questions: int = 30,
+    interval_s: float = 20.0,
+    ttl_s: float = 300.0,
+    flood_len: int = 512,
+    flood_rate: float = 1.0,
+    own_rate: float = 1.0,
+    output_len: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+) -> Trace:
+    """Tenant ``app`` asks a question behind its long system prompt every ``interval_s`` seconds,
+    with a ``cache_control`` breakpoint after the system prompt (``ttl_s``), and meanwhile sends
+    one-off ``flood_len``-token prompts of its own at ``own_rate``/s; tenant ``flood`` sends
+    distinct ``flood_len``-token prompts at ``flood_rate``/s. Replay it with ``--pins on,off``
+    at a capacity the two floods overrun between questions to see the pin hold (the other
+    tenant's flood alone does not evict it: each tenant keeps its fair share)."""
+    b = _Builder("pinned-prompt", block_size, seed)
+    for q in range(num_questions):
+        t = q * interval_s
+        b.add(t, [("system", system_len), (("q", q), question_len)], output_len, "app",
+              tenant="app", pins=[(system_len, ttl_s)])
+    span = num_questions * interval_s
+    for tenant, rate in (("app", own_rate), ("flood", flood_rate)):
+        if rate > 0:
+            for i, t in enumerate(b.poisson_times(int(span * rate), rate)):
+                b.add(t, [((tenant, i), flood_len)], output_len, tenant, tenant=tenant)
+    return b.done()
+
+
 GENERATORS: dict[str, Callable[..., Trace]] = {
     "generated-shared-prefix": generated_shared_prefix,
     "prefix-repetition": prefix_repetition,
@@ -226,6 +259,7 @@ GENERATORS: dict[str, Callable[..., Trace]] = {
     "few-shot": few_shot,
     "tree-of-thought": tree_of_thought,
     "agentic": agentic,
+    "pinned-prompt": pinned_prompt,
 }
 
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixcache.cache import PrefixCache, Sequence
+from prefixcache.cache.pins import PinTable
 from prefixcache.sched import (
     RequestStatus,
     SchedRequest,
@@ -96,8 +97,10 @@ class TimedReplica:
     """A replica's cache, scheduler and clock."""
 
     def __init__(
-        self, cache: PrefixCache, cost: CostModel, config: ReplicaConfig, source: TokenSource
+        self, cache: PrefixCache, cost: CostModel, config: ReplicaConfig, source: TokenSource,
+        max_pinned_blocks: int | None = None, split_tenants: bool = False,
     ) -> None:
+        """``max_pinned_blocks``: honour the requests' pins with this budget per tenant."""
         self.cache = cache
         self.cost = cost
         self.config = config
@@ -107,6 +110,10 @@ class TimedReplica:
         self.clock = 0.0
         self.decoding: list[list[int]] = []  # store_decode=False: [steps left] per choice
         self._num_added = 0
+        self.split_tenants = split_tenants
+        self.pins: PinTable | None = None
+        if max_pinned_blocks is not None:
+            self.pins = PinTable(cache, max_pinned_blocks, clock=lambda: self.clock)
 
     @property
     def load(self) -> int:
@@ -119,8 +126,11 @@ class TimedReplica:
         num_blocks = -(-(request.input_length + num_output) // bs)
         if num_blocks + (self.config.n - 1) * (-(-num_output // bs) + 1) > self.cache.num_blocks:
             self.tally.num_rejected += 1  # can never fit: served uncached, elsewhere
-            self.tally.add(request.input_length, 0, self.cost.prefill_seconds(request.input_length))
+            self.tally.add(request.input_length, 0, self.cost.prefill_seconds(request.input_length),
+                           self._tenant(request))
             return
+        if self.pins is not None:
+            self.pins.refresh(seq)  # a request through a pinned prefix extends the pin
         self._num_added += 1
         self.scheduler.add(
             _SimRequest(
@@ -132,6 +142,9 @@ class TimedReplica:
             )
         )
 
+    def _tenant(self, request: TraceRequest) -> str | None:
+        return request.tenant if self.split_tenants else None
+
     def run_until(self, t: float) -> None:
         """Run steps while there is work and the clock is before ``t`` (a step may end past it)."""
         while self.clock < t and (self.scheduler.has_unfinished() or self.decoding):
@@ -140,6 +153,8 @@ class TimedReplica:
             self.clock = t
 
     def _step(self, horizon: float) -> None:
+        if self.pins is not None:
+            self.pins.expire()
         out = self.scheduler.schedule()
         if out.is_empty and not self.decoding:
             raise RuntimeError("scheduler made no progress (a request larger than the cache?)")
@@ -186,7 +201,15 @@ class TimedReplica:
         if not request.counted and request.index == 0:
             request.counted = True
             ttft = self.clock - request.arrival_s
-            self.tally.add(request.num_prompt_tokens, max(request.num_cached_tokens, 0), ttft)
+            trace = request.trace
+            assert trace is not None
+            self.tally.add(request.num_prompt_tokens, max(request.num_cached_tokens, 0), ttft,
+                           self._tenant(trace))
+            pins = self.pins
+            if pins is not None and trace.pins:  # the prompt is committed: pin it
+                for num_tokens, ttl_s in trace.pins:
+                    pins.pin(request.seq, min(num_tokens, request.num_prompt_tokens - 1), ttl_s)
+                self.tally.num_pins = pins.num_made
         done = request.num_generated >= request.output_length
         if not self.config.store_decode:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
@@ -226,19 +249,25 @@ def replay_timed(
         else total // spec.replicas
     )
     source = TokenSource(trace)
+    pinned = None
+    if spec.pins and any(r.pins for r in trace.requests):
+        pinned = per_replica // 4 if spec.max_pinned_blocks is None else spec.max_pinned_blocks
     replicas = [
         TimedReplica(
             build_cache(spec, per_replica, trace.block_size, router.wants_events),
             cost,
             config,
             source,
+            pinned,
+            trace.has_cache_control,
         )
         for _ in range(spec.replicas)
     ]
     identity = replicas[0].cache.identity
     for request in trace.requests:
         _advance(replicas, router, request.arrival_s)
-        seq = Sequence(request.request_id, source.prompt(request), copy=False)
+        seq = Sequence(request.request_id, source.prompt(request), request.tenant or None,
+                       copy=False, domain=request.tenant)
         digests = identity.block_digests(seq)
         loads = [r.load for r in replicas]
         index = (router.choose_for(digests, request.recorded_digests, loads)

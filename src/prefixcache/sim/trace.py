@@ -3,12 +3,22 @@
 A request's prompt is ``input_length`` tokens; ``hash_ids[i]`` names the content of its block
 ``i`` (equal ids mean equal prefixes up to and including that block, as in the Mooncake format).
 Only the first ``input_length // block_size`` ids describe complete blocks; an id for a partial
-tail is kept as read but never makes that tail hittable. This module knows nothing about caches.
+tail is kept as read but never makes that tail hittable.
+
+A request may also name its ``tenant`` (an isolation domain: its blocks are namespaced apart from
+other tenants' and its pins count against its own budget) and carry ``pins``: cache breakpoints,
+each ``(num_tokens, ttl_s)``, the prefix through that token kept from eviction for ``ttl_s``
+seconds of trace time, as Anthropic's ``cache_control`` does (`read_cache_fields` reads them
+from a trace line). This module knows nothing about caches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from prefixcache.cache.pins import ttl_seconds
+from prefixcache.sim.errors import TraceFormatError
 
 
 @dataclass(slots=True)
@@ -23,6 +33,8 @@ class TraceRequest:
     group: str = ""  # conversation / session the request belongs to (informational)
     # a recorded trace's block digests, as the serving router saw them (see Router.choose_for)
     recorded_digests: list[bytes] = field(default_factory=list)
+    tenant: str = ""  # isolation domain ("": the shared namespace)
+    pins: list[tuple[int, float]] = field(default_factory=list)  # (num_tokens, ttl_s) breakpoints
 
     def __post_init__(self) -> None:
         if self.input_length < 1:
@@ -60,6 +72,11 @@ class Trace:
         return sum(r.input_length for r in self.requests)
 
     @property
+    def has_cache_control(self) -> bool:
+        """Some request carries a tenant or a pin (the report then splits hits by tenant)."""
+        return any(r.tenant or r.pins for r in self.requests)
+
+    @property
     def max_hash_id(self) -> int:
         return max((max(r.hash_ids) for r in self.requests if r.hash_ids), default=-1)
 
@@ -71,3 +88,25 @@ class Trace:
         """Compress (factor < 1) or stretch time, e.g. to replay a trace at a higher rate."""
         for request in self.requests:
             request.arrival_s *= factor
+
+
+def read_cache_fields(obj: dict[str, Any], where: str) -> tuple[str, list[tuple[int, float]]]:
+    """A trace line's optional ``tenant`` (a string) and ``pins``: a list of ``{"tokens": N,
+    "ttl": "5m" | "1h" | "24h" | seconds}`` (at most four, as Anthropic allows) or of
+    ``[N, seconds]`` pairs, as a recorded trace writes them."""
+    tenant = obj.get("tenant", "")
+    if not isinstance(tenant, str):
+        raise TraceFormatError(f"{where}: 'tenant' must be a string")
+    raw = obj.get("pins", [])
+    if not isinstance(raw, list) or len(raw) > 4:
+        raise TraceFormatError(f"{where}: 'pins' must be a list of at most 4 breakpoints")
+    pins = []
+    for item in raw:
+        tokens, ttl = (item.get("tokens"), item.get("ttl", "5m")) if isinstance(item, dict) else (
+            item if isinstance(item, list) and len(item) == 2 else (None, None))
+        seconds = ttl_seconds(ttl)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or not seconds:
+            raise TraceFormatError(f"{where}: a pin is {{\"tokens\": N >= 1, \"ttl\": \"5m\", "
+                                   f"\"1h\", \"24h\" or seconds up to a day}}, got {item!r}")
+        pins.append((tokens, seconds))
+    return tenant, pins
