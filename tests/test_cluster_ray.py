@@ -146,6 +146,31 @@ def test_streaming_through_serve_with_the_openai_client(cluster) -> None:
         {"role": "user", "content": "hi"}]}).status_code == 401  # the replica authenticates
 
 
+def test_a_prompt_cache_key_keeps_its_requests_on_one_replica(cluster) -> None:
+    """Distinct prompts that share nothing but a key land on one replica (cache-aware routes a
+    prompt nobody holds by its key); Anthropic's /v1/messages with x-api-key routes too."""
+    def routed() -> list[int]:
+        return httpx.get(cluster + "/cluster/routing", headers=METRICS).json()["routed_per_slot"]
+
+    before = routed()
+    for i in range(6):
+        response = httpx.post(cluster + "/v1/chat/completions", headers=KEY, timeout=60, json={
+            "model": "tiny", "max_tokens": 1, "prompt_cache_key": "conversation-7",
+            "messages": [{"role": "user", "content": f"A question of its own, number {i}."}]})
+        assert response.status_code == 200, response.text
+    grew = [a - b for a, b in zip(routed(), before, strict=True)]
+    assert sorted(grew) == [0, 6], grew
+    keyed = httpx.get(cluster + "/cluster/routing", headers=METRICS).json()["routed_with_key"]
+    assert keyed >= 6
+    anthropic = {"x-api-key": KEY["Authorization"].removeprefix("Bearer "),
+                 "anthropic-version": "2023-06-01"}
+    message = httpx.post(cluster + "/v1/messages", timeout=60, headers=anthropic, json={
+        "model": "tiny", "max_tokens": 2, "system": PREFIXES[1],
+        "messages": [{"role": "user", "content": "Hello?"}]})
+    assert message.status_code == 200, message.text
+    assert message.json()["type"] == "message"
+
+
 def test_a_replica_killed_mid_load_costs_no_request_and_is_restarted(cluster) -> None:
     pids = subprocess.run(["pgrep", "-f", "ServeReplica:prefixcache:EngineReplica"],
                           capture_output=True, text=True).stdout.split()

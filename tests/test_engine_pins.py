@@ -140,3 +140,33 @@ def test_another_tenants_burst_runs_beside_a_pin_and_the_pin_survives_preemption
                for o in done.values())
     assert engine.scheduler.num_preemptions > 0  # the burst did not fit beside the pin
     assert run(engine, "p2", pinned, "tenant:a") == 160
+
+
+def test_a_request_that_cannot_start_beside_the_pins_takes_the_oldest_pin_first(
+        engine: LLMEngine) -> None:
+    """Tenants a and c pin 10 blocks each of the 40; b's 400-token prompt needs 26 with
+    nothing running to free any: the oldest pin (a's) yields, c's stays, b is answered."""
+    rng = random.Random(9)
+    for domain in ("tenant:a", "tenant:c"):
+        run(engine, domain, [rng.randrange(3, 250) for _ in range(161)], domain,
+            pins=[(160, 300.0)])
+    assert engine.pins.blocks_pinned("tenant:a") == engine.pins.blocks_pinned("tenant:c") == 10
+    assert run(engine, "big", [rng.randrange(3, 250) for _ in range(400)], "tenant:b") == 0
+    assert engine.pins.num_yielded == 1
+    assert not engine.pins.of_domain("tenant:a") and engine.pins.blocks_pinned("tenant:c") == 10
+
+
+def test_a_request_larger_than_its_share_runs_when_quiet_tenants_fill_the_cache() -> None:
+    """No pins: tenants a and c leave 22 cached blocks of 40, which fair shares protect from
+    b; b's 400-token prompt needs 26 and nothing is running. It used to wait for ever; the
+    idle engine lifts the protection for it (and only then: a's prefix is evicted, not kept)."""
+    engine = LLMEngine("tiny", block_size=BS, num_kv_blocks=40, check_integrity=True)
+    rng = random.Random(11)
+    kept = {}
+    for domain in ("tenant:a", "tenant:c"):
+        kept[domain] = [rng.randrange(3, 250) for _ in range(161)]
+        run(engine, domain, kept[domain], domain)
+    assert run(engine, "big", [rng.randrange(3, 250) for _ in range(400)], "tenant:b") == 0
+    assert engine.cache.protect_quiet_domains  # lifted for that step only
+    hits = [run(engine, f"{d}-again", kept[d], d) for d in kept]
+    assert min(hits) < 160  # what b needed came out of the quiet tenants' cache

@@ -328,3 +328,65 @@ def test_a_reset_says_how_many_pins_it_released(server) -> None:
     assert reply.status_code == 200 and reply.json() == {"reset": True,
                                                          "pins_released": pinned}
     assert not server.engine.pins.pins
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_under_an_eviction_flood_a_pinned_prefix_is_read_whole_until_its_ttl(
+        tmp_path: Path) -> None:
+    """A Claude Code-style request (tools and a long system prompt, each with a breakpoint)
+    pins its prefix; floods from both tenants through the HTTP API then evict an equally long
+    unpinned prefix, while the pinned one is still read whole (``cache_read_input_tokens`` =
+    what the first call created). Past the TTL (a controlled clock) it goes like any other."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    running = start_server(["--model", "tiny", "--tenants", str(EXAMPLE), "--secret-file",
+                            str(secret), "--num-kv-blocks", "96"])
+    try:
+        running.engine.pins.clock = _Clock()
+        client = sdk(running)
+        tools = [{"name": "read_file", "description": "Read a file of the repository.",
+                  "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+                  "cache_control": {"type": "ephemeral"}}]
+        system = [{"type": "text", "text": "You are a coding agent in a repository. " * 8,
+                   "cache_control": {"type": "ephemeral"}}]
+        unpinned = "Reviewing pull requests of a repository is your job here. " * 6
+
+        def ask(question: str) -> anthropic.types.Usage:
+            return client.messages.create(model="tiny", max_tokens=1, tools=tools, system=system,
+                                          messages=[{"role": "user", "content": question}]).usage
+
+        def plain(question: str) -> int:
+            usage = client.messages.create(model="tiny", max_tokens=1, system=unpinned,
+                                           messages=[{"role": "user", "content": question}]).usage
+            return usage.cache_read_input_tokens
+
+        created = ask("Open the README.").cache_creation_input_tokens
+        assert created >= 20 * 16
+        assert plain("First review.") == 0 and plain("Second review.") > 0
+
+        def flood(round_: int) -> None:
+            for key in (ACME, "sk-globex-example-key"):
+                for i in range(6):
+                    reply = httpx.post(running.base_url + "/v1/completions", timeout=60,
+                                       headers={"x-api-key": key}, json={
+                                           "model": "tiny", "max_tokens": 1,
+                                           "prompt": f"flood {round_} {i} {key[:6]} " * 20})
+                    assert reply.status_code == 200, reply.text
+
+        flood(1)
+        again = ask("Open the tests.")
+        assert again.cache_read_input_tokens == created and again.cache_creation_input_tokens == 0
+        assert plain("Third review.") == 0  # the unpinned prefix was evicted
+        running.engine.pins.clock.now += 301.0  # past the TTL the hit at "tests" started
+        flood(2)  # its steps expire the pin, then evict the prefix like any other
+        assert not running.engine.pins.of_domain("tenant:acme")
+        assert ask("Open the docs.").cache_read_input_tokens == 0
+    finally:
+        running.stop()

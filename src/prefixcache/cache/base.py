@@ -21,9 +21,10 @@ lookup is counted once, when `allocate` admits it with its hit.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from prefixcache.cache.block_hash import BlockHasher
@@ -91,6 +92,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self.events = EventBuffer(config.enable_kv_events, config.max_events)
         self.pool = BlockPool(num_blocks, block_size, zero_on_reuse=config.zero_on_reuse)
+        self.protect_quiet_domains = True  # `_protected_from`; lifted by `without_protection`
         self.index = self._make_index()
         self.pool.attach(self.index)
         self._index_admits = type(self.index).admit is not PrefixIndex.admit  # (radix)
@@ -223,7 +225,8 @@ class PrefixCache:
         from domains at or over theirs, so its churn cannot take a quiet tenant's cache; it gets
         None and the scheduler preempts its newest sequence instead. With one domain (or under
         its share) nothing is protected."""
-        if not num_more or not self.pool.other_cache_domains(domain):  # common: one domain
+        if not num_more or not self.protect_quiet_domains or not self.pool.other_cache_domains(
+                domain):  # common: one domain
             return _NONE, 0
         free_cached = self.pool.free_cached_by_domain()
         usage = Counter(self._held)
@@ -233,6 +236,16 @@ class PrefixCache:
             return _NONE, 0
         protected = [d for d in free_cached if d != domain and usage[d] <= share]
         return frozenset(protected), sum(free_cached[d] for d in protected)
+
+    @contextlib.contextmanager
+    def without_protection(self) -> Iterator[None]:
+        """Allocations inside evict any free cached block, the quiet domains' too: for a caller
+        that knows nobody contends (nothing running, a request that cannot start otherwise)."""
+        before, self.protect_quiet_domains = self.protect_quiet_domains, False
+        try:
+            yield
+        finally:
+            self.protect_quiet_domains = before
 
     def _add_held(self, domain: str, num: int) -> None:
         held = self._held.get(domain, 0) + num

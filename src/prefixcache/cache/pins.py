@@ -68,6 +68,7 @@ class PinTable:
         self.num_made = 0  # pins created (not refreshes of an existing one)
         self.num_expired = 0
         self.num_evicted_for_budget = 0
+        self.num_yielded = 0  # released so that a request could start (`yield_to`)
 
     def budget(self, domain: str) -> int:
         """How many blocks ``domain`` may pin."""
@@ -139,6 +140,18 @@ class PinTable:
         if pin is None:
             return False
         self.cache.free(pin.seq)
+        return True
+
+    def yield_to(self, domain: str) -> bool:
+        """A request of ``domain`` cannot start beside the pinned blocks and nothing running
+        will free any: release the oldest pin of another domain, else ``domain``'s oldest.
+        False when there is no pin left."""
+        if not self.pins:
+            return False
+        pin = next((p for p in self.pins.values() if p.domain != domain),
+                   next(iter(self.pins.values())))
+        self.release(pin.pin_id)
+        self.num_yielded += 1
         return True
 
     def release_all(self) -> int:

@@ -311,6 +311,8 @@ class LLMEngine:
             self._admit_loaded()
         outputs, self._pending = self._pending, []
         out = self.scheduler.schedule()
+        if out.is_empty and out.admission_blocked and not self.scheduler.running:
+            out = self._unblock()
         self.last_scheduled = out
         self.num_steps += 1
         if not out.is_empty:
@@ -325,6 +327,18 @@ class LLMEngine:
         if self.check_integrity:
             self.cache.check_integrity()
         return outputs
+
+    def _unblock(self) -> SchedulerOutput:
+        """Nothing runs and the next waiting request cannot start, so nothing would ever free
+        a block for it: lift the fair-share protection of the other domains' cached blocks for
+        this step (nobody contends now), then release pins — another domain's oldest first —
+        until it starts or no pin is left. A request that fits the cache always runs."""
+        with self.cache.without_protection():
+            out = self.scheduler.schedule()
+            while (out.is_empty and out.admission_blocked
+                   and self.pins.yield_to(self.scheduler.waiting[0].domain)):
+                out = self.scheduler.schedule()
+        return out
 
     def _mark_scheduled(self, out: SchedulerOutput) -> None:
         now = time.monotonic()

@@ -34,7 +34,7 @@ from prefixcache.server.protocol import (
     MessagesCountRequest,
     MessagesRequest,
 )
-from prefixcache.server.request_params import tool_choice_of
+from prefixcache.server.request_params import render_chat, tool_choice_of
 from prefixcache.server.serving_base import Rendering, text_bytes
 from prefixcache.server.tenancy import Tenant
 from prefixcache.server.tools import parse_tool_calls
@@ -68,14 +68,18 @@ class MessagesAPI(ChatAPI):
         fields = chat_fields(truncated)
         messages = [ChatMessage.model_validate(m) for m in fields["messages"]] or [
             ChatMessage(role="system", content="")]
-        prefix = await self._off_loop(self._render_messages,
-                                      (messages, "messages", False, fields.get("tools")))
+        prefix = await self._off_loop(self._render_cut, (messages, fields.get("tools")))
         n = 0
         for a, b in zip(prefix, token_ids, strict=False):
             if a != b:
                 break
             n += 1
         return min(n, len(token_ids) - 1)
+
+    def _render_cut(self, arg: tuple[list[ChatMessage], list[JSONObject] | None]) -> list[int]:
+        messages, tools = arg
+        return render_chat(self.tokenizer, messages, "messages", False, tools,
+                           literal_content=not self.trust_content_markers, allow_empty=True)
 
     async def count_tokens(self, body: MessagesCountRequest) -> JSONObject:
         self._check_model(body.model)

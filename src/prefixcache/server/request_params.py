@@ -150,11 +150,13 @@ def response_status(reason: str | None) -> tuple[str, str | None]:
 def render_chat(
     tokenizer: Tokenizer, messages_in: list[ChatMessage], param: str,
     add_generation_prompt: bool, tools: list[JSONObject] | None, literal_content: bool,
+    allow_empty: bool = False,
 ) -> list[int]:
     """The token ids of a conversation through the model's chat template (``literal_content``:
-    marker strings inside message content stay text)."""
+    marker strings inside message content stay text; ``allow_empty``: render a conversation
+    with no content too, as a cut after a tools breakpoint is)."""
     messages = [message_dict(m) for m in messages_in]
-    if not any(m["content"] or m.get("tool_calls") for m in messages):
+    if not allow_empty and not any(m["content"] or m.get("tool_calls") for m in messages):
         raise ApiError(400, f"the {param} are empty" if param == "messages" else
                        f"the {param} is empty", param=param)
     messages, extra = render_messages(messages, tools, tokenizer.chat_template)
