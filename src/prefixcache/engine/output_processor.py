@@ -9,6 +9,7 @@ frees anything: the engine's core loop tells the scheduler.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -110,6 +111,7 @@ class OutputProcessor:
             cumulative_logprob=request.cumulative_logprob if tracks else None,
             stop_reason=request.stop_reason,
             num_external_cached_tokens=_external(request),
+            timing=_timing(request) if request.is_finished else None,
         )
 
     def record(self, request: Request) -> None:
@@ -132,3 +134,9 @@ def _external(request: Request) -> int | None:
     if external is None:
         return None
     return min(external, max(request.num_cached_tokens, 0))
+
+
+def _timing(request: Request) -> tuple[float, float | None, float | None, float | None]:
+    t = request.timing
+    return (t.arrival_time, t.first_scheduled_time, t.first_token_time,
+            t.finish_time if t.finish_time is not None else time.monotonic())

@@ -52,6 +52,9 @@ class RequestOutput:
     stop_reason: str | None = None  # a stop not by EOS, stop string or token: the grammar's
     # of num_cached_tokens, those a lower tier (disk, Valkey) supplied; None: no lower tier
     num_external_cached_tokens: int | None = None
+    # on a choice's finished output: (arrival, first scheduled, first token, finish) instants,
+    # time.monotonic() seconds (None where it did not happen)
+    timing: tuple[float, float | None, float | None, float | None] | None = None
 
 
 @dataclass(slots=True)
@@ -136,6 +139,11 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
     min_free_blocks: int = 0
+    num_blocks: int = 0  # the KV pool's size
+    num_cached_free_blocks: int = 0  # free blocks that still hold a cached prefix
+    num_pinned_blocks: int = 0  # blocks pins hold
+    num_steps: int = 0  # engine steps so far
+    last_step_tokens: int = 0  # tokens the last step scheduled (prefill and decode)
     queried_tokens: int = 0
     hit_tokens: int = 0
     evictions: int = 0

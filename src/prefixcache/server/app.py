@@ -58,13 +58,18 @@ def create_app(
     metrics_key: str | None = None,
     metrics_domain_labels: str = "name",
     strict_api: bool = False,
+    vllm_metric_names: bool = True,
+    dashboard: bool = True,
 ) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (an `LLMEngine`, driven from its own thread).
 
     With a tenants file, ``/metrics`` answers only an admin tenant's key or ``metrics_key``.
     ``strict_api``: unknown request fields get 400 instead of being ignored.
+    ``vllm_metric_names``: export vLLM's names beside ours (`server/vllm_metrics.py`).
+    ``dashboard``: serve ``GET /dashboard`` (`server/dashboard`).
     """
-    metrics = ServerMetrics(model_name, engine.block_bytes, metrics_domain_labels)
+    metrics = ServerMetrics(model_name, engine.block_bytes, metrics_domain_labels,
+                            vllm_max_model_len=engine.max_model_len if vllm_metric_names else None)
     offload = engine.offload
     if offload is not None:
         metrics.add_tiers(offload.stats_dict)
@@ -91,6 +96,14 @@ def create_app(
     app.state.metrics = metrics
     install_error_handlers(app)
     _add_routes(app, serving, tenants, metrics_key)
+    if dashboard:
+        from prefixcache.server.dashboard import CacheView, install_dashboard
+
+        view = CacheView(engine.cache_identity, metrics.domain_label)
+        engine.cache.add_observer(view)  # before the engine's thread starts
+        install_dashboard(app, async_engine, metrics, view, model_name,
+                          metrics_key_check(tenants, metrics_key), api_key_of,
+                          offload.stats_dict if offload is not None else None)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     return app
 
@@ -121,12 +134,23 @@ def metrics_authorization(
     tenants: TenantRegistry, metrics_key: str | None
 ) -> Callable[[Request], None]:
     """/metrics names tenants and their traffic: behind an admin or metrics key when tenanted."""
-    key_digest = hashlib.sha256(metrics_key.encode()).digest() if metrics_key else None
+    check = metrics_key_check(tenants, metrics_key)
 
     def authorize(request: Request) -> None:
+        check(api_key_of(request))
+
+    return authorize
+
+
+def metrics_key_check(
+    tenants: TenantRegistry, metrics_key: str | None
+) -> Callable[[str | None], None]:
+    """Raises `ApiError` (401, 403) unless ``token`` may read the metrics (and the dashboard)."""
+    key_digest = hashlib.sha256(metrics_key.encode()).digest() if metrics_key else None
+
+    def check(token: str | None) -> None:
         if tenants.trusted:
             return
-        token = api_key_of(request)
         if token and key_digest is not None and hmac.compare_digest(
             hashlib.sha256(token.encode()).digest(), key_digest
         ):
@@ -138,7 +162,7 @@ def metrics_authorization(
         if not tenant.admin:
             raise ApiError(403, "/metrics needs an admin or metrics API key")
 
-    return authorize
+    return check
 
 
 def _add_routes(

@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("name", "digest", "off"),
                         help="the metrics' domain label: tenant/group name, a stable digest of "
                              "it, or one value for all")
+    parser.add_argument("--no-dashboard", action="store_true",
+                        help="do not serve GET /dashboard (the live view of the cache)")
+    parser.add_argument("--no-vllm-metric-names", action="store_true",
+                        help="leave vLLM's metric names (vllm:...) out of /metrics; by default "
+                             "they are exported beside ours, so vLLM's dashboards work")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="larger request bodies get 413 before they are read (default 8 MiB)")
     parser.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -273,7 +278,9 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
                      trust_content_markers=args.trust_special_tokens_in_content,
                      metrics_key=args.metrics_key,
                      metrics_domain_labels=args.metrics_domain_labels,
-                     strict_api=args.strict_api)
+                     strict_api=args.strict_api,
+                     vllm_metric_names=not args.no_vllm_metric_names,
+                     dashboard=not args.no_dashboard)
     if events_config is not None:
         from prefixcache.server.kv_events import ZmqEventPublisher
 

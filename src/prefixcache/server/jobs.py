@@ -82,6 +82,8 @@ class Job:
     start: float
     by_id: dict[str, int] = field(default_factory=dict)
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when the latest output with tokens arrived
+    max_tokens: int | None = None  # the request's output limit (for vLLM's histograms)
     num_added: int = 0  # engine requests accepted (each released once, by `_finish`)
     released: bool = False
 
@@ -109,8 +111,10 @@ class Job:
         if output.finished:
             choice.reason = finish_reason_of(output.finish_reason)
             choice.stop_reason = output.stop_reason
-        if self.first_token_time is None and output.new_token_ids:
-            self.first_token_time = time.monotonic()
+        if output.new_token_ids:
+            self.last_token_time = time.monotonic()
+            if self.first_token_time is None:
+                self.first_token_time = self.last_token_time
         if output.request_finished:
             prompt.done = True
         return i, choice

@@ -23,7 +23,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from prefixcache.engine.outputs import EngineSnapshot
+from prefixcache.engine.outputs import EngineSnapshot, RequestOutput
+from prefixcache.server.vllm_metrics import VllmMetrics
 from prefixcache.sim.record import tenant_label
 
 __all__ = ["CONTENT_TYPE", "DOMAIN_LABELS", "EngineSnapshot", "ServerMetrics"]
@@ -41,7 +42,10 @@ _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 class ServerMetrics:
     """Every metric of the server; ``render()`` is the /metrics body."""
 
-    def __init__(self, model_name: str, block_bytes: int, domain_labels: str = "name") -> None:
+    def __init__(self, model_name: str, block_bytes: int, domain_labels: str = "name",
+                 vllm_max_model_len: int | None = None) -> None:
+        """``vllm_max_model_len``: also export vLLM's names (`VllmMetrics`), token histograms up
+        to that length; None: ours only."""
         if domain_labels not in DOMAIN_LABELS:
             raise ValueError(f"domain labels must be one of {DOMAIN_LABELS}, got {domain_labels!r}")
         self.domain_labels = domain_labels
@@ -54,6 +58,9 @@ class ServerMetrics:
         info = Gauge(PREFIX + "model_info", "Served model (value 1).", ["model_name"],
                      registry=self.registry)
         info.labels(model_name=model_name).set(1)
+        self.vllm: VllmMetrics | None = None
+        if vllm_max_model_len is not None:
+            self.vllm = VllmMetrics(self.registry, model_name, vllm_max_model_len)
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(PREFIX + name, doc, labels, registry=self.registry)
@@ -95,6 +102,8 @@ class ServerMetrics:
         """Apply an engine snapshot: counters advance by its delta, gauges take its levels."""
         with self._lock:
             last, self._last = self._last, snap
+        if self.vllm is not None:
+            self.vllm.update(snap, last)
         deltas = {f.name: getattr(snap, f.name) - getattr(last, f.name) for f in fields(snap)}
         for counter, name in ((self.queries, "queried_tokens"), (self.hits, "hit_tokens"),
                               (self.evictions, "evictions"), (self.preemptions, "preemptions")):
@@ -118,6 +127,18 @@ class ServerMetrics:
     def observe_first_token(self, domain: str, seconds: float, num_cached: int) -> None:
         cache = "hit" if num_cached > 0 else "miss"
         self.ttft.labels(domain=self.domain_label(domain), cache=cache).observe(seconds)
+        if self.vllm is not None:
+            self.vllm.first_token(seconds)
+
+    def observe_tokens(self, seconds: float, num_tokens: int) -> None:
+        """``num_tokens`` more output tokens, ``seconds`` after a request's previous ones."""
+        if self.vllm is not None and num_tokens > 0:
+            self.vllm.token_gap(seconds, num_tokens)
+
+    def observe_choice(self, output: RequestOutput, max_tokens: int | None) -> None:
+        """A choice finished (its last `RequestOutput`)."""
+        if self.vllm is not None:
+            self.vllm.finished(output, max_tokens)
 
     def observe_finished(
         self, domain: str, seconds: float, reason: str | None
@@ -125,12 +146,63 @@ class ServerMetrics:
         self.e2e.labels(domain=self.domain_label(domain)).observe(seconds)
         self.requests.labels(finished_reason=reason or "unknown").inc()
 
+    def count_tokens(self, num_prompt: int, num_generated: int, num_cached: int) -> None:
+        """A request's tokens, when its job ends."""
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_generated)
+        if self.vllm is not None:
+            self.vllm.tokens(num_prompt, num_generated, num_cached)
+
+    def counter_values(self) -> dict[str, float]:
+        """Our request counters now, as ``/metrics`` shows them (for the dashboard)."""
+        return {"prompt_tokens": _total(self.prompt_tokens),
+                "generation_tokens": _total(self.generation_tokens),
+                "requests_finished": _total(self.requests)}
+
+    def ttft_quantiles(self, label: str) -> tuple[float | None, float | None, int]:
+        """p50 and p99 time to first token of the domain labelled ``label`` (hits and misses),
+        estimated from the histogram's buckets as Prometheus' ``histogram_quantile`` does, and
+        the number of requests."""
+        buckets: dict[float, float] = {}
+        for metric in self.ttft.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_bucket") and sample.labels.get("domain") == label:
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+        bounds = sorted(buckets)
+        total = buckets[bounds[-1]] if bounds else 0.0
+        if not total:
+            return None, None, 0
+        return (_quantile(0.5, bounds, buckets, total), _quantile(0.99, bounds, buckets, total),
+                int(total))
+
     def add_tiers(self, read: Callable[[], dict[str, Any] | None]) -> None:
         """Export the lower KV tiers' counters, read at each scrape through ``read``."""
         self.registry.register(_TierCollector(read))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _total(counter: Counter) -> float:
+    """A counter's value summed over its labels, as a scrape reads it."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+
+
+def _quantile(q: float, bounds: list[float], cumulative: dict[float, float],
+              total: float) -> float:
+    """Linear interpolation inside the bucket holding rank ``q * total``."""
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * ((rank - below) / (count - below) if count > below
+                                              else 0.0)
+        lower, below = bound, count
+    return lower
 
 
 # tier counter -> (metric name, help); labelled by tier (disk, valkey)

@@ -254,6 +254,7 @@ class ServingBase:
                     [Choice() for _ in range(params.num_choices)])
             for i, (ids, text) in enumerate(prompts)
         ], options, start)
+        job.max_tokens = params.max_tokens
         retain = getattr(body, "prompt_cache_retention", None) == "24h"
         try:
             for prompt in job.prompts:
@@ -288,11 +289,17 @@ class ServingBase:
             raise ApiError(500, str(output))
         if output.error is not None:  # this request alone failed inside a step
             raise ApiError(500, output.error)
+        last_token_time = job.last_token_time
         i, choice = job.add(output)
         if not had_first and job.first_token_time is not None:
             self.metrics.observe_first_token(job.tenant.isolation_domain,
                                              job.first_token_time - job.start,
                                              job.prompts[i].num_cached)
+        elif output.new_token_ids and last_token_time is not None and job.last_token_time:
+            self.metrics.observe_tokens(job.last_token_time - last_token_time,
+                                        len(output.new_token_ids))
+        if output.finished:
+            self.metrics.observe_choice(output, job.max_tokens)
         return output, i, choice
 
     async def _drain(self, job: Job) -> None:
@@ -331,8 +338,8 @@ class ServingBase:
                 self.engine.abort(prompt.request_id)
         if not job.num_added:
             return
-        self.metrics.prompt_tokens.inc(job.num_prompt_tokens)
-        self.metrics.generation_tokens.inc(job.num_output_tokens)
+        self.metrics.count_tokens(job.num_prompt_tokens, job.num_output_tokens,
+                                  sum(p.num_cached for p in job.prompts[: job.num_added]))
         if job.done:
             self.metrics.observe_finished(job.tenant.isolation_domain, time.monotonic() - job.start,
                                           job.first_reason)
