@@ -128,6 +128,10 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica(cluster) -> None:
     for name in routing["replicas"]:
         assert f'replica="{name}"' in text
     assert 'prefixcache:prefix_cache_hits_total{replica="all"}' in text
+    # the router's belief beside each replica's own count of cached blocks
+    for name in routing["replicas"]:
+        assert f'prefixcache:router_mirror_blocks{{replica="{name}"}}' in text
+        assert f'prefixcache:kv_cached_blocks{{replica="{name}"}}' in text
 
 
 def test_streaming_through_serve_with_the_openai_client(cluster) -> None:

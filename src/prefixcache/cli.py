@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stress": ("prefixcache.tools.stress", "stress the allocator on a tiny pool"),
     "audit": ("prefixcache.tools.audit", "timing audit of cache isolation against a server"),
     "cache": ("prefixcache.tiers.cli", "the lower KV tiers: purge a tenant's blocks"),
+    "top": ("prefixcache.tools.top", "a live terminal view of a server's cache (like htop)"),
 }
 
 

@@ -210,9 +210,11 @@ class Ingress:
             if status != 200:
                 return Response(text, status_code=status, media_type="application/json")
             pages[replica] = text
+        from prefixcache.cluster.metrics import router_belief
         from prefixcache.server.metrics import CONTENT_TYPE
 
-        return Response(merge_replica_metrics(pages), media_type=CONTENT_TYPE)
+        return Response(merge_replica_metrics(pages) + router_belief(stats["replicas"]),
+                        media_type=CONTENT_TYPE)
 
     async def _collect(self, forwarded: ForwardedRequest) -> tuple[int, str]:
         status, chunks = 502, []

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["merge_replica_metrics"]
+__all__ = ["merge_replica_metrics", "router_belief"]
 
 
 def merge_replica_metrics(pages: dict[str, str]) -> bytes:
@@ -52,3 +52,30 @@ class _Fixed:
 
     def collect(self) -> Iterator[Metric]:
         return iter(self.families)
+
+
+def router_belief(replicas: dict[str, dict[str, object]]) -> bytes:
+    """``prefixcache:router_mirror_blocks{replica}``: the blocks the cache-aware router believes
+    each replica holds (its mirror of the replica's KV events), to plot beside the replica's own
+    ``prefixcache:kv_cached_blocks``; nothing for a router without mirrors."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily("prefixcache:router_mirror_blocks",
+                               "KV blocks the router believes a replica holds (from its events).",
+                               labels=["replica"])
+    found = False
+    for name, info in sorted(replicas.items()):
+        blocks = info.get("mirror_blocks")
+        if isinstance(blocks, int):
+            family.add_metric([name], blocks)
+            found = True
+    if not found:
+        return b""
+    registry = CollectorRegistry()
+
+    class _One:
+        def collect(self) -> Iterator[Metric]:
+            yield family
+
+    registry.register(_One())
+    return generate_latest(registry)

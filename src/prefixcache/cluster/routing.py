@@ -181,8 +181,16 @@ class PrefixCacheRouter(RequestRouter):
             self._in_flight[replica_id] -= 1
 
     def describe(self) -> dict[str, Any]:
+        mirrors = getattr(self.rule, "mirrors", None)
+
+        def believed(slot: int | None) -> int | None:
+            """Blocks the router believes the replica in ``slot`` holds (its event mirror)."""
+            return None if mirrors is None or slot is None else len(mirrors[slot])
+
         replicas = {r.replica_id.unique_id: {"slot": self._slot_of.get(r.replica_id),
                                              "in_flight": self._in_flight.get(r.replica_id, 0),
+                                             "mirror_blocks": believed(
+                                                 self._slot_of.get(r.replica_id)),
                                              "routing_stats": dict(r.routing_stats or {})}
                     for r in self.curr_replicas.values()}
         return {"policy": self.policy, "routed_per_slot": list(self.num_routed),

@@ -467,6 +467,7 @@ class LLMEngine:
             min_free_blocks=stats.min_free_blocks if stats.min_free_blocks >= 0 else free,
             num_blocks=self.cache.num_blocks,
             num_cached_free_blocks=sum(self.cache.pool.free_cached_by_domain().values()),
+            num_cached_blocks=self.cache.num_cached_blocks,
             num_pinned_blocks=sum(p.num_blocks for p in self.pins.pins.values()),
             num_steps=self.num_steps,
             last_step_tokens=sum(c.num_new_tokens for c in self.last_scheduled.chunks)

@@ -141,6 +141,7 @@ class EngineSnapshot:
     min_free_blocks: int = 0
     num_blocks: int = 0  # the KV pool's size
     num_cached_free_blocks: int = 0  # free blocks that still hold a cached prefix
+    num_cached_blocks: int = 0  # hittable blocks (held or free)
     num_pinned_blocks: int = 0  # blocks pins hold
     num_steps: int = 0  # engine steps so far
     last_step_tokens: int = 0  # tokens the last step scheduled (prefill and decode)

@@ -79,6 +79,8 @@ class ServerMetrics:
         self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.free_min = self._gauge("kv_free_blocks_min", "Low watermark of free KV blocks.")
         self.free_now = self._gauge("kv_free_blocks", "Free KV blocks now.")
+        self.cached_now = self._gauge("kv_cached_blocks", "KV blocks holding a hittable cached "
+                                      "prefix now (held or free).")
         self.dup_bytes = self._gauge(
             "duplicate_block_bytes",
             "KV bytes computed for blocks whose digest was already cached (cumulative).",
@@ -114,6 +116,7 @@ class ServerMetrics:
         self.waiting.set(snap.num_waiting)
         self.free_min.set(snap.min_free_blocks)
         self.free_now.set(snap.num_free_blocks)
+        self.cached_now.set(snap.num_cached_blocks)
         self.dup_bytes.set(snap.duplicate_blocks * self.block_bytes)
 
     def domain_label(self, domain: str) -> str:
