@@ -314,5 +314,10 @@ class KVOffload:
         engine["blocks_loaded_by_tier"] = dict(self.stats.blocks_loaded_by_tier)
         engine["pending_writes"] = self._pending
         engine["loading"] = self._num_loading
-        return {"engine": engine,
-                "tiers": {name: s.as_dict() for name, s in self.store.stats().items()}}
+        tiers = {}
+        for tier in self.store.tiers:  # with what each holds, where the tier knows it (disk)
+            tiers[tier.name] = {**tier.stats.as_dict(),
+                                "blocks_held": getattr(tier, "num_blocks", None),
+                                "bytes_held": getattr(tier, "num_bytes", None),
+                                "capacity_bytes": getattr(tier, "capacity_bytes", None)}
+        return {"engine": engine, "tiers": tiers}

@@ -130,11 +130,13 @@ def render(data: dict[str, Any], before: dict[str, Any] | None = None) -> Any:
     parts: list[Any] = [head, summary, domains, tree, recent]
     if data.get("tiers"):
         tiers = Table(title="lower tiers", title_justify="left")
-        for column in ("tier", "up", "hits", "misses", "written", "evicted"):
+        for column in ("tier", "up", "blocks held", "hits", "misses", "written", "evicted"):
             tiers.add_column(column)
         for name, t in data["tiers"].items():
-            tiers.add_row(name, "yes" if t["up"] else "no", f"{t['hits']:,}", f"{t['misses']:,}",
-                          f"{t['blocks_written']:,}", f"{t['evicted'] or 0:,}")
+            held = t.get("blocks_held")
+            tiers.add_row(name, "yes" if t["up"] else "no", "-" if held is None else f"{held:,}",
+                          f"{t['hits']:,}", f"{t['misses']:,}", f"{t['blocks_written']:,}",
+                          f"{t['evicted'] or 0:,}")
         parts.append(tiers)
     return Group(*parts)
 

@@ -134,15 +134,17 @@ class CacheView:
                     nodes[child].parent = None
 
     def tree(self) -> list[dict[str, Any]]:
-        """The most requested prefixes as trees of segments: a run of blocks with one child each
-        is one segment (``blocks`` long); a segment ends where requests part ways."""
+        """The most requested shared prefixes as trees of segments: a run of blocks with one
+        child each is one segment (``blocks`` long); a segment ends where requests part ways."""
         with self._lock:
             nodes = self._nodes
             roots = sorted((d for d, n in nodes.items()
                             if n.parent is None or n.parent not in nodes),
-                           key=lambda d: -nodes[d].requests)[:MAX_TREE_ROOTS]
-            budget = [MAX_TREE_NODES]
-            return [self._segment(d, budget) for d in roots if nodes[d].requests > 0]
+                           key=lambda d: -nodes[d].requests)
+            shared = [d for d in roots if nodes[d].requests > 1]  # one-off prompts only if
+            budget = [MAX_TREE_NODES]                             # nothing is shared
+            return [self._segment(d, budget) for d in (shared or roots)[:MAX_TREE_ROOTS]
+                    if nodes[d].requests > 0]
 
     def _segment(self, digest: bytes, budget: list[int]) -> dict[str, Any]:
         nodes = self._nodes
@@ -214,5 +216,5 @@ def _tier_rows(stats: dict[str, Any] | None) -> dict[str, Any]:
     if stats is None:
         return {}
     keys = ("hits", "misses", "blocks_written", "bytes_written", "bytes_read", "evicted", "up",
-            "quarantined", "write_errors")
+            "quarantined", "write_errors", "blocks_held", "bytes_held", "capacity_bytes")
     return {name: {k: values.get(k) for k in keys} for name, values in stats["tiers"].items()}

@@ -72,7 +72,16 @@ function cards(d) {
   el("queued").textContent = fmt(d.requests.queued_http);
 }
 
+const drawn = {};  // what each table and the tree last drew: unchanged data is not redrawn
+function changed(key, value) {
+  const text = JSON.stringify(value);
+  if (drawn[key] === text) return false;
+  drawn[key] = text;
+  return true;
+}
+
 function rows(tableId, items, cells) {
+  if (!changed(tableId, items)) return;
   const body = el(tableId).tBodies[0];
   body.replaceChildren(...items.map((item) => {
     const tr = document.createElement("tr");
@@ -88,16 +97,18 @@ function rows(tableId, items, cells) {
 function tables(d) {
   rows("domains", d.domains, (x) => [x.domain || "(single tenant)", pct(x.hit_ratio),
     fmt(x.queried_tokens), secs(x.ttft_p50_s), secs(x.ttft_p99_s), fmt(x.requests)]);
-  rows("recent", d.recent, (x) => [new Date(x.t * 1000).toLocaleTimeString(), x.domain || "–",
+  rows("recent", d.recent.slice(0, 15), (x) => [new Date(x.t * 1000).toLocaleTimeString(), x.domain || "–",
     fmt(x.prompt_tokens), fmt(x.cached_tokens), fmt(x.first_miss_block), x.reason]);
   const tiers = Object.entries(d.tiers);
   el("tiers-box").hidden = tiers.length === 0;
-  rows("tiers", tiers, ([name, t]) => [name, t.up ? "yes" : "no", fmt(t.hits), fmt(t.misses),
+  rows("tiers", tiers, ([name, t]) => [name, t.up ? "yes" : "no", fmt(t.blocks_held),
+    t.capacity_bytes ? pct(t.bytes_held / t.capacity_bytes) : "–", fmt(t.hits), fmt(t.misses),
     fmt(t.blocks_written), fmt(t.evicted), fmt(t.quarantined)]);
 }
 
 // an icicle: each segment a rectangle at its first block, one row per level of branching
 function tree(d) {
+  if (!changed("tree", [d.tree, d.domains.map((x) => x.domain)])) return;
   const svg = el("tree");
   const ns = "http://www.w3.org/2000/svg";
   const width = svg.clientWidth || 900;
