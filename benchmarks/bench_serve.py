@@ -72,8 +72,8 @@ class RequestResult:
 
 
 async def send_one(client: httpx.AsyncClient, prompt: list[int], output_len: int,
-                   headers: dict[str, str] | None = None) -> RequestResult:
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                   headers: dict[str, str] | None = None, model: str = MODEL_ID) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, usage = None, None
@@ -96,9 +96,10 @@ async def send_one(client: httpx.AsyncClient, prompt: list[int], output_len: int
 
 async def run_load(
     base_url: str, prompts: list[list[int]], output_len: int, rate: float, concurrency: int,
-    label: str,
+    label: str, headers: dict[str, str] | None = None, model: str = MODEL_ID,
 ) -> tuple[list[RequestResult], float]:
-    """Send every prompt (Poisson arrivals at ``rate``/s); results in order, and the duration."""
+    """Send every prompt (Poisson arrivals at ``rate``/s); results in order, and the duration.
+    ``headers`` (an API key) and ``model`` go with every request."""
     gate = asyncio.Semaphore(concurrency)
     rng = np.random.default_rng(0)
     bar = tqdm(total=len(prompts), desc=f"cache {label}", unit="req", leave=False)
@@ -108,7 +109,7 @@ async def run_load(
 
         async def limited(prompt: list[int]) -> RequestResult:
             async with gate:
-                result = await send_one(client, prompt, output_len)
+                result = await send_one(client, prompt, output_len, headers, model)
             bar.update(1)
             return result
 

@@ -132,6 +132,15 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica(cluster) -> None:
     for name in routing["replicas"]:
         assert f'prefixcache:router_mirror_blocks{{replica="{name}"}}' in text
         assert f'prefixcache:kv_cached_blocks{{replica="{name}"}}' in text
+    # and on the dashboard, through the ingress: every replica's belief and truth
+    assert httpx.get(cluster + "/dashboard/data", headers=KEY).status_code == 401
+    data = httpx.get(cluster + "/dashboard/data", headers=METRICS, timeout=60).json()
+    rows = {r["replica"]: r for r in data["cluster"]["replicas"]}
+    assert set(rows) == set(routing["replicas"])
+    assert all(isinstance(r["router_believes"], int) and r["replica_holds"] > 0
+               for r in rows.values())
+    assert sum(r["replica_holds"] for r in rows.values()) >= sum(
+        r["router_believes"] for r in rows.values()) > 0
 
 
 def test_streaming_through_serve_with_the_openai_client(cluster) -> None:

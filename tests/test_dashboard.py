@@ -106,18 +106,37 @@ def test_anonymous_and_tenant_callers_get_no_data(server) -> None:
         assert browser.get("/dashboard/data").status_code == 401
 
 
+def _bench_serve_load(server: RunningServer, stop: threading.Event) -> None:
+    """``benchmarks/bench_serve.py``'s own load (prefix repetition, streamed, 3 concurrent) in
+    rounds until ``stop``."""
+    import asyncio
+    import math
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_serve import PrefixRepetition, run_load
+
+    prompts = PrefixRepetition(prefix_len=160, suffix_len=16, num_prefixes=2, output_len=4,
+                               num_requests=12).prompts()
+    while not stop.is_set():
+        results, _ = asyncio.run(run_load(
+            server.base_url, prompts, 4, math.inf, 3, "dashboard test",
+            headers={"Authorization": f"Bearer {ACME}"}, model="tiny"))
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok][:2]
+
+
 def test_the_data_agrees_with_metrics_under_load_and_equals_them_at_rest(server) -> None:
     stop = threading.Event()
+    errors: list[BaseException] = []
 
-    def load(worker: int) -> None:
-        i = 0
-        while not stop.is_set():
-            _ask(server, 1000 * worker + i)
-            i += 1
+    def load() -> None:
+        try:
+            _bench_serve_load(server, stop)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
 
-    threads = [threading.Thread(target=load, args=(w,)) for w in range(3)]
-    for t in threads:
-        t.start()
+    thread = threading.Thread(target=load)
+    thread.start()
     try:
         for _ in range(6):  # each /metrics read lies between the two dashboard reads around it
             before = _data(server)["counters"]
@@ -125,10 +144,11 @@ def test_the_data_agrees_with_metrics_under_load_and_equals_them_at_rest(server)
             after = _data(server)["counters"]
             for key, name in PAIRS.items():
                 assert before[key] <= metrics.get(name, 0.0) <= after[key], (key, before, after)
+        assert after["prefix_cache_queries"] > 0  # the load was running meanwhile
     finally:
         stop.set()
-        for t in threads:
-            t.join()
+        thread.join()
+    assert errors == []
     data, metrics = _data(server), _metrics(server)
     for key, name in PAIRS.items():
         assert data["counters"][key] == metrics[name], key
@@ -187,10 +207,18 @@ def test_the_page_runs_live_in_headless_chromium(server, tmp_path: Path) -> None
             page.wait_for_function("window.dashboard && window.dashboard.polls >= 2",
                                    timeout=30_000)
             hits_before = page.locator("#hits-total").inner_text()
-            for i in range(4):
-                _ask(server, 7000 + i)
-            page.wait_for_function(f"document.getElementById('hits-total').textContent "
-                                   f"!== {hits_before!r}", timeout=30_000)
+            stop = threading.Event()  # bench_serve's load while the page is watched
+            load = threading.Thread(target=_bench_serve_load, args=(server, stop))
+            load.start()
+            try:
+                page.wait_for_function(f"document.getElementById('hits-total').textContent "
+                                       f"!== {hits_before!r}", timeout=30_000)
+                seen = page.evaluate("window.dashboard.last.counters.prefix_cache_hits")
+                page.wait_for_function("window.dashboard.last.counters.prefix_cache_hits > "
+                                       f"{seen}", timeout=30_000)  # and again: it is live
+            finally:
+                stop.set()
+                load.join()
             polls = page.evaluate("window.dashboard.polls")
             page.wait_for_function(f"window.dashboard.polls >= {polls + 2}", timeout=30_000)
             shown = int(page.locator("#hits-total").inner_text().replace(",", ""))
@@ -237,3 +265,19 @@ def _ask_plain(server: RunningServer) -> None:
     reply = httpx.post(server.base_url + "/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": SYSTEM, "max_tokens": 2})
     assert reply.status_code == 200, reply.text
+
+
+def test_a_session_signed_on_one_replica_is_valid_on_another_and_expires() -> None:
+    from prefixcache.server.dashboard import SESSION_S, Sessions
+
+    now = [1_000_000.0]
+    one, two = Sessions(b"k" * 32, lambda: now[0]), Sessions(b"k" * 32, lambda: now[0])
+    token = one.new()
+    assert two.valid(token) and not Sessions(b"x" * 32, lambda: now[0]).valid(token)
+    expiry, _, signature = token.partition(".")
+    assert not two.valid(f"{int(expiry) + 3600}.{signature}")  # a longer expiry is not signed
+    assert not two.valid("garbage") and not two.valid(None)
+    one.end(token)
+    assert not one.valid(token)
+    now[0] += SESSION_S + 1
+    assert not two.valid(token)

@@ -129,6 +129,8 @@ class Ingress:
             return await self._metrics(request)
         if path == "/cluster/routing":
             return self._routing(request)
+        if path == "/dashboard/data" and request.method == "GET":
+            return await self._dashboard(request)
         body = await request.body()
         if len(body) > self.max_request_bytes:
             return _error(413, f"the request body is larger than {self.max_request_bytes} bytes")
@@ -215,6 +217,44 @@ class Ingress:
 
         return Response(merge_replica_metrics(pages) + router_belief(stats["replicas"]),
                         media_type=CONTENT_TYPE)
+
+    async def _dashboard(self, request: Request) -> Response:
+        """The first replica's dashboard document, with ``cluster``: per replica the router's
+        belief (the blocks its event mirror holds) beside the replica's own cached blocks.
+        Each replica checks the caller's key or session itself."""
+        from prefixcache.cluster.registry import router_stats
+
+        stats = router_stats("EngineReplica")
+        if stats is None:
+            await self.replicas.describe.remote()
+            stats = router_stats("EngineReplica") or {"replicas": {}}
+        docs: dict[str, Any] = {}
+        for replica in sorted(stats["replicas"]):
+            forwarded = _forwarded(request, b"")
+            forwarded.pin = replica
+            status, text = await self._collect(forwarded)
+            if status != 200:
+                return Response(text, status_code=status, media_type="application/json")
+            if text:
+                docs[replica] = json.loads(text)
+        if not docs:
+            return _error(503, "no replica answered", code="replica_unavailable")
+        body = dict(next(iter(docs.values())))
+        rows = []
+        for replica, info in sorted(stats["replicas"].items()):
+            doc = docs.get(replica)
+            counters = doc["counters"] if doc else {}
+            queries = counters.get("prefix_cache_queries", 0)
+            rows.append({
+                "replica": replica, "slot": info.get("slot"), "in_flight": info.get("in_flight"),
+                "router_believes": info.get("mirror_blocks"),
+                "replica_holds": doc["pool"]["cached"] if doc else None,
+                "hit_ratio": counters.get("prefix_cache_hits", 0) / queries if queries else None,
+                "running": doc["requests"]["running"] if doc else None,
+            })
+        body["cluster"] = {"policy": stats.get("policy"), "replicas": rows,
+                           "retries": self.num_retries}
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     async def _collect(self, forwarded: ForwardedRequest) -> tuple[int, str]:
         status, chunks = 502, []

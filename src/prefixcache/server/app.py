@@ -103,7 +103,8 @@ def create_app(
         engine.cache.add_observer(view)  # before the engine's thread starts
         install_dashboard(app, async_engine, metrics, view, model_name,
                           metrics_key_check(tenants, metrics_key), api_key_of,
-                          offload.stats_dict if offload is not None else None)
+                          offload.stats_dict if offload is not None else None,
+                          tenants.derive_key("dashboard-session"))
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     return app
 

@@ -135,6 +135,12 @@ class TenantRegistry:
             return None
         return self._by_digest.get(_key_digest(api_key))
 
+    def derive_key(self, purpose: str) -> bytes:
+        """A key for ``purpose`` (signing dashboard sessions, say) from the server secret: the
+        same on every replica of a cluster, useless for deriving any salt."""
+        return hmac.new(self._secret, b"prefixcache.key.v1:" + purpose.encode(),
+                        hashlib.sha256).digest()
+
     def scope(self, tenant: Tenant, client_salt: str | None) -> CacheScope:
         """The effective cache salt for ``tenant`` sending ``client_salt``."""
         if self.trusted:

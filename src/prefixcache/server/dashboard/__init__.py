@@ -7,13 +7,15 @@ preemptions per second, queue and batch, per-domain hit ratio and TTFT p50/p99, 
 prefixes as a tree of digests, and the last admissions' first-miss position and reason
 (`state.CacheView`). Reading it needs what ``/metrics`` needs: with a tenants file, an admin
 tenant's key or ``--metrics-key``, as ``Authorization: Bearer`` or through the page's sign-in,
-which sets an HttpOnly session cookie (the key itself is never stored in the browser). Anyone
+which sets an HttpOnly session cookie signed with a key derived from the server secret (the API
+key itself is never stored in the browser; every replica of a cluster accepts it). Anyone
 else gets 401 and no data; the static files hold no data.
 """
 
 from __future__ import annotations
 
-import secrets
+import hashlib
+import hmac
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from prefixcache.server.async_engine import AsyncEngine
     from prefixcache.server.metrics import ServerMetrics
 
-__all__ = ["CacheView", "install_dashboard"]
+__all__ = ["SESSION_S", "CacheView", "Sessions", "install_dashboard"]
 
 COOKIE = "prefixcache_dashboard"
 SESSION_S = 12 * 3600.0
@@ -43,26 +45,36 @@ _STATIC = {  # name -> media type: the only files served
 
 
 class Sessions:
-    """Signed-in browsers: random tokens with an expiry (the oldest dropped past the cap)."""
+    """Signed-in browsers: ``EXPIRY.SIGNATURE`` tokens signed with a key derived from the server
+    secret, so every replica of a cluster (one secret) accepts a session another one issued.
+    Signing out forgets the token here and clears the cookie; it expires after `SESSION_S`."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, key: bytes, clock: Callable[[], float] = time.time) -> None:
+        self.key = key
         self.clock = clock
-        self._expiry: dict[str, float] = {}
+        self._ended: dict[str, float] = {}
+
+    def _sign(self, expiry: str) -> str:
+        return hmac.new(self.key, expiry.encode(), hashlib.sha256).hexdigest()
 
     def new(self) -> str:
-        token = secrets.token_urlsafe(32)
-        now = self.clock()
-        self._expiry = {t: e for t, e in self._expiry.items() if e > now}
-        while len(self._expiry) >= MAX_SESSIONS:
-            del self._expiry[next(iter(self._expiry))]
-        self._expiry[token] = now + SESSION_S
-        return token
+        expiry = str(int(self.clock() + SESSION_S))
+        return f"{expiry}.{self._sign(expiry)}"
 
     def valid(self, token: str | None) -> bool:
-        return token is not None and self._expiry.get(token, 0.0) > self.clock()
+        if not token or token in self._ended:
+            return False
+        expiry, _, signature = token.partition(".")
+        if not expiry.isdigit() or not hmac.compare_digest(signature, self._sign(expiry)):
+            return False
+        return int(expiry) > self.clock()
 
     def end(self, token: str | None) -> None:
-        self._expiry.pop(token or "", None)
+        if token and self.valid(token):
+            now = self.clock()
+            self._ended = {t: e for t, e in self._ended.items() if e > now}
+            if len(self._ended) < MAX_SESSIONS:
+                self._ended[token] = float(token.partition(".")[0])
 
 
 def _file(name: str) -> bytes:
@@ -74,11 +86,11 @@ def _file(name: str) -> bytes:
 def install_dashboard(
     app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, view: CacheView, model: str,
     check_key: Callable[[str | None], None], key_of: Callable[[Request], str | None],
-    tiers: Callable[[], dict[str, Any] | None] | None,
+    tiers: Callable[[], dict[str, Any] | None] | None, session_key: bytes,
 ) -> None:
     """The dashboard's routes on ``app`` (``check_key`` raises `ApiError` for a key that may
-    not read the metrics; ``key_of`` reads a request's key)."""
-    sessions = Sessions()
+    not read the metrics; ``key_of`` reads a request's key; ``session_key`` signs sessions)."""
+    sessions = Sessions(session_key)
     app.state.dashboard_sessions = sessions
 
     def authorized(request: Request) -> bool:

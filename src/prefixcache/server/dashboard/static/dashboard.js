@@ -99,6 +99,11 @@ function tables(d) {
     fmt(x.queried_tokens), secs(x.ttft_p50_s), secs(x.ttft_p99_s), fmt(x.requests)]);
   rows("recent", d.recent.slice(0, 15), (x) => [new Date(x.t * 1000).toLocaleTimeString(), x.domain || "–",
     fmt(x.prompt_tokens), fmt(x.cached_tokens), fmt(x.first_miss_block), x.reason]);
+  const replicas = d.cluster ? d.cluster.replicas : [];
+  el("cluster-box").hidden = replicas.length === 0;
+  rows("cluster", replicas, (r) => [r.replica, r.slot === null ? "–" : r.slot,
+    fmt(r.router_believes), fmt(r.replica_holds), pct(r.hit_ratio), fmt(r.in_flight),
+    fmt(r.running)]);
   const tiers = Object.entries(d.tiers);
   el("tiers-box").hidden = tiers.length === 0;
   rows("tiers", tiers, ([name, t]) => [name, t.up ? "yes" : "no", fmt(t.blocks_held),
