@@ -4,9 +4,8 @@ in headless Chromium (polling once a second), and with a plain HTTP poller at th
 One ``prefixcache serve`` (the same process for every case, so the cache, compilation and memory
 are alike), loaded by `bench_serve`'s prefix-repetition client in rounds; the cases alternate
 round by round and the median of the repeats is compared. Each round also records the CPU
-seconds of the server and of the browser's processes (psutil). Wall-clock throughput on a shared
-2-core machine moves by far more than 1% from round to round, so the server's own cost is also
-measured directly: the time the server takes per ``/dashboard/data`` request (sequential, idle
+seconds of the server and of the browser's processes (psutil). Wall-clock throughput can move between
+rounds by more than the effect measured, so the server's own cost is also measured directly: the time the server takes per ``/dashboard/data`` request (sequential, idle
 server) and the cache observer's time per admission (in-process), set against a second of
 serving. On a small machine the browser also takes CPU from the engine (it renders the page).
 
@@ -19,7 +18,6 @@ import argparse
 import asyncio
 import json
 import math
-import platform
 import statistics
 import sys
 import threading
@@ -30,20 +28,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import PrefixRepetition, ServerProcess, run_load  # noqa: E402
+from bench_tiers import cpu_name  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _cpu_seconds(pids: list[int]) -> float:
