@@ -7,7 +7,8 @@ round by round and the median of the repeats is compared. Each round also record
 seconds of the server and of the browser's processes (psutil). Wall-clock throughput can move
 between rounds by more than the effect measured, so the server's own cost is also measured
 directly: the time the server takes per ``/dashboard/data`` request (sequential, idle server)
-and the cache observer's time per admission (in-process), set against a second of serving. On a small machine the browser also takes CPU from the engine (it renders the page).
+and the cache observer's time per admission (in-process), set against a second of serving. On a
+small machine the browser also takes CPU from the engine (it renders the page).
 
     .venv/bin/python benchmarks/bench_dashboard.py --model smollm2 --repeats 3
 """
