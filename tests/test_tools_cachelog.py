@@ -62,8 +62,9 @@ def test_server_logs_hold_no_prompt_text(
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)  # everything any logger emits, at every level
     try:
-        (log,) = running.engine.cache.observers  # attached by PREFIXCACHE_LOG=json
-        assert isinstance(log, CacheDecisionLog) and attach(running.engine) is log
+        # attached by PREFIXCACHE_LOG=json, once, beside the dashboard's own observer
+        (log,) = [o for o in running.engine.cache.observers if isinstance(o, CacheDecisionLog)]
+        assert attach(running.engine) is log
         url = running.base_url
         first = _completion(url, KEYS["alice"], PROMPT)
         second = _completion(url, KEYS["alice"], PROMPT)
