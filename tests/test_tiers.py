@@ -9,13 +9,16 @@ temporary directory and a real valkey-server.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -233,6 +236,29 @@ def test_a_restarted_engine_hits_the_disk_and_answers_the_same(tmp_path: Path,
     # a third request is a plain RAM hit: nothing external any more
     third = generate(second, PROMPT, "c")
     assert third["tokens"] == cold and third["cached"] == 10 * BS and third["external"] == 0
+
+
+def test_an_engine_dropped_without_close_lets_go_of_its_kv_memory(tmp_path: Path) -> None:
+    """A tiered engine a program drops without `close` (as a script or a test does) gives its
+    KV tensors back: its tier threads end instead of holding them for the rest of the process
+    (each such engine used to keep its whole pool, 512 MiB for `tiny`)."""
+    def tier_threads() -> int:
+        return sum(t.name.startswith("kv-tier-") for t in threading.enumerate())
+
+    before = tier_threads()
+    engine = engine_on(tmp_path)
+    generate(engine, PROMPT, "a")
+    written(engine)
+    assert tier_threads() == before + 2
+    kv = weakref.ref(engine.runner.kv_cache)
+    del engine
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while tier_threads() > before:
+        assert time.monotonic() < deadline, "the tier threads outlived their engine"
+        time.sleep(0.01)
+    gc.collect()
+    assert kv() is None
 
 
 def test_radix_cache_adopts_tier_blocks_too(tmp_path: Path, cold: list[int]) -> None:

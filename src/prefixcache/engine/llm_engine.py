@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
@@ -94,6 +95,7 @@ class LLMEngine:
             self.offload = KVOffload.open(config.tiers, self.loaded.identity,
                                           self.runner.kv_cache, self.cache.identity)
             self.offload.emit_events = self.cache.enable_kv_events
+            weakref.finalize(self, self.offload.stop)  # its threads must not outlive the engine
         self._loading: dict[str, Request] = {}  # requests whose blocks a tier is reading
         # prefixes kept from eviction for a time (cache_control), per domain within a budget
         max_pinned = config.max_pinned_blocks

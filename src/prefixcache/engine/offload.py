@@ -297,13 +297,21 @@ class KVOffload:
             time.sleep(0.005)
         return not self._pending
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Write what is queued (up to ``timeout``), stop both threads, close the tiers."""
+    def stop(self) -> None:
+        """Ask both threads to end once what is queued is done, without waiting (idempotent).
+        An engine dropped without `close` calls this: the threads then let go of the KV tensors
+        they would otherwise keep alive for the rest of the process."""
         if self._closed:
             return
         self._closed = True
         self._writes.put(None)
         self._loads.put(None)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (up to ``timeout``), stop both threads, close the tiers."""
+        if self._closed and not self._writer.is_alive() and not self._loader.is_alive():
+            return
+        self.stop()
         self._writer.join(timeout)
         self._loader.join(timeout)
         self.store.close()
