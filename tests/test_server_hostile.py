@@ -5,15 +5,18 @@ the KV events nobody drains. Each test names the defect it guards against.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 import socket
 import time
 
+import aiohttp
 import httpx
 import openai
 import pytest
+import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache import LLM, SamplingParams
@@ -265,3 +268,119 @@ def test_a_20_mb_body_gets_a_413_the_client_can_read(narrow_server):
         client.completions.create(model=MODEL, prompt=prompt)
     assert info.value.status_code == 413
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
+    body = json.dumps({"model": MODEL, "prompt": prompt}).encode()
+    url = server.base_url + "/v1/completions"
+    answered = requests.post(url, data=body, headers={"Content-Type": "application/json"},
+                             timeout=30)
+    assert answered.status_code == 413 and answered.json()["error"]["code"] == "request_too_large"
+
+    async def with_aiohttp() -> tuple[int, str]:
+        async with aiohttp.ClientSession() as session, session.post(
+                url, data=body, headers={"Content-Type": "application/json"}) as reply:
+            return reply.status, (await reply.json())["error"]["code"]
+
+    assert asyncio.run(with_aiohttp()) == (413, "request_too_large")
+    # the SDK with its default retries sends it once: a 413 is not retried
+    sent: list[httpx.Request] = []
+    counting = httpx.Client(event_hooks={"request": [sent.append]}, timeout=30)
+    retrying = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused",
+                             http_client=counting)
+    with pytest.raises(openai.APIStatusError) as info:
+        retrying.completions.create(model=MODEL, prompt=prompt)
+    assert info.value.status_code == 413 and len(sent) == 1
+
+
+def _upload(server: RunningServer, declared: int, *, expect_continue: bool = False,
+            timeout: float = 30) -> socket.socket:
+    """A raw client's POST with ``declared`` body bytes promised and none sent yet."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {declared}\r\n")
+    if expect_continue:
+        head += "Expect: 100-continue\r\n"
+    sock.sendall((head + "\r\n").encode())
+    return sock
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes; a reset connection fails the test."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_413_waits_for_the_upload_instead_of_resetting_it(server):
+    """The 413 is written at once, and the connection stays open while the client finishes its
+    upload (read and dropped), so no reset reaches a client that reads only after sending, as
+    HTTP/1.1 clients do (a reset also discards unread data on some systems and networks)."""
+    size = 20 * 1024 * 1024
+    sock = _upload(server, size)
+    time.sleep(0.5)  # the server has answered and would have closed by now
+    piece = b" " * 65536
+    for _ in range(size // len(piece)):  # a reset here is the defect: BrokenPipe/Reset
+        sock.sendall(piece)
+    answer = _answer(sock)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert b'"request_too_large"' in answer
+
+
+def test_a_413_drops_a_bounded_rest_and_time(server, monkeypatch):
+    """The rest of an oversized body is read for at most a few seconds and a bounded number of
+    bytes; a slower or larger upload is cut off, its 413 already written."""
+    from prefixcache.server import limits
+
+    monkeypatch.setattr(limits, "DISCARD_SECONDS", 0.5)
+    slow = _upload(server, 20 * 1024 * 1024)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < 20:  # a trickle that would take minutes
+            slow.sendall(b" " * 1024)
+            time.sleep(0.05)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert time.monotonic() - started < 10  # cut off after the deadline, not at the end
+    slow.close()
+
+    monkeypatch.setattr(limits, "DISCARD_SECONDS", 30.0)
+    monkeypatch.setattr(limits, "MIN_DISCARD_BYTES", 2 * MAX_BODY)
+    huge = _upload(server, 1 << 30)
+    sent = 0
+    try:
+        while sent < 256 * 1024 * 1024:
+            sent += huge.send(b" " * (1 << 20))
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    huge.close()
+    # the server reads 4 x 1 MiB, the rest is what the two kernels' buffers took in
+    assert sent < 64 * 1024 * 1024
+
+
+def test_a_client_expecting_100_continue_gets_the_413_at_once(server, monkeypatch):
+    """A client that waits for "100 Continue" before its body has nothing to drop: it reads the
+    413 and the connection closes without the server waiting for a body that will not come."""
+    from prefixcache.server import limits
+
+    monkeypatch.setattr(limits, "DISCARD_SECONDS", 30.0)
+    sock = _upload(server, 20 * 1024 * 1024, expect_continue=True, timeout=10)
+    started = time.monotonic()
+    answer = _answer(sock)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"100 Continue" not in answer
+    assert time.monotonic() - started < 5
+
+
+def test_other_requests_are_served_while_an_oversized_upload_drains(server, client, monkeypatch):
+    from prefixcache.server import limits
+
+    monkeypatch.setattr(limits, "DISCARD_SECONDS", 30.0)
+    sock = _upload(server, 20 * 1024 * 1024)
+    sock.sendall(b" " * 65536)
+    try:
+        for _ in range(3):  # the upload stalls; others are answered meanwhile
+            assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+        assert sock.recv(5, socket.MSG_PEEK) == b"HTTP/"  # its 413 was written meanwhile
+    finally:
+        sock.close()

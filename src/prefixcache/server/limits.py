@@ -2,7 +2,10 @@
 
 `BodyLimit` is an ASGI middleware answering 413 (OpenAI error body) to a request body over
 ``max_bytes``, from its Content-Length before reading anything, or while a chunked body streams
-in (reading and dropping a bounded rest first, so the uploading client reads the answer).
+in. Either way the answer is written first and the rest of the upload is then read and dropped,
+for a bounded time and size, before the connection closes (nginx's lingering close): a server
+that closes with unread bytes makes the kernel reset the connection, and a client still uploading
+then reads a connection error instead of the 413 (and the openai SDK retries it).
 `HeaderTimeoutH11Protocol` is uvicorn's h11 protocol with a deadline for a request's headers
 (uvicorn's own keep-alive timeout only runs between requests), so connections that never finish
 their headers are closed instead of held open.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -20,8 +24,8 @@ from prefixcache.server.errors import anthropic_error_body, error_body, is_anthr
 
 __all__ = ["BodyLimit", "HeaderTimeoutH11Protocol", "header_timeout_protocol"]
 
-# how much of an oversized streamed body is read and dropped before the 413 (at least)
-MIN_DISCARD_BYTES = 1 << 20
+# after a 413, how much more of the upload is read and dropped, and for how long, at most
+MIN_DISCARD_BYTES = 64 << 20
 DISCARD_SECONDS = 3.0
 
 
@@ -38,7 +42,8 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._reject(scope, send)
+            # a client waiting for "100 Continue" has sent nothing and will send nothing
+            await self._reject(scope, send, receive if not _expects_continue(scope) else None)
             return
         # read the whole body (at most max_bytes) before the app sees it: an app that reads
         # the body itself would turn a failure here into its own 400
@@ -52,9 +57,7 @@ class BodyLimit:
             received += len(parts[-1])
             if received > self.max_bytes:
                 parts.clear()
-                if message.get("more_body", False):
-                    await self._discard(receive)
-                await self._reject(scope, send)
+                await self._reject(scope, send, receive if message.get("more_body") else None)
                 return
             if not message.get("more_body", False):
                 break
@@ -70,12 +73,29 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
+    async def _reject(self, scope: Scope, send: Send, rest: Receive | None) -> None:
+        """Answer 413, then read and drop the ``rest`` of the body (if any is still coming)
+        before completing the response, which is when the connection closes."""
+        message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+        payload = (anthropic_error_body(413, message) if is_anthropic_path(scope.get("path", ""))
+                   else error_body(413, message, code="request_too_large"))
+        body = json.dumps(payload).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        try:
+            await send({"type": "http.response.start", "status": 413, "headers": headers})
+        except h11.LocalProtocolError:  # uvicorn has already answered a malformed body 400
+            return
+        await send({"type": "http.response.body", "body": body, "more_body": rest is not None})
+        if rest is not None:
+            await self._discard(rest)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def _discard(self, receive: Receive) -> None:
-        """Read and drop the rest of an oversized body, up to ``max_bytes`` more and a few
-        seconds, so that a client still uploading reads the 413 instead of a reset connection
-        (uvicorn stops delivering the body once the response is complete). Larger or slower
-        uploads are cut off."""
-        budget = max(self.max_bytes, MIN_DISCARD_BYTES)
+        """Read and drop what is left of an oversized upload, up to ``max(4 * max_bytes,
+        MIN_DISCARD_BYTES)`` and ``DISCARD_SECONDS``; larger or slower uploads are cut off.
+        Nothing is kept, and the event loop serves every other request meanwhile."""
+        budget = max(4 * self.max_bytes, MIN_DISCARD_BYTES)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DISCARD_SECONDS
         while budget > 0:
@@ -90,14 +110,10 @@ class BodyLimit:
                 return
             budget -= len(message.get("body", b""))
 
-    async def _reject(self, scope: Scope, send: Send) -> None:
-        message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
-        payload = (anthropic_error_body(413, message) if is_anthropic_path(scope.get("path", ""))
-                   else error_body(413, message, code="request_too_large"))
-        body = json.dumps(payload).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(name == b"expect" and value.lower() == b"100-continue"
+               for name, value in scope.get("headers", ()))
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -131,6 +147,14 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 for a body that breaks HTTP's framing, unless an answer is already on
+        its way (a 413 whose rest is being dropped): then the connection just closes."""
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()
+            return
+        super().send_400_response(msg)
 
     def _in_request(self) -> bool:
         return self.cycle is not None and not self.cycle.response_complete
