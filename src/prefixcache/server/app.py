@@ -22,6 +22,7 @@ from prefixcache.server.async_engine import AsyncEngine
 from prefixcache.server.errors import ApiError, install_error_handlers
 from prefixcache.server.limits import BodyLimit
 from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
+from prefixcache.server.openapi import install_openapi, operation_id
 from prefixcache.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -91,11 +92,12 @@ def create_app(
             async_engine.stop()
             engine.flush_tiers()  # what the write-behind queued reaches the tiers
 
-    app = FastAPI(title="prefixcache", lifespan=lifespan)
+    app = FastAPI(title="prefixcache", lifespan=lifespan, generate_unique_id_function=operation_id)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_error_handlers(app)
     _add_routes(app, serving, tenants, metrics_key)
+    install_openapi(app, model_name)
     if dashboard:
         from prefixcache.server.dashboard import CacheView, install_dashboard
 
