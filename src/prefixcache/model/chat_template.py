@@ -4,12 +4,18 @@ Same jinja2 environment (ImmutableSandboxedEnvironment, trim_blocks, lstrip_bloc
 loopcontrols, a no-op ``generation`` block tag), same globals (``raise_exception``,
 ``strftime_now``, ``dict``, ``namespace``) and the same ``tojson`` filter, so a template yields
 byte-identical prompts, and therefore identical token ids and cache keys.
+
+A template comes with a model's files, so it is read as untrusted input: the sandbox refuses
+attribute access outside it, and one rendering is bounded in loop steps (``range``), in the size
+of what ``*`` and ``**`` may build, and in output; anything a template raises while rendering is
+a `ChatTemplateError`, never another exception.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, is_dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -19,13 +25,50 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
+
+from prefixcache.errors import describe_exception
 
 __all__ = ["ChatTemplateError", "compile_template", "normalize_messages", "render_chat"]
 
 
 class ChatTemplateError(ValueError):
-    """The template failed (syntax error, or its own ``raise_exception``)."""
+    """The template failed (syntax error, its own ``raise_exception``, or a bound reached)."""
+
+
+# what one rendering may do, at most: far above what a real template needs (a prompt is at most
+# a context's worth of text), far below what would stall a server thread or fill its memory
+MAX_RENDER_CHARS = 1 << 24
+MAX_LOOP_STEPS = 1 << 20  # ``range`` items, all loops of one rendering together
+MAX_POWER_BITS = 4096
+_steps_left: ContextVar[list[int]] = ContextVar("chat_template_steps")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with ``*`` and ``**`` checked before they build something huge."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for sized, times in ((left, right), (right, left)):
+                if (isinstance(sized, (str, list, tuple)) and isinstance(times, int)
+                        and len(sized) * times > MAX_RENDER_CHARS):
+                    raise jinja2.exceptions.SecurityError("the chat template repeats too much")
+        elif (isinstance(left, int) and isinstance(right, int) and right > 0
+              and right * abs(left).bit_length() > MAX_POWER_BITS):
+            raise jinja2.exceptions.SecurityError("the chat template's power is too large")
+        return super().call_binop(context, operator, left, right)
+
+
+def _bounded_range(*args: int) -> range:
+    """``range`` with the sandbox's size limit, counted against the rendering's loop steps."""
+    items = range(*args)
+    steps = _steps_left.get([MAX_LOOP_STEPS])
+    steps[0] -= len(items)
+    if len(items) > MAX_RANGE or steps[0] < 0:
+        raise jinja2.exceptions.SecurityError("the chat template loops too long")
+    return items
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -98,7 +141,7 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=32)
 def compile_template(source: str) -> jinja2.Template:
     """Compile once per template text; raises ChatTemplateError on a syntax error."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -106,10 +149,13 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["range"] = _bounded_range
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template syntax error (line {exc.lineno}): {exc}") from None
+    except RecursionError:  # the parser recurses once per nesting level
+        raise ChatTemplateError("the chat template nests too deeply to parse") from None
 
 
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -149,11 +195,26 @@ def render_chat(
     variables = {**special_tokens, **kwargs}
     variables.setdefault("tools", None)
     variables.setdefault("documents", None)
+    chunks = template.generate(messages=normalize_messages(messages),
+                               add_generation_prompt=add_generation_prompt, **variables)
+    steps = _steps_left.set([MAX_LOOP_STEPS])
     try:
-        return template.render(
-            messages=normalize_messages(messages),
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        return "".join(_bounded_output(chunks))
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template error: {exc}") from None
+    except ChatTemplateError:
+        raise
+    except Exception as exc:  # the template's own bug (a str + list, a missing key, recursion)
+        raise ChatTemplateError(f"chat template failed: {describe_exception(exc)}") from None
+    finally:
+        _steps_left.reset(steps)
+
+
+def _bounded_output(chunks: Iterator[str]) -> Iterator[str]:
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_RENDER_CHARS:
+            raise ChatTemplateError(f"the chat template renders more than {MAX_RENDER_CHARS} "
+                                    "characters")
+        yield chunk

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import CausalLM
@@ -70,9 +70,14 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
 
 def _safetensors_items(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, handle.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names = list(handle.keys())  # noqa: SIM118 (safe_open is not a mapping)
+                for name in names:
+                    tensor = handle.get_tensor(name)
+                    yield name, tensor
+        except (SafetensorError, OSError) as exc:  # a damaged header or data section
+            raise WeightLoadError(f"cannot read {file}: {exc}") from None
 
 
 def load_tensors(

@@ -187,15 +187,21 @@ def load_tenants(path: str | Path) -> dict[str, Tenant]:
         raise TenancyError(f"cannot read tenants file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise TenancyError(f"tenants file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TenancyError(f"tenants file {path} is not UTF-8 text (byte {exc.start})") from None
     tenants = data.get("tenants")
     if set(data) - {"tenants"} or not isinstance(tenants, dict) or not tenants:
         raise TenancyError(f"tenants file {path} must hold one or more [tenants.<id>] tables only")
     by_key: dict[str, Tenant] = {}
     for tenant_id, table in tenants.items():
-        tenant, keys = _parse_tenant(tenant_id, table)
+        try:
+            tenant, keys = _parse_tenant(tenant_id, table)
+        except TenancyError as exc:  # the table and field named; the file too
+            raise TenancyError(f"tenants file {path}: {exc}") from None
         for key in keys:
             if key in by_key:
-                raise TenancyError(f"API key of tenant {tenant_id!r} is also used by another")
+                raise TenancyError(f"tenants file {path}: API key of tenant {tenant_id!r} is "
+                                   "also used by another")
             by_key[key] = tenant
     return by_key
 

@@ -33,9 +33,14 @@ def read_mooncake(
     path = Path(path)
     trace = Trace(path.stem, block_size)
     with _open(path) as lines:
-        for line_no, line in enumerate(lines, 1):
+        for line_no, raw in enumerate(lines, 1):
             if limit is not None and len(trace.requests) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(f"{path}:{line_no}: not UTF-8 text (byte {exc.start} of "
+                                       "the line)") from None
             if line.strip():
                 trace.requests.append(_parse_line(line, f"{path}:{line_no}"))
     _to_seconds(trace, time_unit)
@@ -58,7 +63,7 @@ def _to_seconds(trace: Trace, time_unit: str) -> None:
 
 def _open(path: Path) -> Any:
     try:
-        return path.open(encoding="utf-8")
+        return path.open("rb")  # lines decoded one by one: an error names its line
     except OSError as exc:
         raise TraceFormatError(f"cannot read trace {path}: {exc.strerror}") from exc
 

@@ -147,6 +147,8 @@ def read_record(path: str | Path, limit: int | None = None) -> Trace:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise TraceFormatError(f"cannot read trace {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     if not lines:
         raise TraceFormatError(f"{path}: empty file (expected a {FORMAT_NAME} header)")
     trace = Trace(path.stem, _header_block_size(lines[0], f"{path}:1"))
