@@ -290,6 +290,33 @@ def test_a_20_mb_body_gets_a_413_the_client_can_read(narrow_server):
     assert info.value.status_code == 413 and len(sent) == 1
 
 
+def test_a_20_mb_chunked_body_gets_a_413_every_client_can_read(narrow_server):
+    """The same without a declared length (chunked transfer encoding): counted as it streams
+    in, answered once over the limit, the rest dropped, boundedly, so each client reads it."""
+    url = narrow_server.base_url + "/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    piece, count = b" " * 65536, 20 * 1024 * 1024 // 65536
+
+    def chunks():
+        yield from (piece for _ in range(count))
+
+    async def async_chunks():
+        for _ in range(count):
+            yield piece
+
+    reply = httpx.post(url, content=chunks(), headers=headers, timeout=30)
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    answered = requests.post(url, data=chunks(), headers=headers, timeout=30)
+    assert answered.status_code == 413 and answered.json()["error"]["code"] == "request_too_large"
+
+    async def with_aiohttp() -> tuple[int, str]:
+        async with aiohttp.ClientSession() as session, session.post(
+                url, data=async_chunks(), headers=headers) as got:
+            return got.status, (await got.json())["error"]["code"]
+
+    assert asyncio.run(with_aiohttp()) == (413, "request_too_large")
+
+
 def _upload(server: RunningServer, declared: int, *, expect_continue: bool = False,
             timeout: float = 30) -> socket.socket:
     """A raw client's POST with ``declared`` body bytes promised and none sent yet."""
