@@ -20,6 +20,7 @@ import torch
 
 from prefixcache.model.config import ConfigError, ModelConfig
 from prefixcache.model.decoder import CausalLM
+from prefixcache.model.gguf_layout import GGUFError, check_gguf_layout
 from prefixcache.model.tokenizer import Tokenizer, TokenizerError
 from prefixcache.model.weights import load_tensors
 
@@ -81,10 +82,6 @@ _IGNORE_MERGES = ("llama-bpe", "llama3", "smaug-bpe", "dbrx")
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
-class GGUFError(ValueError):
-    """A GGUF file this runtime cannot serve, naming what it does not support."""
-
-
 def find_gguf(path: Path) -> Path | None:
     """``path`` itself if it is a .gguf file; the one .gguf in a directory; else None."""
     if path.is_file():
@@ -106,7 +103,10 @@ class GGUFCheckpoint:
 
         self.path = Path(path)
         try:
+            check_gguf_layout(self.path)  # the reader itself trusts every count it reads
             self.reader = GGUFReader(str(self.path), "r")
+        except GGUFError:
+            raise
         except Exception as exc:  # the reader raises bare ValueError/struct errors on bad bytes
             raise GGUFError(f"cannot read GGUF file {self.path}: {exc}") from None
         self.arch = str(self._field("general.architecture", required=True))

@@ -65,7 +65,9 @@ def _sharded_files(index: Path) -> list[Path]:
 
 def load_weights(model: CausalLM, path: str | Path) -> None:
     """Fill every parameter of ``model`` from the safetensors checkpoint at ``path``."""
-    load_tensors(model, _safetensors_items(weight_files(path)), f"checkpoint {path}")
+    files = weight_files(path)
+    source = str(files[0]) if len(files) == 1 else f"checkpoint {path}"
+    load_tensors(model, _safetensors_items(files), source)
 
 
 def _safetensors_items(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -88,7 +90,7 @@ def load_tensors(
     targets = _targets(model, model.config)
     loaded: set[str] = set()
     for name, tensor in tensors:
-        if _load_one(name, tensor, targets, model.config):
+        if _load_one(name, tensor, targets, model.config, source):
             loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
@@ -97,7 +99,8 @@ def load_tensors(
 
 
 def _load_one(
-    name: str, tensor: torch.Tensor, targets: dict[str, _Target], config: ModelConfig
+    name: str, tensor: torch.Tensor, targets: dict[str, _Target], config: ModelConfig,
+    source: str,
 ) -> bool:
     """Copy one checkpoint tensor into place; False when it is deliberately skipped."""
     if name.endswith(_IGNORED_SUFFIXES):
@@ -106,11 +109,11 @@ def _load_one(
         return False
     target = targets.get(name)
     if target is None:
-        raise WeightLoadError(f"unexpected tensor {name!r} in checkpoint")
+        raise WeightLoadError(f"unexpected tensor {name!r} in {source}")
     expected = (target.size, *target.param.shape[1:])
     if tuple(tensor.shape) != expected:
         raise WeightLoadError(
-            f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected} in {source}"
         )
     with torch.no_grad():
         target.param[target.start : target.start + target.size].copy_(tensor)
