@@ -125,7 +125,11 @@ class GGUFCheckpoint:
             if required:
                 raise GGUFError(f"{self.path.name}: metadata key {key!r} is missing")
             return default
-        return field.contents()
+        try:
+            return field.contents()
+        except UnicodeDecodeError as exc:  # strings are UTF-8 by the format
+            raise GGUFError(f"{self.path.name}: metadata {key!r} is not UTF-8 text (byte "
+                            f"{exc.start})") from None
 
     def _arch_field(self, key: str, required: bool = False, default: Any = None) -> Any:
         return self._field(f"{self.arch}.{key}", required, default)
