@@ -23,7 +23,7 @@ ALLOWED = {
     "sched": {"cache"},
     "native": {"paths"},
     "attention": {"native"},
-    "model": {"attention", "native", "catalog", "paths"},
+    "model": {"attention", "native", "catalog", "errors", "paths"},
     "sim": {"cache", "sched", "errors"},
     "engine": {"cache", "tiers", "sched", "model", "attention", "native", "catalog", "errors",
                "paths"},
