@@ -207,3 +207,46 @@ def test_token_ids_left_out_with_tenants(tmp_path) -> None:
         sub.close(0)
     finally:
         running.stop()
+
+
+def test_a_stuck_or_vanished_subscriber_never_holds_the_publisher_up() -> None:
+    """One subscriber connects and never reads (its pipe fills to the high-water mark long
+    before the end), a replay client asks for the whole buffer and disappears before reading a
+    byte; a subscriber that keeps up still receives every batch, in order, to the last one:
+    publishing never waits for a consumer, and the engine never drops a batch for it."""
+    from prefixcache.cache.events import BlockStored
+    from prefixcache.server.kv_events import ZmqEventPublisher
+
+    pub_at, replay_at = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub_at,
+                            replay_endpoint=replay_at, topic="kv", hwm=256)
+    publisher = ZmqEventPublisher(config, with_tokens=True)
+    context = zmq.Context.instance()
+    stuck, healthy = context.socket(zmq.SUB), context.socket(zmq.SUB)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    for sub in (stuck, healthy):
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.connect(pub_at)
+    event = BlockStored([b"\x01" * 32], b"\x00" * 32, list(range(16)), 16)
+    received: list[int] = []
+    try:
+        time.sleep(0.3)  # both subscriptions reach the publisher
+        for burst in range(30):  # 3,000 batches: far past the stuck pipe's 256
+            for _ in range(100):
+                publisher.publish([event])
+            if burst == 15:  # a replay client that vanishes at once
+                gone = context.socket(zmq.DEALER)
+                gone.connect(replay_at)
+                gone.send_multipart([b"", (0).to_bytes(8, "big")])
+                gone.close(0)
+            last = 100 * burst + 99
+            deadline = time.monotonic() + 30
+            while (not received or received[-1] < last) and time.monotonic() < deadline:
+                if healthy.poll(100):
+                    received.append(int.from_bytes(healthy.recv_multipart()[1], "big"))
+        assert received == list(range(3000)) and publisher.num_dropped == 0
+    finally:
+        stuck.close(0)
+        healthy.close(0)
+        publisher.close()

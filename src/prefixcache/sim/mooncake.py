@@ -12,6 +12,7 @@ A line may also carry ``tenant`` and ``pins`` (`trace.read_cache_fields`). Reads
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -93,16 +94,24 @@ def _parse_line(line: str, where: str) -> TraceRequest:
 
 
 def _number(obj: dict[str, Any], key: str, where: str) -> float:
-    """A numeric field: a JSON number, or a decimal string of one (LMBench's timestamps)."""
+    """A finite numeric field: a JSON number, or a decimal string of one (LMBench's
+    timestamps)."""
     value = obj.get(key)
+    number = None
     if isinstance(value, str):
         try:
-            return float(int(value)) if value.strip().lstrip("-").isdigit() else float(value)
-        except ValueError:
+            number = float(int(value)) if value.strip().lstrip("-").isdigit() else float(value)
+        except (ValueError, OverflowError):
             pass
     elif not isinstance(value, bool) and isinstance(value, int | float):
-        return float(value)
-    raise TraceFormatError(f"{where}: field {key!r} must be a number, got {value!r}")
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float
+            pass
+    if number is None or not math.isfinite(number):
+        raise TraceFormatError(f"{where}: field {key!r} must be a number, got "
+                               f"{str(value)[:40]!r}")
+    return number
 
 
 def hash_id_list(value: object, where: str) -> list[int]:

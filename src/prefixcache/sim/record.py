@@ -200,7 +200,7 @@ def _parse(line: str, ids: dict[str, int], where: str) -> TraceRequest:
             tenant=tenant,
             pins=pins,
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # 1e999 reads as inf
         raise TraceFormatError(f"{where}: bad request record ({exc})") from exc
 
 
