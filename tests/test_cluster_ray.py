@@ -184,6 +184,51 @@ def test_a_prompt_cache_key_keeps_its_requests_on_one_replica(cluster) -> None:
     assert message.json()["type"] == "message"
 
 
+def _routing(base: str) -> dict:
+    return httpx.get(base + "/cluster/routing", headers=METRICS, timeout=10).json()
+
+
+def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error(cluster) -> None:
+    """Two streams on the two replicas; the first one's replica is killed after its first
+    chunk. Its client reads an error event (the openai SDK raises it) instead of a stream that
+    merely stops; the other stream completes; new requests are answered by the live replica at
+    once; the router forgets the dead replica and its blocks; a new replica joins."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key=KEY["Authorization"][7:],
+                           max_retries=0, timeout=120)
+
+    def stream(tag: str):
+        return client.completions.create(
+            model="tiny", prompt=f"{tag}: a prompt sharing no block. " * 8, max_tokens=1500,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+
+    first = stream("First")  # no block in common: the second goes to the idle replica
+    next(iter(first))
+    replicas = _routing(cluster)["replicas"].values()
+    pids = {r["routing_stats"].get("pid") for r in replicas}
+    busy = [r for r in replicas if r["in_flight"]]
+    assert len(busy) == 1, busy
+    victim = busy[0]
+    second = stream("Second")
+    next(iter(second))
+    os.kill(int(victim["routing_stats"]["pid"]), signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(openai.APIError, match="the replica serving this stream failed"):
+        for _ in first:
+            pass
+    assert _complete(cluster, PREFIXES[2] + " Still there?")["completion_tokens"] == 2
+    assert time.monotonic() - killed_at < 10  # answered elsewhere within seconds
+    assert sum(1 for _ in second) > 0  # ran to its end, no error
+    dead = victim["routing_stats"]["pid"]
+    _wait(lambda: all(r["slot"] is None or r["routing_stats"].get("pid") != dead
+                      for r in _routing(cluster)["replicas"].values()), 10)
+    _wait(lambda: _replicas(cluster) == 2, 120)
+    newcomers = [r for r in _routing(cluster)["replicas"].values()
+                 if r["routing_stats"].get("pid") not in pids]
+    assert len(newcomers) == 1 and newcomers[0]["mirror_blocks"] == 0  # nothing believed yet
+
+
 def test_a_replica_killed_mid_load_costs_no_request_and_is_restarted(cluster) -> None:
     pids = subprocess.run(["pgrep", "-f", "ServeReplica:prefixcache:EngineReplica"],
                           capture_output=True, text=True).stdout.split()

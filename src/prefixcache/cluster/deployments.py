@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from prefixcache.cluster.asgi import ForwardedRequest, ResponseHead, run_asgi
+from prefixcache.server.errors import stream_error_event
 
 __all__ = ["EngineReplica", "Ingress"]
 
@@ -74,7 +76,8 @@ class EngineReplica:
         return {**self.identity, "replica": self.topic}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        return {**(self.events or {}), "num_pending": self.async_engine.num_pending}
+        return {**(self.events or {}), "num_pending": self.async_engine.num_pending,
+                "pid": os.getpid()}  # the process to look at (or kill, in a fault drill)
 
     def check_health(self) -> None:
         if not self.async_engine.is_alive:
@@ -187,7 +190,8 @@ class Ingress:
             assert isinstance(head, ResponseHead)
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers
                        if k.lower() not in _HOP_HEADERS}
-            return StreamingResponse(_body(stream), status_code=head.status, headers=headers)
+            return StreamingResponse(_body(stream, forwarded.path, headers),
+                                     status_code=head.status, headers=headers)
         return _error(503, f"no replica could answer ({type(last).__name__}); retry later",
                       code="replica_unavailable")
 
@@ -269,13 +273,20 @@ class Ingress:
         return status, b"".join(chunks).decode()
 
 
-async def _body(stream: Any) -> AsyncIterator[bytes]:
+async def _body(stream: Any, path: str, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The replica's response, chunk by chunk. A replica that dies mid-stream ends an event
+    stream with an error event in the route's shape (the clients raise it); any other body
+    just ends, short, which its client reports as an incomplete read."""
     try:
         async for chunk in stream:
             yield chunk
     except (RayActorError, ActorUnavailableError) as exc:
         logger.warning("a replica failed mid-response (%s): the response ends here",
                        type(exc).__name__)
+        content_type = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+        if content_type.startswith("text/event-stream"):
+            message = "the replica serving this stream failed; the answer is incomplete"
+            yield stream_error_event(path, 502, message).encode()
     finally:
         stream.cancel()  # a client that went away aborts the replica's request
 

@@ -7,6 +7,7 @@ problem and never echo prompt text.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from prefixcache.errors import describe_exception
 from prefixcache.server.protocol import JSONObject
 
 __all__ = ["ApiError", "anthropic_error_body", "error_body", "install_error_handlers",
-           "is_anthropic_path"]
+           "is_anthropic_path", "stream_error_event"]
 
 logger = logging.getLogger("prefixcache.server")
 
@@ -75,6 +76,22 @@ def anthropic_error_body(status: int, message: str) -> JSONObject:
     """``{"type": "error", "error": {"type", "message"}}``, as Anthropic's API answers."""
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def stream_error_event(path: str, status: int, message: str) -> str:
+    """The server-sent event that ends a stream of route ``path`` on a failure after it began,
+    in the route's shape, so a client reads an error instead of a stream that merely stops:
+    Anthropic's ``error`` event, the Responses API's, or OpenAI's ``data: {"error": ...}``."""
+    if is_anthropic_path(path):
+        data, kind = anthropic_error_body(status, message), "error"
+    elif path == "/v1/responses":
+        kind = "error"
+        data = {"type": "error", "code": error_body(status, message)["error"]["type"],
+                "message": message, "param": None}
+    else:
+        data, kind = error_body(status, message), None
+    line = f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return line if kind is None else f"event: {kind}\n{line}"
 
 
 def _respond(request: Request, exc: ApiError) -> JSONResponse:
