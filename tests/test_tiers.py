@@ -242,21 +242,19 @@ def test_an_engine_dropped_without_close_lets_go_of_its_kv_memory(tmp_path: Path
     """A tiered engine a program drops without `close` (as a script or a test does) gives its
     KV tensors back: its tier threads end instead of holding them for the rest of the process
     (each such engine used to keep its whole pool, 512 MiB for `tiny`)."""
-    def tier_threads() -> int:
-        return sum(t.name.startswith("kv-tier-") for t in threading.enumerate())
-
-    before = tier_threads()
+    before = set(threading.enumerate())
     engine = engine_on(tmp_path)
     generate(engine, PROMPT, "a")
     written(engine)
-    assert tier_threads() == before + 2
+    threads = [t for t in threading.enumerate()
+               if t.name.startswith("kv-tier-") and t not in before]
+    assert len(threads) == 2  # its writer and its loader
     kv = weakref.ref(engine.runner.kv_cache)
     del engine
     gc.collect()
-    deadline = time.monotonic() + 10
-    while tier_threads() > before:
-        assert time.monotonic() < deadline, "the tier threads outlived their engine"
-        time.sleep(0.01)
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive(), "the tier threads outlived their engine"
     gc.collect()
     assert kv() is None
 
