@@ -210,7 +210,8 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
         "rss_mb": {"start": rss[0][1] if rss else None, "after_warmup": settle[0] if settle else
                    None, "end": rss[-1][1] if rss else None,
                    "max": max((m for _, m in rss), default=None),
-                   "growth_after_warmup": (settle[-1] / settle[0] - 1) if settle else None},
+                   "growth_after_warmup": (settle[-1] / settle[0] - 1) if settle else None,
+                   "every_minute": [round(m) for _, m in rss[::30]]},  # sampled each 2 s
         "kv_usage_end": end.get("prefixcache:kv_cache_usage_perc"),
         "running_end": end.get("prefixcache:num_requests_running"),
         "calm_prefix_cached_tokens": {"before": before, "after": after},
