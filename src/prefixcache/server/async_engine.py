@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prefixcache.errors import describe_exception
+from prefixcache.model.host_memory import FreedMemoryTrimmer
 from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
 from prefixcache.server.protocol import JSONObject
 
@@ -89,6 +90,7 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._log = _PeriodicLog(log_interval_s)
+        self._trimmer = FreedMemoryTrimmer()  # a server retains freed memory: hand it back
         # called on the engine thread with the KV events of each step or command that made any
         self.kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None
         self.on_stop: list[Callable[[], None]] = []  # after the engine thread has ended
@@ -274,6 +276,7 @@ class AsyncEngine:
                 self._step()
             self._drain_kv_events()
             self._log.maybe_log(self.snapshot)
+            self._trimmer.maybe_trim()
         self._fail_all("the server is shutting down")
 
     def _drain_kv_events(self) -> None:
@@ -292,6 +295,7 @@ class AsyncEngine:
             while not (self._commands or self._stopping or self.engine.has_unfinished()):
                 self._wakeup.wait(self.log_interval_s)
                 self._log.maybe_log(self.snapshot)
+                self._trimmer.maybe_trim()  # what the last burst freed, once idle
             if self._stopping:
                 return None
             commands = list(self._commands)
