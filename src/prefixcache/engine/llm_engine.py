@@ -95,7 +95,9 @@ class LLMEngine:
             self.offload = KVOffload.open(config.tiers, self.loaded.identity,
                                           self.runner.kv_cache, self.cache.identity)
             self.offload.emit_events = self.cache.enable_kv_events
-            weakref.finalize(self, self.offload.stop)  # its threads must not outlive the engine
+            # its threads must not outlive the engine; not at exit, where waking them would run
+            # tensor work while the interpreter (and torch's thread pool) is being torn down
+            weakref.finalize(self, self.offload.stop).atexit = False
         self._loading: dict[str, Request] = {}  # requests whose blocks a tier is reading
         # prefixes kept from eviction for a time (cache_control), per domain within a budget
         max_pinned = config.max_pinned_blocks
