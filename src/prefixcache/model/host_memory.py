@@ -37,7 +37,7 @@ __all__ = ["FreedMemoryTrimmer", "retain_freed_memory"]
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's upper limit on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 256 * 1024 * 1024
-# the trade: a step after a trim faults its temporaries in again (about 10 ms for 100 MB), once
+# the trade: a step after a trim faults its temporaries in again (page faults, no copies), once
 # per interval, against RSS that tracks what is in use
 TRIM_INTERVAL_S = 10.0
 
