@@ -13,7 +13,7 @@ import torch
 from native_support import require_native_layers
 from prefixcache.attention import AttentionMetadata, PagedKVCache
 from prefixcache.attention.plan import build_plan
-from prefixcache.model import decoder, native_layers, packed_gemm, panel_gemm, tuning
+from prefixcache.model import decoder, native_layers, packed_gemm, panel_gemm, quant_gemm, tuning
 from prefixcache.model.config import ModelConfig, RopeConfig
 from prefixcache.model.fused_layers import FusedLayers
 
@@ -81,7 +81,7 @@ def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch
         return result
 
     monkeypatch.setattr(decoder.FusedLayers, "prepare", record)
-    c, dtype = model.config, model.lm_head.weight.dtype
+    c, dtype = model.config, model.model.embed_tokens.weight.dtype
     cache = PagedKVCache(c.num_hidden_layers, 12, BLOCK, c.num_key_value_heads, c.head_dim, dtype)
     tables = [[7, 2, 9, 4, 0], [5, 11, 3]]
     ids = torch.randint(0, c.vocab_size, (80,), generator=torch.Generator().manual_seed(1))
@@ -118,6 +118,24 @@ def test_bfloat16_fused_steps_give_the_same_bits(
 ) -> None:
     # bfloat16: two calls per layer around the attention, over the panel GEMM's weights
     model = _model(qkv_bias, dtype=torch.bfloat16)
+    fused, plain = _steps(model, True, monkeypatch), _steps(model, False, monkeypatch)
+    for a, b in zip(fused, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("_native", ["panel"], indirect=True)
+@pytest.mark.parametrize("weights", ["bfloat16", "q8_0"])
+def test_stored_weights_fused_steps_give_the_same_bits(
+    weights: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a float32 model keeping bfloat16 panels or 8-bit blocks: the compiled calls multiply
+    # through the same GEMM as the separate steps
+    if weights == "q8_0" and not quant_gemm.available():
+        pytest.skip("the quantized GEMM does not run here")
+    model = _model(True)
+    model.store_weights(weights)
+    kinds = {type(p.current_copy()).__name__ for p in model.projections()}
+    assert kinds == {"PanelWeight" if weights == "bfloat16" else "QuantWeight"}
     fused, plain = _steps(model, True, monkeypatch), _steps(model, False, monkeypatch)
     for a, b in zip(fused, plain, strict=True):
         assert torch.equal(a, b)

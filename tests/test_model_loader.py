@@ -227,17 +227,21 @@ def test_builtin_creation_is_deterministic_and_race_safe(tiny, tmp_path, monkeyp
     assert load_model("tiny").identity == tiny.identity
 
 
-def test_dtype_auto_follows_the_checkpoint_where_the_cpu_has_bf16(checkpoint, copy, monkeypatch):
+def test_dtype_auto_runs_what_it_measured_and_off_the_cpu_the_checkpoints(checkpoint, copy,
+                                                                           monkeypatch):
     from prefixcache.model import loader
+    from prefixcache.model.precision import Precision
 
     config = json.loads((copy / "config.json").read_text())
     config["dtype"] = config["torch_dtype"] = "bfloat16"  # new and old transformers keys
     (copy / "config.json").write_text(json.dumps(config))
-    native = loader.cpu_has_native_bf16()
-    as_bf16 = load_model(str(copy), dtype="auto")
-    assert as_bf16.dtype == (torch.bfloat16 if native else torch.float32)
-    assert as_bf16.identity == load_model(str(copy), dtype=str(as_bf16.dtype)[6:]).identity
-    assert load_model(str(checkpoint), dtype="auto").dtype == torch.float32  # a float32 one
+    auto = load_model(str(copy), dtype="auto")
+    assert auto.choice is not None and auto.precision == auto.choice.precision.label
+    forced = Precision.parse(auto.precision)
+    same = load_model(str(copy), forced.dtype, weight_dtype=forced.weights)
+    assert auto.identity == same.identity
+    # where nothing is measured (another device), the checkpoint's dtype where the CPU has
+    # native bfloat16 products
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
     assert loader.resolve_dtype("bfloat16") == "float32"
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)

@@ -227,13 +227,17 @@ def _logits16(loaded, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
         return loaded.model(torch.tensor(ids), meta.positions, cache, meta).float()
 
 
-def test_dtype_auto_serves_the_quantized_builtin_in_bfloat16_where_the_cpu_has_it():
-    from prefixcache.model import loader
+def test_dtype_auto_measures_the_builtin_with_its_own_blocks_among_the_candidates():
+    from prefixcache.model import precision, quant_gemm
 
     auto = load_model("smollm2", dtype="auto")
     assert auto.config.torch_dtype == "bfloat16"  # a Q4_1 file: less than bfloat16's precision
-    assert auto.dtype == (torch.bfloat16 if loader.cpu_has_native_bf16() else torch.float32)
-    assert load_model("smollm2").dtype == torch.float32  # the default stays float32
+    options = [p.label for p in precision.candidates(True)]
+    assert auto.precision in options
+    assert ("float32+gguf" in options) == quant_gemm.vectorised()
+    if auto.choice is not None and auto.choice.figures:
+        assert set(auto.choice.figures) == set(options)
+    assert load_model("smollm2").dtype == torch.float32  # the library's default stays float32
 
 
 def test_bfloat16_stays_within_bfloat16s_own_distance_of_transformers(ours):

@@ -15,13 +15,17 @@ __all__ = [
     "GENERATED_MODELS",
     "PACKAGED_MODELS",
     "PackagedModel",
+    "WEIGHT_DTYPE_CHOICES",
     "model_help",
 ]
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `prefixcache.model.DTYPES`, named without torch
-# what --dtype accepts: a dtype, or "auto" (the checkpoint's, where this CPU computes it natively;
-# `prefixcache.model.loader.resolve_dtype`)
+# what --dtype accepts: a dtype, or "auto" (measured fastest on this CPU:
+# `prefixcache.model.precision`)
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+# what --weight-dtype accepts: how a float32 model keeps its projection weights
+# (`prefixcache.model.decoder.WEIGHT_DTYPES`), or "auto" (as --dtype, or what auto chose)
+WEIGHT_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "q8_0", "gguf")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 from prefixcache.cache import CacheConfig
 from prefixcache.cache.block_hash import HASH_ALGOS
 from prefixcache.cache.config import CACHE_KINDS, EVICTION_POLICIES
-from prefixcache.catalog import DTYPE_CHOICES, model_help
+from prefixcache.catalog import DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES, model_help
 from prefixcache.engine.sampling_params import LOGPROBS_MODES
 from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
@@ -70,6 +70,7 @@ class EngineConfig:
 
     model: Any = "tiny"
     dtype: str = "float32"
+    weight_dtype: str = "auto"  # how a float32 model keeps its projection weights
     seed: int = 0
     cache: CacheConfig = _ENGINE_CACHE
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -86,6 +87,9 @@ class EngineConfig:
                              f"{list(LOGPROBS_MODES)}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPE_CHOICES)}")
+        if self.weight_dtype not in WEIGHT_DTYPE_CHOICES:
+            raise ValueError(f"unknown weight_dtype {self.weight_dtype!r}; choose one of "
+                             f"{list(WEIGHT_DTYPE_CHOICES)}")
         if self.kv_memory_bytes < 1:
             raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
         if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
@@ -102,7 +106,7 @@ class EngineConfig:
         ``hash_algo``, ``eviction_policy``, ``zero_on_reuse``, ``kv_events``,
         ``kv_events_with_tokens``, ``max_num_seqs``, ``max_num_batched_tokens``,
         ``schedule_policy``, ``lpm_max_wait_steps``, ``dedup``, ``domain_limits``,
-        ``default_domain_limits``, ``seed``, ``dtype``, ``check_integrity``,
+        ``default_domain_limits``, ``seed``, ``dtype``, ``weight_dtype``, ``check_integrity``,
         ``logprobs_mode``, and the tiers': ``kv_disk``, ``kv_disk_gib``, ``kv_valkey``,
         ``kv_valkey_ttl_s``, ``offload_prompt_only``, ``kv_offload_max_pending_blocks``,
         ``kv_offload_max_pending_bytes``. Deprecated
@@ -117,7 +121,8 @@ class EngineConfig:
         scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
         tiers = {_TIER_KEYS[k]: settings.pop(k) for k in list(settings) if k in _TIER_KEYS}
         tiers = {k: v for k, v in tiers.items() if v is not None}  # None: the default
-        known = {"dtype", "seed", "kv_memory_bytes", "check_integrity", "logprobs_mode",
+        known = {"dtype", "weight_dtype", "seed", "kv_memory_bytes", "check_integrity",
+                 "logprobs_mode",
                  "max_pinned_blocks", "pin_budgets"}
         unknown = sorted(set(settings) - known)
         if unknown:
@@ -147,6 +152,7 @@ class EngineConfig:
         return cls.from_kwargs(
             args.model,
             dtype=args.dtype,
+            weight_dtype=getattr(args, "weight_dtype", "auto"),
             seed=args.seed,
             prefix_cache="hash" if kind == "off" else kind,
             enable_prefix_caching=kind != "off",
@@ -203,9 +209,15 @@ def prefix_cache_kind(args: argparse.Namespace) -> str:
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
     """The engine's flags, shared by every command that builds one."""
     parser.add_argument("--model", default=default_model, help=model_help(default_model))
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                        help="weights and KV dtype (auto: the checkpoint's bfloat16 where the CPU "
-                             "has native bf16 dot products, else float32)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="activations and KV dtype (auto: the precision measured fastest on "
+                             "this CPU for this model, once per CPU and model shape; see "
+                             "--weight-dtype)")
+    parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPE_CHOICES,
+                        help="how a float32 model keeps its projection weights: bfloat16 "
+                             "(widened in the GEMM), q8_0 (8-bit blocks), gguf (the GGUF file's "
+                             "own quantized blocks); auto: as --dtype, or what --dtype auto "
+                             "measured")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-cache", choices=(*CACHE_KINDS, "off"), default="hash",
                         help="the prefix cache: hash (vLLM-style), radix (SGLang-style) or off")

@@ -73,7 +73,7 @@ class LLMEngine:
         elif model is not None:
             config = replace(config, model=model)
         self.engine_config = config
-        self.loaded: LoadedModel = _load(config.model, config.dtype)
+        self.loaded: LoadedModel = _load(config.model, config.dtype, config.weight_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Tokenizer = self.loaded.tokenizer
         self.max_model_len: int = self.model_config.max_model_len
@@ -457,7 +457,20 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
             block_size=self.block_size,
             num_kv_blocks=self.cache.num_blocks,
+            precision=self.precision,
         )
+
+    @property
+    def precision(self) -> dict[str, Any]:
+        """What the model runs in: activations and KV ``dtype``, how the projections keep their
+        ``weights``, and what ``--dtype auto`` measured where it chose them."""
+        loaded = self.loaded
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        out: dict[str, Any] = {"dtype": dtype, "weights": loaded.weight_dtype or dtype,
+                               "precision": loaded.precision}  # fmt: skip
+        if loaded.choice is not None:
+            out["dtype_auto"] = loaded.choice.as_dict()
+        return out
 
     def snapshot(self) -> EngineSnapshot:
         """Counters and levels now (call between steps, on the engine's thread)."""
@@ -562,11 +575,11 @@ class LLMEngine:
             self.offload.close()
 
 
-def _load(model: Any, dtype: str) -> LoadedModel:
+def _load(model: Any, dtype: str, weight_dtype: str = "auto") -> LoadedModel:
     if isinstance(model, str):
         from prefixcache.model.loader import load_model
 
-        return load_model(model, dtype=dtype)
+        return load_model(model, dtype=dtype, weight_dtype=weight_dtype)
     if not isinstance(model, LoadedModel):
         raise ValueError(
             f"model must be a preset name, a checkpoint dir or a LoadedModel, "

@@ -3,6 +3,7 @@ whole results (`GenerationOutput` of `CompletionOutput` choices). Plain data, no
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,13 +105,16 @@ def best_of(cumulative_logprobs: list[float], n: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
-    """What an engine accepts: a server validates requests against these."""
+    """What an engine accepts: a server validates requests against these. ``precision``: what
+    the model runs in (``dtype``, ``weights``, ``precision`` and, where ``--dtype auto`` chose
+    it, ``dtype_auto``: the candidates' figures), for ``/v1/models``."""
 
     max_num_seqs: int
     max_model_len: int
     vocab_size: int
     block_size: int
     num_kv_blocks: int
+    precision: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

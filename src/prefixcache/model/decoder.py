@@ -14,18 +14,35 @@ With both, each layer runs as one or two compiled calls (`fused_layers`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache
 from prefixcache.attention.plan import build_plan
-from prefixcache.model import onednn_gemm, panel_gemm
+from prefixcache.model import onednn_gemm, panel_gemm, quant_gemm
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.fused_layers import FusedLayers
 from prefixcache.model.layers import PACKED_DTYPES, DecoderLayer, LayerParts, Projection, RMSNorm
+from prefixcache.model.panel_gemm import PanelWeight
+from prefixcache.model.quant_gemm import QuantWeight
 from prefixcache.model.rope import RotaryEmbedding
 
-__all__ = ["CausalLM", "DecoderLayer", "Projection", "RMSNorm"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["WEIGHT_DTYPES", "BlockSource", "CausalLM", "DecoderLayer", "Projection", "RMSNorm"]
+
+# How a float32 model can keep its projection weights (`CausalLM.store_weights`): float32 (the
+# parameters themselves), bfloat16 (widened in the GEMM), q8_0 (8-bit blocks made from the
+# float weights), gguf (the GGUF file's own quantized blocks, q8_0 where a tensor has none).
+WEIGHT_DTYPES = ("float32", "bfloat16", "q8_0", "gguf")
+
+# a projection's module name ("model.layers.3.mlp.gate_up_proj", "lm_head") -> its quantized
+# blocks (q, d, m, kind: `quant_gemm.gguf_blocks` and the GGUF type) or None where it has none
+BlockSource = Callable[[str], "tuple[np.ndarray, np.ndarray, np.ndarray | None, str] | None"]
 
 
 
@@ -95,6 +112,29 @@ class CausalLM(nn.Module):
             linear.pack(pack, onednn, panel)
         self.lm_head.pack(pack, onednn, panel)
 
+    def store_weights(self, weight_dtype: str, blocks: BlockSource | None = None) -> dict[str, int]:
+        """A float32 CPU model keeps every projection's weight, and the LM head's, as
+        ``weight_dtype`` (`WEIGHT_DTYPES`) and multiplies its float32 activations through it
+        (`Projection.keep`): bfloat16 panels (`PanelWeight`), or 8-bit blocks (`QuantWeight`)
+        from ``blocks`` with ``gguf``, else made from the weight as Q8_0 (a width not a
+        multiple of 32 keeps bfloat16 panels). Returns how many projections each kind holds."""
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"unknown weight dtype {weight_dtype!r} (one of {WEIGHT_DTYPES})")
+        named = [(n, m) for n, m in self.named_modules() if isinstance(m, Projection)]
+        if any(m.weight.dtype != torch.float32 or not m.weight.is_cpu for _, m in named):
+            raise ValueError("stored weights need a float32 model on the CPU")
+        counts: dict[str, int] = {}
+        if weight_dtype == "float32":
+            self.prepare_cpu_projections()
+            return {"float32": len(named)}
+        shared = self.lm_head.weight is self.model.embed_tokens.weight
+        for name, linear in named:
+            copy = _stored_copy(name, linear.weight, weight_dtype, blocks)
+            linear.keep(copy, cast_parameter=not (shared and linear is self.lm_head))
+            kind = copy.kind if isinstance(copy, QuantWeight) else "bfloat16"
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
     def init_rotary(self) -> None:
         """Build rotary tables on the parameters' device (call after weights are in place)."""
         device = self.model.embed_tokens.weight.device
@@ -155,3 +195,15 @@ def _check_inputs(
         kv_cache.head_dim,
     ) != (config.num_key_value_heads, config.head_dim):
         raise ValueError("KV cache shape does not match the model config")
+
+
+def _stored_copy(
+    name: str, weight: torch.Tensor, weight_dtype: str, blocks: BlockSource | None
+) -> PanelWeight | QuantWeight:
+    found = blocks(name) if weight_dtype == "gguf" and blocks is not None else None
+    if found is not None:
+        q, d, m, kind = found
+        return QuantWeight.pack(q, d, m, kind)
+    if weight_dtype != "bfloat16" and weight.shape[1] % quant_gemm.BLOCK == 0:
+        return QuantWeight.from_float(weight)
+    return PanelWeight.pack(weight.to(torch.bfloat16), torch.float32)

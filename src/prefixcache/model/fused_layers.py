@@ -25,9 +25,10 @@ import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention, paged_attention
 from prefixcache.attention.plan import AttentionPlan
-from prefixcache.model import native_layers, packed_gemm, panel_gemm, tuning
+from prefixcache.model import native_layers, packed_gemm, panel_gemm, quant_gemm, tuning
 from prefixcache.model.packed_gemm import PackedWeight
 from prefixcache.model.panel_gemm import PanelWeight
+from prefixcache.model.quant_gemm import QuantWeight
 
 if TYPE_CHECKING:
     from prefixcache.model.config import ModelConfig
@@ -125,6 +126,9 @@ class FusedLayers:
         if gemm is None:
             return None
         _check_step(c, h, cos_sin, kv_cache, metadata, parts)  # type: ignore[arg-type]
+        for w in parts[0].packed:  # type: ignore[union-attr]
+            if isinstance(w, QuantWeight):  # its scratch, for the calls from C
+                w.reserve(h.shape[0])
         rows, heads, kv_heads, head_dim = (
             h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         )  # fmt: skip
@@ -162,7 +166,7 @@ class FusedLayers:
             a = LayerArgs.from_buffer_copy(template)
             a.delta = None if i == 0 else template.out  # the previous layer's MLP output
             a.norm_w, a.post_norm_w = part.norm.weight.data_ptr(), part.post_norm.weight.data_ptr()
-            a.w_qkv, a.w_o, a.w_gate_up, a.w_down = (w.buffer.data_ptr() for w in part.packed)
+            a.w_qkv, a.w_o, a.w_gate_up, a.w_down = (w.operand for w in part.packed)
             a.qkv_bias = None if part.qkv_bias is None else part.qkv_bias.data_ptr()
             a.k_cache, a.v_cache = (t.data_ptr() for t in kv_cache.layer(i))
             a.scale = part.scale
@@ -191,25 +195,26 @@ class FusedLayers:
 class _Parts(NamedTuple):
     """What the calls read from one layer, looked up once (module attributes are slow)."""
 
-    packed: list[PackedWeight] | list[PanelWeight]  # qkv, o, gate/up, down
+    packed: list[GemmWeight]  # qkv, o, gate/up, down
     norm: RMSNorm
     post_norm: RMSNorm
     qkv_bias: torch.Tensor | None
     scale: float
 
 
+GemmWeight = PackedWeight | PanelWeight | QuantWeight
+
+
 def _layer_parts(layer: LayerParts, dtype: torch.dtype) -> _Parts | None:
     """The layer's parts, or None unless all four projections have a current packed copy of one
-    kind that the compiled calls multiply through for ``dtype`` (float32: MKL's or the panel
-    GEMM's; bfloat16: the panel GEMM's)."""
-    projections = layer.projections
-    copies = [p.current_copy() for p in projections]
-    packed: list[PackedWeight] | list[PanelWeight]
-    if all(isinstance(c, PackedWeight) for c in copies):
-        packed = copies  # type: ignore[assignment]  # all MKL's
-    elif all(isinstance(c, PanelWeight) and c.dtype == dtype for c in copies):
-        packed = copies  # type: ignore[assignment]  # all the panel GEMM's
-    else:
+    kind that the compiled calls multiply through for ``dtype`` (float32: MKL's, the panel
+    GEMM's in float32 or over bfloat16 weights, or quantized blocks; bfloat16: the panel
+    GEMM's)."""
+    copies = [p.current_copy() for p in layer.projections]
+    if not all(isinstance(c, GemmWeight) and c.dtype == dtype for c in copies):
+        return None
+    packed: list[GemmWeight] = copies  # type: ignore[assignment]
+    if len({w.gemm_kind for w in packed}) != 1:
         return None
     return _Parts(packed, layer.norm, layer.post_norm, layer.qkv_bias, layer.scale)
 
@@ -217,13 +222,17 @@ def _layer_parts(layer: LayerParts, dtype: torch.dtype) -> _Parts | None:
 def _gemm_address(parts: list[_Parts]) -> int | None:
     """The C GEMM that multiplies every layer's float32 packed weights (0 for bfloat16: the
     bfloat16 calls call the panel GEMM themselves), or None if the kinds differ."""
-    kinds = {type(w) for p in parts for w in p.packed}
-    if kinds == {PackedWeight}:
+    kinds = {w.gemm_kind for p in parts for w in p.packed}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind == "mkl":
         return packed_gemm.compute_address()
-    if kinds == {PanelWeight}:
-        bf16 = parts[0].packed[0].buffer.dtype == torch.bfloat16
-        return 0 if bf16 else panel_gemm.compute_address()
-    return None
+    if kind == "quant":
+        return quant_gemm.compute_address()
+    if kind == "panel-bfloat16":
+        return 0
+    return panel_gemm.compute_address(bf16w=kind == "panel-bf16w")
 
 
 def _one_sequence_prefill(

@@ -11,7 +11,7 @@ holds a second float copy of the model. Knows nothing about the cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +285,46 @@ class GGUFCheckpoint:
             if self.arch in _PERMUTED_QK and module in heads:
                 values = _unpermute_rows(values, heads[module])
             yield hf_name, torch.from_numpy(values)
+
+    def projection_blocks(
+        self, config: ModelConfig
+    ) -> Callable[[str], tuple[np.ndarray, np.ndarray, np.ndarray | None, str] | None]:
+        """A `prefixcache.model.decoder.BlockSource`: a projection's quantized blocks read
+        straight from the file (`quant_gemm.gguf_blocks`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K),
+        fused parts stacked, q/k rows un-permuted; None where a part has another type."""
+        from prefixcache.model.quant_gemm import GGUF_NATIVE_TYPES, gguf_blocks
+
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+        fused = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+                 "self_attn.o_proj": ("attn_output",), "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+                 "mlp.down_proj": ("ffn_down",)}  # fmt: skip
+
+        def blocks(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, str] | None:
+            if name == "lm_head":
+                tied = "output.weight" not in self.tensors
+                tensors = ["token_embd.weight" if tied else "output.weight"]
+            else:
+                _, _, layer, module = name.split(".", 3)
+                tensors = [f"blk.{layer}.{kind}.weight" for kind in fused[module]]
+            parts = []
+            for tensor_name in tensors:
+                tensor = self._tensor(tensor_name)
+                kind = tensor.tensor_type.name
+                if kind not in GGUF_NATIVE_TYPES:
+                    return None
+                cols, rows = (int(v) for v in tensor.shape)
+                q, d, m = gguf_blocks(np.asarray(tensor.data), kind, rows, cols)
+                if m is None:
+                    m = np.zeros_like(d)
+                kind_name = tensor_name.split(".")[-2]
+                if self.arch in _PERMUTED_QK and kind_name in heads:
+                    q, d, m = (_unpermute_rows(a, heads[kind_name]) for a in (q, d, m))
+                parts.append((q, d, m, kind))
+            q, d, m = (np.concatenate([p[i] for p in parts]) for i in range(3))
+            kinds = sorted({p[3] for p in parts})
+            return q, d, (m if m.any() else None), "+".join(k.lower() for k in kinds)
+
+        return blocks
 
     def _check_types(self) -> None:
         from gguf import GGMLQuantizationType, quants

@@ -73,6 +73,9 @@ class PackedCopy(Protocol):
     out_features: int
     in_features: int
 
+    @property
+    def dtype(self) -> torch.dtype: ...  # what it multiplies: x and the result
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
@@ -131,12 +134,25 @@ class Projection(nn.Linear):
         self._packed_from = (weight.data_ptr(), weight._version)
         return True
 
+    def keep(self, copy: PackedCopy, cast_parameter: bool = True) -> None:
+        """Multiply float32 inputs through ``copy``, a weight kept in another form than the
+        float32 parameter (`PanelWeight` of bfloat16 weights, `QuantWeight` blocks): the
+        parameter becomes bfloat16 too (half the memory; what other inputs and a stale copy
+        fall back to), unless ``cast_parameter`` is False (a weight shared with the embedding)."""
+        if cast_parameter and self.weight.dtype == torch.float32:
+            self.weight.data = self.weight.data.to(torch.bfloat16)
+        self.packed_copy = copy
+        self._packed_from = (self.weight.data_ptr(), self.weight._version)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == self.weight.dtype and x.device.type == "cpu":
+        if x.dim() == 2 and x.device.type == "cpu":
             copy = self.current_copy()
-            if copy is not None:
+            if copy is not None and copy.dtype == x.dtype:
                 return copy.matmul(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        weight = self.weight
+        if weight.dtype != x.dtype:  # a float32 model's bfloat16 parameter (`keep`)
+            weight = weight.to(x.dtype)
+        return F.linear(x, weight, self.bias)
 
     def current_copy(self) -> PackedCopy | None:
         """The packed copy if it still holds the current weight, else None (and dropped: the

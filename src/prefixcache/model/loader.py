@@ -8,12 +8,14 @@ same `ModelConfig`, `Tokenizer` and parameters.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from prefixcache.attention import KVLayout, PagedKVCache
+from prefixcache.model import precision, quant_gemm
 from prefixcache.model.builtin import (
     BUILTIN_MODELS,
     PACKAGED_MODELS,
@@ -22,11 +24,13 @@ from prefixcache.model.builtin import (
     cache_dir,
     ensure_builtin,
     ensure_packaged,
+    locate_packaged,
 )
 from prefixcache.model.config import ModelConfig
-from prefixcache.model.decoder import CausalLM
+from prefixcache.model.decoder import WEIGHT_DTYPES, CausalLM
 from prefixcache.model.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from prefixcache.model.identity import model_identity
+from prefixcache.model.precision import Choice
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.model.weights import load_weights, weight_files
 
@@ -40,7 +44,10 @@ __all__ = [
     "open_checkpoint",
     "resolve_dtype",
     "resolve_model_path",
+    "resolve_precision",
 ]
+
+log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -64,6 +71,17 @@ class LoadedModel:
     identity: str
     dtype: torch.dtype
     device: torch.device
+    # how the projections keep their weights (`decoder.WEIGHT_DTYPES`; the dtype's name when
+    # they are the parameters themselves) and, with --dtype auto, what chose it
+    weight_dtype: str = ""
+    choice: Choice | None = None
+
+    @property
+    def precision(self) -> str:
+        """``float32``, ``bfloat16``, or ``float32+<weights>`` (weights kept otherwise)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        weights = self.weight_dtype or dtype
+        return dtype if weights == dtype else f"{dtype}+{weights}"
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -102,6 +120,12 @@ class Checkpoint:
     path: Path  # a checkpoint directory, or a .gguf file
     config: ModelConfig
     gguf: GGUFCheckpoint | None = None
+    blocks_file: GGUFCheckpoint | None = None  # the GGUF whose blocks back it (packaged models)
+
+    @property
+    def quantized(self) -> GGUFCheckpoint | None:
+        """The GGUF file whose quantized blocks ``--weight-dtype gguf`` runs, if any."""
+        return self.gguf or self.blocks_file
 
     def tokenizer(self) -> Tokenizer:
         return self.gguf.tokenizer() if self.gguf else Tokenizer.from_dir(self.path)
@@ -125,34 +149,79 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
     if gguf_file is not None:
         gguf = GGUFCheckpoint(gguf_file)
         return Checkpoint(gguf_file, gguf.config(), gguf)
-    return Checkpoint(path, ModelConfig.from_dir(path))
+    source = None
+    if name_or_path in PACKAGED_MODELS:  # converted from a GGUF file that keeps its blocks
+        source = GGUFCheckpoint(locate_packaged(name_or_path))
+    return Checkpoint(path, ModelConfig.from_dir(path), blocks_file=source)
 
 
 def load_model(
-    name_or_path: str, dtype: str = "float32", device: str = "cpu", pack_weights: bool = True
+    name_or_path: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    pack_weights: bool = True,
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
     """Load config, weights (cast to ``dtype``) and tokenizer; no network access.
 
     ``pack_weights``: on CPU in float32, also keep each projection weight in MKL's packed GEMM
     layout (`prefixcache.model.packed_gemm`): faster steps for about the projections' size
     again in memory.
+    ``dtype="auto"``: the precision measured fastest here (`prefixcache.model.precision`) on
+    the CPU, the checkpoint's own elsewhere. ``weight_dtype``: how a float32 model keeps its
+    projection weights (`WEIGHT_DTYPES`: bfloat16, q8_0, or the GGUF file's blocks); ``auto``
+    keeps them as ``dtype`` unless ``dtype="auto"`` chose otherwise.
     """
     if dtype not in DTYPES and dtype != "auto":
         raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: auto, {', '.join(DTYPES)})")
+    if weight_dtype not in (*WEIGHT_DTYPES, "auto"):
+        raise ModelLoadError(f"unsupported weight dtype {weight_dtype!r} "
+                             f"(supported: auto, {', '.join(WEIGHT_DTYPES)})")  # fmt: skip
     checkpoint = open_checkpoint(name_or_path)
-    if dtype == "auto":
-        dtype = resolve_dtype(checkpoint.config.torch_dtype)
+    dtype, weights, choice = resolve_precision(checkpoint, dtype, weight_dtype, device)
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
-    model = _build(checkpoint, torch_dtype, torch_device, pack_weights)
+    model = _build(checkpoint, torch_dtype, torch_device, pack_weights, weights)
+    precision = dtype if weights == dtype else f"{dtype}+{weights}"
     return LoadedModel(
         checkpoint.config,
         model,
         checkpoint.tokenizer(),
         checkpoint.path,
-        checkpoint.identity(dtype),
+        checkpoint.identity(precision),
         torch_dtype,
         torch_device,
+        weights,
+        choice,
     )
+
+
+def resolve_precision(
+    checkpoint: Checkpoint, dtype: str, weight_dtype: str = "auto", device: str = "cpu"
+) -> tuple[str, str, Choice | None]:
+    """(dtype, weights, the measurement if one chose them) for ``--dtype``/``--weight-dtype``:
+    ``auto`` measured on the CPU (`precision.choose`), the checkpoint's dtype elsewhere;
+    weights other than the dtype need float32 activations and a CPU, and ``gguf`` a GGUF file
+    with blocks."""
+    choice = None
+    if dtype == "auto" and weight_dtype == "auto" and device == "cpu":
+        gguf = checkpoint.quantized
+        kinds = set(gguf.tensor_types().values()) if gguf else set()
+        options = precision.candidates(bool(kinds & set(quant_gemm.GGUF_NATIVE_TYPES)))
+        choice = precision.choose(checkpoint.config, options,
+                                  has_min=bool(kinds & {"Q4_1", "Q5_1", "Q4_K"}))  # fmt: skip
+        log.info("%s", choice.describe())
+        return choice.precision.dtype, choice.precision.weights, choice
+    if dtype == "auto":
+        dtype = "float32" if weight_dtype not in ("auto", "float32") else resolve_dtype(
+            checkpoint.config.torch_dtype)  # fmt: skip
+    weights = dtype if weight_dtype == "auto" else weight_dtype
+    if weights != dtype and (dtype != "float32" or device != "cpu"):
+        raise ModelLoadError(f"--weight-dtype {weights} runs float32 activations on the CPU "
+                             f"(got --dtype {dtype} on {device})")  # fmt: skip
+    if weights == "gguf" and checkpoint.quantized is None:
+        raise ModelLoadError("--weight-dtype gguf needs a GGUF model (a .gguf file or a "
+                             "packaged GGUF model such as smollm2)")  # fmt: skip
+    return dtype, weights, choice
 
 
 def resolve_dtype(checkpoint_dtype: str | None) -> str:
@@ -180,7 +249,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def _build(
-    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, pack: bool
+    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, pack: bool, weights: str
 ) -> CausalLM:
     config = checkpoint.config
     with torch.device("meta"):
@@ -190,6 +259,12 @@ def _build(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     checkpoint.load_weights(model)
-    model.prepare_cpu_projections(pack)
+    if DTYPES.get(weights) == dtype:  # the parameters themselves
+        model.prepare_cpu_projections(pack)
+    else:
+        gguf = checkpoint.quantized
+        blocks = gguf.projection_blocks(config) if gguf is not None else None
+        counts = model.store_weights(weights, blocks)
+        log.info("projection weights kept as %s", ", ".join(f"{k} x{n}" for k, n in counts.items()))
     model.init_rotary()
     return model.eval()

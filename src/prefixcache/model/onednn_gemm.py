@@ -53,6 +53,11 @@ class OneDnnWeight:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         return cls(packed, out_features, in_features)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it multiplies (the weight's)."""
+        return self.packed.dtype
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"expected x [rows, {self.in_features}], got {tuple(x.shape)}")

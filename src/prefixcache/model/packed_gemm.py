@@ -107,6 +107,16 @@ class PackedWeight:
         """The dtype it multiplies (float32 only)."""
         return torch.float32
 
+    @property
+    def gemm_kind(self) -> str:
+        """Which C GEMM multiplies it (MKL's packed compute)."""
+        return "mkl"
+
+    @property
+    def operand(self) -> int:
+        """What the compiled layers hand the GEMM as its packed weight."""
+        return self.buffer.data_ptr()
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] float32 CPU -> [rows, out] = x @ weight^T (+ bias)."""
         # MKL reads raw pointers: a wrong dtype or width would read out of bounds, not fail
@@ -149,6 +159,25 @@ def compute_address() -> int:
 def available() -> bool:
     """True when packed GEMM runs here and matches ``F.linear`` (checked once per process)."""
     return _cblas() is not None and agrees_with_linear(PackedWeight.pack, 1e-5)
+
+
+def checked_operands(
+    x: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` [rows, in_features] and ``bias`` [out_features] (or None) of ``dtype`` on the CPU,
+    rows contiguous, for a kernel reading raw pointers (a wrong dtype or width would read out
+    of bounds): ValueError otherwise."""
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"expected x [rows, {in_features}], got {tuple(x.shape)}")
+    if x.dtype != dtype or x.device.type != "cpu":
+        raise ValueError(f"expected {dtype} CPU input, got {x.dtype} on {x.device}")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != dtype
+                             or not bias.is_cpu):  # fmt: skip
+        raise ValueError(f"expected a {dtype} bias [{out_features}]")
+    if x.stride(1) != 1 or x.stride(0) < in_features:
+        x = x.contiguous()
+    return x, None if bias is None else bias.contiguous()
 
 
 def agrees_with_linear(

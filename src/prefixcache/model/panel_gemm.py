@@ -48,11 +48,13 @@ def _library() -> ctypes.CDLL | None:
     library.pc_panel_isa.argtypes = []
     library.pc_panel_size.restype = _I64
     library.pc_panel_size.argtypes = [_I, _I]
-    for name in ("pc_panel_pack", "pc_panel_pack_bf16"):
+    for name in ("pc_panel_pack", "pc_panel_pack_bf16", "pc_panel_pack_bf16w"):
         getattr(library, name).restype = None
         getattr(library, name).argtypes = [_P, _I, _I, _P]
-    library.pc_panel_gemm.restype = library.pc_panel_gemm_bf16.restype = None
-    library.pc_panel_gemm.argtypes = [_P, _I64, _I, _I, _P, _I, _P, _F, _P, _I64, _I]
+    for name in ("pc_panel_gemm", "pc_panel_gemm_bf16w"):
+        getattr(library, name).restype = None
+        getattr(library, name).argtypes = [_P, _I64, _I, _I, _P, _I, _P, _F, _P, _I64, _I]
+    library.pc_panel_gemm_bf16.restype = None
     library.pc_panel_gemm_bf16.argtypes = [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I]
     return library
 
@@ -66,56 +68,71 @@ def _library_or_raise() -> ctypes.CDLL:
 
 @dataclass(slots=True, eq=False)
 class PanelWeight:
-    """A linear weight [out, in] (float32 or bfloat16) in column panels; ``matmul(x, bias)``
-    equals ``F.linear(x, weight, bias)`` up to float rounding, for 2-D ``x`` of the weight's
-    dtype and any row count."""
+    """A linear weight [out, in] in column panels, stored in float32 or bfloat16, multiplied in
+    ``dtype``: float32 (a bfloat16 weight widened to float32 in the kernel) or bfloat16 (a
+    bfloat16 weight); ``matmul(x, bias)`` equals ``F.linear(x, weight, bias)`` over the stored
+    weight up to float rounding, for 2-D ``x`` of ``dtype`` and any row count."""
 
     buffer: torch.Tensor
     out_features: int
     in_features: int
+    dtype: torch.dtype  # what it multiplies: x, bias and the result
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> PanelWeight:
+    def pack(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> PanelWeight:
+        """Pack ``weight`` as it is, for inputs of ``dtype`` (default: the weight's own; a
+        bfloat16 weight can also serve float32 inputs)."""
         library = _library_or_raise()
         if weight.dim() != 2 or weight.dtype not in _DTYPES or weight.device.type != "cpu":
             raise ValueError("the panel GEMM packs 2-D float32 or bfloat16 CPU weights")
+        dtype = weight.dtype if dtype is None else dtype
+        if dtype not in (weight.dtype, torch.float32):
+            raise ValueError(f"a {weight.dtype} panel weight cannot multiply {dtype} inputs")
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
         buffer = weight.new_empty(library.pc_panel_size(out_features, in_features))
-        bf16 = weight.dtype == torch.bfloat16
-        pack = library.pc_panel_pack_bf16 if bf16 else library.pc_panel_pack
+        if weight.dtype == torch.float32:
+            pack = library.pc_panel_pack
+        else:
+            bf16 = dtype == torch.bfloat16
+            pack = library.pc_panel_pack_bf16 if bf16 else library.pc_panel_pack_bf16w
         pack(weight.data_ptr(), out_features, in_features, buffer.data_ptr())
-        return cls(buffer, out_features, in_features)
+        return cls(buffer, out_features, in_features, dtype)
 
     @property
-    def dtype(self) -> torch.dtype:
+    def storage(self) -> torch.dtype:
+        """The dtype the weights are stored in."""
         return self.buffer.dtype
+
+    @property
+    def gemm_kind(self) -> str:
+        """Which C GEMM multiplies it: panel-float32, panel-bfloat16 or panel-bf16w (bfloat16
+        weights, float32 inputs)."""
+        if self.dtype == torch.float32 and self.storage == torch.bfloat16:
+            return "panel-bf16w"
+        return f"panel-{str(self.dtype).removeprefix('torch.')}"
+
+    @property
+    def operand(self) -> int:
+        """What the compiled layers hand the GEMM as its packed weight."""
+        return self.buffer.data_ptr()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] of the weight's dtype on the CPU -> [rows, out] = x @ weight^T (+ bias)."""
-        # the kernel reads raw pointers: a wrong dtype or width would read out of bounds
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"expected x [rows, {self.in_features}], got {tuple(x.shape)}")
-        if x.dtype != self.dtype or x.device.type != "cpu":
-            raise ValueError(f"expected {self.dtype} CPU input, got {x.dtype} on {x.device}")
-        if bias is not None and (
-            bias.shape != (self.out_features,) or bias.dtype != self.dtype or not bias.is_cpu
-        ):
-            raise ValueError(f"expected a {self.dtype} bias [{self.out_features}]")
-        if x.stride(1) != 1 or x.stride(0) < self.in_features:
-            x = x.contiguous()
+        x, bias = packed_gemm.checked_operands(x, bias, self.in_features, self.out_features,
+                                               self.dtype)  # fmt: skip
         rows = x.shape[0]
         out = x.new_empty(rows, self.out_features)
         if rows == 0:
             return out
-        if bias is not None:
-            bias = bias.contiguous()
         library, threads = _library_or_raise(), torch.get_num_threads()
         bias_ptr = None if bias is None else bias.data_ptr()
         args = (x.data_ptr(), x.stride(0), rows, self.in_features, self.buffer.data_ptr(),
                 self.out_features, bias_ptr)  # fmt: skip
         if self.dtype == torch.float32:
-            library.pc_panel_gemm(*args, 0.0, out.data_ptr(), self.out_features, threads)
+            wide = self.storage == torch.float32
+            gemm = library.pc_panel_gemm if wide else library.pc_panel_gemm_bf16w
+            gemm(*args, 0.0, out.data_ptr(), self.out_features, threads)
         else:
             library.pc_panel_gemm_bf16(*args, out.data_ptr(), self.out_features, threads)
         return out
@@ -141,10 +158,13 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 @functools.cache
-def compute_address() -> int:
+def compute_address(bf16w: bool = False) -> int:
     """Address of ``pc_panel_compute`` (MKL's ``cblas_sgemm_compute`` signature over a float32
-    `PanelWeight`), for the compiled layer steps (`prefixcache.model.fused_layers`)."""
-    address = ctypes.cast(_library_or_raise().pc_panel_compute, ctypes.c_void_p).value
+    `PanelWeight`), or with ``bf16w`` of ``pc_panel_compute_bf16w`` (bfloat16 weights, float32
+    inputs), for the compiled layer steps (`prefixcache.model.fused_layers`)."""
+    library = _library_or_raise()
+    function = library.pc_panel_compute_bf16w if bf16w else library.pc_panel_compute
+    address = ctypes.cast(function, ctypes.c_void_p).value
     assert address
     return address
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from prefixcache.paths import cache_dir
 
-__all__ = ["SOURCES", "Switch", "compile_flags", "cpu_signature", "load_library"]
+__all__ = ["SOURCES", "Switch", "compile_flags", "cpu_signature", "load_library", "sources_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ def cpu_signature() -> str:
         return platform.processor()
     keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(keep)))
+
+
+def sources_digest() -> str:
+    """A digest of every kernel source and header (what a measured speed depends on)."""
+    texts = [path.read_text() for path in sorted([*SOURCES.glob("*.c"), *SOURCES.glob("*.h")])]
+    return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
 
 
 def _build(compiler: str, name: str) -> Path:

@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include "panel_gemm.h"
+#include "quant_gemm.h"
 #include "vector_math.h"
 
 /* e^x, x clamped to [-87, 88] */

@@ -50,13 +50,26 @@ static inline int even(int k) { return k + (k & 1); }
 /* elements of the packed copy of a [n, k] weight */
 int64_t pc_panel_size(int n, int k) { return (int64_t)panel_count(n) * even(k) * PANEL_COLS; }
 
-void pc_panel_pack(const float *w, int n, int k, float *out) {
+/* [n, k] values of `size` bytes -> [n / 48][k][48] */
+static void panel_pack_rows(const void *w, int n, int k, size_t size, void *out) {
+    char *o = out;
     for (int p = 0; p < panel_count(n); p++)
         for (int kk = 0; kk < k; kk++)
-            for (int j = 0; j < PANEL_COLS; j++) {
+            for (int j = 0; j < PANEL_COLS; j++, o += size) {
                 const int col = p * PANEL_COLS + j;
-                out[((int64_t)p * k + kk) * PANEL_COLS + j] = col < n ? w[(int64_t)col * k + kk] : 0.0f;
+                if (col < n) memcpy(o, (const char *)w + ((int64_t)col * k + kk) * size, size);
+                else memset(o, 0, size);
             }
+}
+
+void pc_panel_pack(const float *w, int n, int k, float *out) {
+    panel_pack_rows(w, n, k, sizeof *w, out);
+}
+
+/* bfloat16 weights for the float32 GEMM (pc_panel_gemm_bf16w): the float32 layout, 2 bytes a
+ * value */
+void pc_panel_pack_bf16w(const panel_bf16_t *w, int n, int k, panel_bf16_t *out) {
+    panel_pack_rows(w, n, k, sizeof *w, out);
 }
 
 void pc_panel_pack_bf16(const panel_bf16_t *w, int n, int k, panel_bf16_t *out) {
@@ -82,21 +95,47 @@ static inline __mmask16 cols_mask(int left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-/* mb (constant after inlining) rows of x through one float32 panel wp; cols: the panel's real
+/* a float32 tile's finish: its rows of accumulators (+ bias) (+ beta * out) stored to out's
+ * real columns */
+static inline __attribute__((always_inline)) void panel_store(
+    const __m512 *acc, int vecs, const float *bias, float beta, float *out, int cols) {
+    for (int j = 0; j < vecs && 16 * j < cols; j++) {
+        const __mmask16 mask = cols_mask(cols - 16 * j);
+        float *o = out + 16 * j;
+        __m512 v = acc[j];
+        if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + 16 * j));
+        if (beta != 0.0f)
+            v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(mask, o), v);
+        _mm512_mask_storeu_ps(o, mask, v);
+    }
+}
+
+/* 16 weights of a panel row as float32: float32 panels, or bfloat16 ones widened (a shift) */
+static inline __attribute__((always_inline)) __m512 panel_weights(const void *wk, int j,
+                                                                   const int bf16w) {
+    if (!bf16w) return _mm512_loadu_ps((const float *)wk + 16 * j);
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const panel_bf16_t *)wk + 16 * j));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* mb (constant after inlining) rows of x through one panel wp (float32, or with bf16w bfloat16
+ * weights widened to float32: float32 products and sums either way); cols: the panel's real
  * columns; out = acc (+ bias) (+ beta * out) */
 static inline __attribute__((always_inline)) void panel_tile(
-    const float *x, int64_t ldx, const float *wp, int k, const int mb, int prefetch,
-    const float *bias, float beta, float *out, int64_t ldo, int cols) {
+    const float *x, int64_t ldx, const void *wp, int k, const int bf16w, const int mb,
+    int prefetch, const float *bias, float beta, float *out, int64_t ldo, int cols) {
+    const int64_t row_bytes = (int64_t)PANEL_COLS * (bf16w ? 2 : 4);
     __m512 acc[PANEL_ROWS][PANEL_VECS];
     for (int m = 0; m < mb; m++)
         for (int j = 0; j < PANEL_VECS; j++) acc[m][j] = _mm512_setzero_ps();
     for (int kk = 0; kk < k; kk++) {
-        const float *wk = wp + (int64_t)kk * PANEL_COLS;
+        const char *wk = (const char *)wp + kk * row_bytes;
         if (prefetch)
-            for (int line = 0; line < PANEL_VECS; line++)
-                _mm_prefetch((const char *)(wk + 16 * line) + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int line = 0; line < row_bytes / 64; line++)
+                _mm_prefetch(wk + 64 * line + PREFETCH_BYTES, _MM_HINT_T0);
+        if (prefetch && bf16w && (kk & 1)) _mm_prefetch(wk + 64 + PREFETCH_BYTES, _MM_HINT_T0);
         __m512 wv[PANEL_VECS];
-        for (int j = 0; j < PANEL_VECS; j++) wv[j] = _mm512_loadu_ps(wk + 16 * j);
+        for (int j = 0; j < PANEL_VECS; j++) wv[j] = panel_weights(wk, j, bf16w);
 #pragma GCC unroll 8
         for (int m = 0; m < mb; m++) {
             const __m512 xv = _mm512_set1_ps(x[m * ldx + kk]);
@@ -104,16 +143,7 @@ static inline __attribute__((always_inline)) void panel_tile(
         }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < mb; m++)
-        for (int j = 0; j < PANEL_VECS && 16 * j < cols; j++) {
-            const __mmask16 mask = cols_mask(cols - 16 * j);
-            float *o = out + m * ldo + 16 * j;
-            __m512 v = acc[m][j];
-            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + 16 * j));
-            if (beta != 0.0f)
-                v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(mask, o), v);
-            _mm512_mask_storeu_ps(o, mask, v);
-        }
+    for (int m = 0; m < mb; m++) panel_store(acc[m], PANEL_VECS, bias, beta, out + m * ldo, cols);
 }
 #endif
 
@@ -168,17 +198,29 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(
     default: tile(__VA_ARGS__, 1, m0 == 0, TILE_TAIL); break;                                    \
     }
 
+#ifndef __AVX512F__
+static inline float panel_value(const void *wp, int64_t i, int bf16w) {
+    if (!bf16w) return ((const float *)wp)[i];
+    const uint32_t bits = (uint32_t)((const panel_bf16_t *)wp)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
 /* out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) W^T + bias (or NULL)
- * + beta * out; w packed by pc_panel_pack */
-void pc_panel_gemm(const float *x, int64_t ldx, int rows, int k, const float *w, int n,
-                   const float *bias, float beta, float *out, int64_t ldo, int nthreads) {
+ * + beta * out; w packed by pc_panel_pack (float32) or, with bf16w, pc_panel_pack_bf16w */
+static void panel_gemm_f32(const float *x, int64_t ldx, int rows, int k, const void *w,
+                           const int bf16w, int n, const float *bias, float beta, float *out,
+                           int64_t ldo, int nthreads) {
+    const int64_t panel_bytes = (int64_t)k * PANEL_COLS * (bf16w ? 2 : 4);
 #pragma omp parallel num_threads(nthreads)
     {
         int p0, p1;
         panel_share(n, &p0, &p1);
         for (int p = p0; p < p1; p++) {
             const int c0 = p * PANEL_COLS, cols = n - c0 < PANEL_COLS ? n - c0 : PANEL_COLS;
-            const float *wp = w + (int64_t)p * k * PANEL_COLS;
+            const void *wp = (const char *)w + p * panel_bytes;
             const float *b = bias == NULL ? NULL : bias + c0;
             for (int m0 = 0; m0 < rows; m0 += PANEL_ROWS) {
                 const int mb = rows - m0 < PANEL_ROWS ? rows - m0 : PANEL_ROWS;
@@ -186,14 +228,18 @@ void pc_panel_gemm(const float *x, int64_t ldx, int rows, int k, const float *w,
                 float *om = out + m0 * ldo + c0;
 #ifdef __AVX512F__
 #define TILE_TAIL b, beta, om, ldo, cols
-                PANEL_TILES(panel_tile, xm, ldx, wp, k)
+                if (bf16w) {
+                    PANEL_TILES(panel_tile, xm, ldx, wp, k, 1)
+                } else {
+                    PANEL_TILES(panel_tile, xm, ldx, wp, k, 0)
+                }
 #undef TILE_TAIL
 #else
                 for (int m = 0; m < mb; m++)
                     for (int j = 0; j < cols; j++) {
                         float sum = 0.0f;
                         for (int kk = 0; kk < k; kk++)
-                            sum += xm[m * ldx + kk] * wp[(int64_t)kk * PANEL_COLS + j];
+                            sum += xm[m * ldx + kk] * panel_value(wp, (int64_t)kk * PANEL_COLS + j, bf16w);
                         if (b != NULL) sum += b[j];
                         om[m * ldo + j] = beta != 0.0f ? sum + beta * om[m * ldo + j] : sum;
                     }
@@ -201,6 +247,19 @@ void pc_panel_gemm(const float *x, int64_t ldx, int rows, int k, const float *w,
             }
         }
     }
+}
+
+void pc_panel_gemm(const float *x, int64_t ldx, int rows, int k, const float *w, int n,
+                   const float *bias, float beta, float *out, int64_t ldo, int nthreads) {
+    panel_gemm_f32(x, ldx, rows, k, w, 0, n, bias, beta, out, ldo, nthreads);
+}
+
+/* the float32 GEMM over bfloat16 weights: each widened to float32 (exact), float32 products and
+ * sums, so the result is the float32 GEMM's over the weights rounded to bfloat16 */
+void pc_panel_gemm_bf16w(const float *x, int64_t ldx, int rows, int k, const panel_bf16_t *w,
+                         int n, const float *bias, float beta, float *out, int64_t ldo,
+                         int nthreads) {
+    panel_gemm_f32(x, ldx, rows, k, w, 1, n, bias, beta, out, ldo, nthreads);
 }
 
 #ifndef __AVX512BF16__
@@ -261,7 +320,15 @@ void pc_panel_gemm_bf16(const panel_bf16_t *x, int64_t ldx, int rows, int k,
 void pc_panel_compute(int layout, int transa, int transb, int m, int n, int k, const float *a,
                       int lda, const void *b, int ldb, float beta, float *c, int ldc) {
     (void)layout, (void)transa, (void)transb, (void)ldb;
-    pc_panel_gemm(a, lda, m, k, (const float *)b, n, NULL, beta, c, ldc, omp_get_max_threads());
+    panel_gemm_f32(a, lda, m, k, b, 0, n, NULL, beta, c, ldc, omp_get_max_threads());
+}
+
+/* the same over bfloat16 weights (B packed by pc_panel_pack_bf16w) */
+void pc_panel_compute_bf16w(int layout, int transa, int transb, int m, int n, int k,
+                            const float *a, int lda, const void *b, int ldb, float beta, float *c,
+                            int ldc) {
+    (void)layout, (void)transa, (void)transb, (void)ldb;
+    panel_gemm_f32(a, lda, m, k, b, 1, n, NULL, beta, c, ldc, omp_get_max_threads());
 }
 
 #endif

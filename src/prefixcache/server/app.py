@@ -192,14 +192,16 @@ def _add_routes(
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(tenant: Tenant = Depends(auth)) -> JSONObject:
-        return protocol.model_list(serving.model_name, protocol.now(), serving.max_model_len)
+        return protocol.model_list(serving.model_name, protocol.now(), serving.max_model_len,
+                                   serving.precision)
 
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str, tenant: Tenant = Depends(auth)) -> JSONObject:
         if model_id != serving.model_name:
             raise ApiError(404, f"the model {model_id!r} does not exist", param="model",
                            code="model_not_found")
-        return protocol.model_card(serving.model_name, protocol.now(), serving.max_model_len)
+        return protocol.model_card(serving.model_name, protocol.now(), serving.max_model_len,
+                                   serving.precision)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, tenant: Tenant = Depends(auth)) -> JSONObject:

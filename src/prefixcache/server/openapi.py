@@ -51,7 +51,9 @@ _USAGE = _object({"prompt_tokens": _INTEGER, "completion_tokens": _INTEGER,
                   "total_tokens": _INTEGER},
                  prompt_tokens_details=_object({"cached_tokens": _INTEGER}))
 _MODEL = _object({"id": _STRING, "object": {"const": "model"}, "created": _INTEGER,
-                  "owned_by": _STRING}, max_model_len=_INTEGER)
+                  "owned_by": _STRING}, max_model_len=_INTEGER,
+                 precision=_object({"dtype": _STRING, "weights": _STRING, "precision": _STRING},
+                                   dtype_auto={"type": "object"}))
 _PIN = _object({"id": _STRING, "num_tokens": _INTEGER, "ttl_s": _NUMBER,
                 "expires_in_s": _NUMBER, "last_block_digest": _STRING})
 

@@ -457,13 +457,20 @@ def usage_chunk(
     return body
 
 
-def model_card(model_id: str, created: int, max_model_len: int) -> JSONObject:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "prefixcache",
-            "max_model_len": max_model_len}
+def model_card(
+    model_id: str, created: int, max_model_len: int, precision: JSONObject | None = None
+) -> JSONObject:
+    card: JSONObject = {"id": model_id, "object": "model", "created": created,
+                        "owned_by": "prefixcache", "max_model_len": max_model_len}  # fmt: skip
+    if precision:
+        card["precision"] = dict(precision)
+    return card
 
 
-def model_list(model_id: str, created: int, max_model_len: int) -> JSONObject:
-    return {"object": "list", "data": [model_card(model_id, created, max_model_len)]}
+def model_list(
+    model_id: str, created: int, max_model_len: int, precision: JSONObject | None = None
+) -> JSONObject:
+    return {"object": "list", "data": [model_card(model_id, created, max_model_len, precision)]}
 
 
 def now() -> int:

@@ -138,6 +138,7 @@ class ServingBase:
         limits = engine.limits
         self.tokenizer = engine.tokenizer
         self.max_model_len = limits.max_model_len
+        self.precision = dict(limits.precision)  # what the model runs in, for /v1/models
         self.vocab_size = limits.vocab_size
         self.model_name = model_name
         self.tenants = tenants

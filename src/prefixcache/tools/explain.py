@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cache.block_hash import HASH_ALGOS, BlockHasher, Namespace
-from prefixcache.catalog import model_help
+from prefixcache.catalog import DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES, model_help
 from prefixcache.errors import CliError
 
 __all__ = [
@@ -53,7 +53,9 @@ class ModelView:
     identity: str
     tokenizer: Any = None
     config: Any = None  # the model's config (the KV layout, for the tiers' identity)
-    dtype: str = "float32"
+    dtype: str = "float32"  # of the activations and KV
+    precision: str = "float32"  # dtype, or dtype+weights where the weights are kept otherwise
+    choice: Any = None  # what --dtype auto measured (`prefixcache.model.precision.Choice`)
 
 
 @dataclass(slots=True)
@@ -294,16 +296,18 @@ def _token_cell(index: int, token_id: int, tokenizer: Any, mark: bool) -> str:
 # ---- models and the command -------------------------------------------------------------------
 
 
-def load_model_view(name: str, dtype: str = "float32") -> ModelView:
-    """The model's cache identity (as the engine computes it) and tokenizer, without weights."""
-    from prefixcache.model.loader import open_checkpoint, resolve_dtype
+def load_model_view(name: str, dtype: str = "float32", weight_dtype: str = "auto") -> ModelView:
+    """The model's cache identity (as the engine computes it: ``--dtype auto`` resolved by the
+    same measurement, read from its cache after the first time) and tokenizer, without
+    weights."""
+    from prefixcache.model.loader import open_checkpoint, resolve_precision
 
     try:
         checkpoint = open_checkpoint(name)
-        if dtype == "auto":
-            dtype = resolve_dtype(checkpoint.config.torch_dtype)
-        return ModelView(checkpoint.identity(dtype), checkpoint.tokenizer(), checkpoint.config,
-                         dtype)
+        dtype, weights, choice = resolve_precision(checkpoint, dtype, weight_dtype)
+        precision = dtype if weights == dtype else f"{dtype}+{weights}"
+        return ModelView(checkpoint.identity(precision), checkpoint.tokenizer(),
+                         checkpoint.config, dtype, precision, choice)  # fmt: skip
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot load model {name!r}: {exc}") from None
 
@@ -313,7 +317,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("b", help="prompt B (same forms as A)")
     parser.add_argument("--model", default="tiny", help=model_help("tiny"))
     parser.add_argument("--model-b", default=None, help="a different model for B")
-    parser.add_argument("--dtype", default="float32", help="dtype the engine runs (identity)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="dtype the engine runs (identity; auto: as serve measures it)")
+    parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPE_CHOICES,
+                        help="how the engine keeps its weights (identity), as serve's flag")
     parser.add_argument("--salt-a", default=None, help="effective cache salt of A")
     parser.add_argument("--salt-b", default=None, help="effective cache salt of B")
     parser.add_argument("--adapter-a", default=None, help="LoRA adapter name of A")
@@ -334,8 +341,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.block_size < 1:
         raise CliError(f"--block-size must be >= 1, got {args.block_size}")
-    view_a = load_model_view(args.model, args.dtype)
-    view_b = load_model_view(args.model_b, args.dtype) if args.model_b else view_a
+    view_a = load_model_view(args.model, args.dtype, args.weight_dtype)
+    view_b = (load_model_view(args.model_b, args.dtype, args.weight_dtype) if args.model_b
+              else view_a)  # fmt: skip
     a = read_prompt(args.a, view_a.tokenizer, args.chat)
     b = read_prompt(args.b, view_b.tokenizer, args.chat)
     ns_a = Namespace(view_a.identity, args.adapter_a, args.salt_a)
@@ -347,11 +355,17 @@ def run(args: argparse.Namespace) -> int:
         chain = chain[: max(len(b.token_ids) - 1, 0) // args.block_size]
         tiers = tier_residence(view_b, chain, args.block_size, args.hash_algo,
                                args.kv_disk, args.kv_valkey)
+    precision = {"precision": view_b.precision}
+    if view_b.choice is not None:
+        precision["dtype_auto"] = view_b.choice.as_dict()
     if args.json:
-        print(json.dumps(ex.as_dict() | ({"tiers": tiers} if tiers is not None else {})))
+        print(json.dumps(ex.as_dict() | {"model": precision}
+                         | ({"tiers": tiers} if tiers is not None else {})))  # fmt: skip
         return 0
     for line in format_explanation(ex, a, b, view_b.tokenizer, args.show_tokens):
         print(line)
+    print(f"model precision: {view_b.precision}"
+          + (f" ({view_b.choice.describe()})" if view_b.choice is not None else ""))
     if tiers is not None:
         print(*tier_lines(ex, tiers), sep="\n")
     return 0

@@ -1,0 +1,284 @@
+"""``--dtype auto``: the precision this model runs fastest in on the CPU in front of it, chosen by
+measuring, not by reading the CPU's flags.
+
+Whether bfloat16 pays depends on the machine: on an AMD Zen 4 or 5 its products run at about
+twice the float32 rate, on an Intel Xeon without AMX at half of it, and a decode step, which
+streams every weight once, gains from any storage narrower than float32 whatever the products
+cost. So the candidates are measured on this model's own projection shapes:
+
+- ``float32``: float32 everywhere;
+- ``bfloat16``: bfloat16 weights, activations and KV cache (bfloat16 products, float32 sums);
+- ``float32+bfloat16``: bfloat16 weights widened in the float32 GEMM (half the bytes a step
+  streams, float32 products: results closer to float32 than bfloat16's);
+- ``float32+gguf``: a GGUF file's own quantized blocks (`quant_gemm`), where the file has them.
+
+Each candidate packs random weights of the model's projection shapes (as many layers as fit in
+`SAMPLE_BYTES`, so that a step streams them from memory as the model's would) the way the model
+would pack them, and times a prefill of `PREFILL_ROWS` tokens and a decode step of `DECODE_ROWS`
+sequences through them (medians of `REPEATS`, candidates alternating). The score is one typical
+request's share: its prefill plus 8 decode steps (a 128-token answer among 16 running). A
+candidate whose weights would not fit in the memory the machine has free is left out. The result
+is kept under the cache directory per CPU model and flags, thread count, model shape and kernel
+sources, so only the first start on a machine pays the few seconds it takes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefixcache.model import native_layers, panel_gemm, quant_gemm
+from prefixcache.model.config import ModelConfig
+from prefixcache.paths import cache_dir
+
+__all__ = ["Choice", "Precision", "candidates", "choose"]
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_VERSION = 1
+SAMPLE_BYTES = 256 << 20  # float32 weights measured per candidate, at most (at least one layer)
+PREFILL_ROWS = 512
+DECODE_ROWS = 16
+DECODE_STEPS_PER_REQUEST = 8  # a 128-token answer with 16 sequences running: 128 / 16 steps
+REPEATS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """What a model runs in: ``dtype`` for activations and the KV cache, ``weights`` for how the
+    projections keep their weights (`prefixcache.model.decoder.WEIGHT_DTYPES`, or ``dtype``)."""
+
+    dtype: str
+    weights: str
+
+    @property
+    def label(self) -> str:
+        return self.dtype if self.weights == self.dtype else f"{self.dtype}+{self.weights}"
+
+    @classmethod
+    def parse(cls, label: str) -> Precision:
+        dtype, _, weights = label.partition("+")
+        return cls(dtype, weights or dtype)
+
+
+@dataclass(slots=True)
+class Choice:
+    """The chosen precision and what was measured: per candidate label, prefill tokens/s,
+    decode step ms and the score (seconds of one typical request's projections)."""
+
+    precision: Precision
+    figures: dict[str, dict[str, float]] = field(default_factory=dict)
+    cpu: str = ""
+    reason: str = ""
+
+    def describe(self) -> str:
+        parts = [f"{label}: prefill {f['prefill_tokens_per_s']:.0f} tok/s, decode step "
+                 f"{f['decode_step_ms']:.2f} ms" for label, f in self.figures.items()]  # fmt: skip
+        head = f"--dtype auto chose {self.precision.label} ({self.reason}) on {self.cpu}"
+        return head + ("; " + "; ".join(parts) if parts else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"chosen": self.precision.label, "reason": self.reason, "cpu": self.cpu,
+                "candidates": self.figures}  # fmt: skip
+
+
+def candidates(has_gguf_blocks: bool) -> list[Precision]:
+    """What ``--dtype auto`` measures here: float32 always; bfloat16 and bfloat16 weights where
+    their kernels are vector code on this CPU; the GGUF file's blocks where the file has them
+    and the quantized kernel is vector code."""
+    out = [Precision("float32", "float32")]
+    if native_layers.available() and panel_gemm.vectorised(torch.bfloat16):
+        out.append(Precision("bfloat16", "bfloat16"))
+    if native_layers.available() and panel_gemm.vectorised(torch.float32):
+        out.append(Precision("float32", "bfloat16"))
+    if has_gguf_blocks and quant_gemm.vectorised() and quant_gemm.available():
+        out.append(Precision("float32", "gguf"))
+    return out
+
+
+def choose(config: ModelConfig, options: list[Precision], has_min: bool = True) -> Choice:
+    """The fastest of ``options`` for ``config``'s shape here: from the cache, else measured
+    (and cached). ``has_min``: the GGUF blocks carry minimums (Q4_1, Q5_1, Q4_K)."""
+    from prefixcache.native import cpu_signature, sources_digest
+
+    cpu = _cpu_name()
+    fitting = [p for p in options if _weight_bytes(config, p) <= _free_memory()]
+    if not fitting:
+        fitting = [min(options, key=lambda p: _weight_bytes(config, p))]
+    if len(fitting) == 1:
+        return Choice(fitting[0], {}, cpu, "the only one that fits in memory")
+    key = hashlib.sha256(json.dumps([
+        CALIBRATION_VERSION, cpu_signature(), torch.get_num_threads(), _shape(config),
+        [p.label for p in fitting], has_min, sources_digest(), torch.__version__,
+    ]).encode()).hexdigest()[:20]  # fmt: skip
+    path = cache_dir() / "calibration" / f"{key}.json"
+    cached = _read(path)
+    if cached is not None:
+        return cached
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one measurement per machine at a time: replicas starting together would otherwise time
+    # each other's load and could choose differently (and so not share a cache namespace)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _read(path)
+        if cached is not None:
+            return cached
+        figures = _measure(config, fitting, has_min)
+        best = min(fitting, key=lambda p: figures[p.label]["score_s"])
+        choice = Choice(best, figures, cpu, "measured")
+        _write(path, choice)
+    return choice
+
+
+def _shape(config: ModelConfig) -> list[int]:
+    c = config
+    return [c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.vocab_size, c.num_hidden_layers, int(c.attention_bias)]  # fmt: skip
+
+
+def _layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of a layer's four projections."""
+    c = config
+    width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    q_size = c.num_attention_heads * c.head_dim
+    return [(c.hidden_size, width), (q_size, c.hidden_size),
+            (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size)]
+
+
+def _weight_bytes(config: ModelConfig, precision: Precision) -> int:
+    """The projections' and LM head's weights as the model keeps them (parameter and packed
+    copy)."""
+    per_layer = sum(i * o for i, o in _layer_shapes(config))
+    count = per_layer * config.num_hidden_layers + config.hidden_size * config.vocab_size
+    per_value = {"float32": 8.0, "bfloat16": 4.0, "gguf": 3.2, "q8_0": 3.2}[precision.weights]
+    return int(count * per_value)
+
+
+def _free_memory() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _measure(
+    config: ModelConfig, options: list[Precision], has_min: bool
+) -> dict[str, dict[str, float]]:
+    from prefixcache.model.decoder import _stored_copy  # the model's own choice of copy
+    from prefixcache.model.layers import Projection
+
+    shapes = _layer_shapes(config)
+    layer_bytes = 4 * sum(i * o for i, o in shapes)
+    layers = max(1, min(config.num_hidden_layers, SAMPLE_BYTES // max(layer_bytes, 1)))
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen) * i**-0.5 for _ in range(layers) for i, o in shapes]
+    head = torch.randn(config.vocab_size, config.hidden_size, generator=gen) * 0.05
+
+    def blocks(weight: torch.Tensor) -> Any:
+        q, d, _ = quant_gemm.quantize_q8_0(weight.numpy())
+        m = (d.astype("float32") * -8).astype("float16") if has_min else None
+        return q, d, m, "sample"
+
+    runs: dict[str, Any] = {}
+    for precision in options:
+        dtype = getattr(torch, precision.dtype)
+        projections = []
+        for w in [*weights, head]:
+            linear = Projection(w.shape[1], w.shape[0], bias=False)
+            linear.weight.data = w.to(dtype)
+            if precision.weights == precision.dtype:
+                _pack_like_model(linear, dtype)
+            else:
+                source = (lambda _name, w=w: blocks(w)) if precision.weights == "gguf" else None
+                linear.keep(_stored_copy("", w, precision.weights, source))
+            projections.append(linear)
+        runs[precision.label] = (projections, dtype)
+
+    def step(projections: list[Projection], dtype: torch.dtype, rows: int) -> float:
+        """The layers' projections over ``rows`` tokens, the LM head over the rows that get
+        logits (a prefill's last token, every decoded sequence)."""
+        xs = {i: torch.randn(rows, i, generator=gen).to(dtype) for i, _ in shapes}
+        last = torch.randn(1 if rows == PREFILL_ROWS else rows, config.hidden_size,
+                           generator=gen).to(dtype)  # fmt: skip
+        start = time.perf_counter()
+        for linear in projections[:-1]:
+            linear(xs[linear.in_features])
+        projections[-1](last)
+        return time.perf_counter() - start
+
+    times: dict[str, dict[int, list[float]]] = {
+        label: {PREFILL_ROWS: [], DECODE_ROWS: []} for label in runs
+    }
+    with torch.inference_mode():
+        for repeat in range(REPEATS + 1):
+            for label, (projections, dtype) in runs.items():
+                for rows in (PREFILL_ROWS, DECODE_ROWS):
+                    seconds = step(projections, dtype, rows)
+                    if repeat:  # the first round warms up
+                        times[label][rows].append(seconds)
+    scale = config.num_hidden_layers / layers
+    figures = {}
+    for label, by_rows in times.items():
+        prefill = statistics.median(by_rows[PREFILL_ROWS]) * scale
+        decode = statistics.median(by_rows[DECODE_ROWS]) * scale
+        figures[label] = {
+            "prefill_tokens_per_s": PREFILL_ROWS / prefill,
+            "decode_step_ms": decode * 1e3,
+            "score_s": prefill + DECODE_STEPS_PER_REQUEST * decode,
+        }
+    return figures
+
+
+def _pack_like_model(linear: Any, dtype: torch.dtype) -> None:
+    from prefixcache.model import onednn_gemm
+
+    shape = (linear.in_features, linear.out_features)
+    onednn = dtype == torch.float32 and onednn_gemm.prefer_onednn(*shape)
+    panel = panel_gemm.prefer_panel(*shape, dtype, onednn)
+    if dtype == torch.float32:
+        linear.weight.data = linear.weight.data.t().contiguous().t()
+    linear.pack(True, onednn, panel)
+
+
+def _read(path: Path) -> Choice | None:
+    try:
+        data = json.loads(path.read_text())
+        return Choice(Precision.parse(data["chosen"]), data["candidates"], data["cpu"],
+                      "measured at an earlier start")  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(path: Path, choice: Choice) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps(choice.as_dict(), indent=1))
+    os.replace(staging, path)
+
