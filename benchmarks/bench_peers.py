@@ -105,11 +105,20 @@ def _timed(generate: Any, batches: list[Any]) -> tuple[list[float], list[Any]]:
     return times, outs
 
 
-def worker_ours(model: str, cache: bool, dtype: str, repeats: int) -> None:
-    from prefixcache import LLM, SamplingParams
+def _ours(model: str, cache: bool, precision: str) -> Any:
+    """Our engine in ``precision``: a dtype, ``auto``, or ``float32+<weights>``
+    (``--weight-dtype``: bfloat16, q8_0, gguf)."""
+    from prefixcache import LLM
 
-    llm = LLM(model=model, enable_prefix_caching=cache, dtype=dtype, seed=0,
-              kv_memory_bytes=KV_CACHE_GIB << 30)
+    dtype, _, weights = precision.partition("+")
+    return LLM(model=model, enable_prefix_caching=cache, dtype=dtype, seed=0,
+               weight_dtype=weights or "auto", kv_memory_bytes=KV_CACHE_GIB << 30)
+
+
+def worker_ours(model: str, cache: bool, dtype: str, repeats: int) -> None:
+    from prefixcache import SamplingParams
+
+    llm = _ours(model, cache, dtype)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     llm.generate([warmup_prompt()], params)
     engine, steps = llm.engine, []
@@ -158,13 +167,14 @@ def worker_vllm(model: str, cache: bool, dtype: str, repeats: int) -> None:
     _result(times, [list(o.outputs[0].token_ids) for o in outs], first, [])
 
 
-def worker_prefill(model: str, dtype: str) -> None:
+def worker_prefill(model: str, precision: str) -> None:
     """One cold 2,048-token prefill (median of 3, cache off) and the GEMM peak, per dtype."""
     import torch
 
-    from prefixcache import LLM, SamplingParams
+    from prefixcache import SamplingParams
 
-    llm = LLM(model=model, enable_prefix_caching=False, dtype=dtype, seed=0)
+    llm = _ours(model, False, precision)
+    dtype = str(llm.engine.loaded.dtype).removeprefix("torch.")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([warmup_prompt()[:256]], params)
     times = []
@@ -196,6 +206,10 @@ def worker_prefill(model: str, dtype: str) -> None:
 
 
 def _config(model: str) -> dict[str, Any]:
+    if model == "smollm2":
+        from prefixcache.model.builtin import ensure_packaged
+
+        model = str(ensure_packaged(model))
     return dict(json.loads((Path(model) / "config.json").read_text()))
 
 
@@ -224,10 +238,10 @@ def first_token_flops(config: dict[str, Any]) -> float:
 
 
 def checkpoint(shape: str, models_dir: Path) -> str:
+    """The shape's checkpoint: ``smollm2`` by its built-in name (its GGUF blocks go with it),
+    the others written once under ``models_dir``."""
     if shape == "smollm2":
-        from prefixcache.model.builtin import ensure_packaged
-
-        return str(ensure_packaged("smollm2"))
+        return "smollm2"
     path = models_dir / f"{shape}-seed0"
     if (path / "model.safetensors").exists():
         return str(path)
@@ -298,12 +312,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models-dir", default=str(Path.home() / ".cache" / "prefixcache-peers"))
     p.add_argument("--no-prefill", action="store_true", help="skip the FLOP-rate measurement")
     p.add_argument("--out", default="bench_peers.json")
+    p.add_argument("--shape-config", action="append", default=[], metavar="FILE",
+                   help="a JSON file of transformers config keys (as SHAPES holds) measured as "
+                        "a shape named after the file; repeatable")
+    p.add_argument("--llamacpp", default=None, metavar="DIR",
+                   help="a llama.cpp build folder (bin/llama-server, bin/llama-bench): also run "
+                        "its workloads on the built-in SmolLM2 GGUF beside ours")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for file in args.shape_config:
+        SHAPES[Path(file).stem] = _shape_config(Path(file))
     if args.worker:
         kind, *rest = args.worker
         if kind == "prefill":
             worker_prefill(rest[0], rest[1])
+        elif kind == "single":
+            worker_single(rest[0], rest[1], int(rest[2]))
         else:
             (worker_ours if kind == "ours" else worker_vllm)(
                 rest[0], rest[1] == "on", rest[2], int(rest[3]))
@@ -326,15 +350,193 @@ def main(argv: list[str] | None = None) -> int:
                                        "first_token_flops": first_token_flops(_config(model))}
                 order = engines if len(rows) % 2 == 0 else engines[::-1]  # alternate
                 for name, python in order:
-                    row[name] = _run(python, [name, model, cache, dtype, str(args.repeats)], env)
+                    if name == "vllm" and dtype not in ("float32", "bfloat16"):
+                        continue  # our own precisions: vLLM's rows are its dtypes
+                    where = _path(model) if name == "vllm" else model
+                    row[name] = _run(python, [name, where, cache, dtype, str(args.repeats)], env)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if args.llamacpp:
+        rows += llamacpp_rows(Path(args.llamacpp), args.dtypes.split(","), args.repeats, env)
     print_table(rows)
     Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0
 
 
+def _path(model: str) -> str:
+    if model == "smollm2":
+        from prefixcache.model.builtin import ensure_packaged
+
+        return str(ensure_packaged(model))
+    return model
+
+
+def _shape_config(file: Path) -> dict[str, Any]:
+    try:
+        spec = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--shape-config {file}: {exc}") from None
+    needed = {"architectures", "model_type", "hidden_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "intermediate_size"}
+    if not isinstance(spec, dict) or not needed <= set(spec):
+        raise SystemExit(f"--shape-config {file}: needs the keys {sorted(needed)}")
+    return spec
+
+
+# ---- llama.cpp: the same GGUF through llama-server and llama-bench --------------------------
+
+# single-stream workloads (both engines): a cold 2,048-token prompt's first token; a prompt
+# whose 1,920-token prefix was just served, with 128 new tokens; decoding 128 tokens alone
+SINGLE_DECODE = 128
+
+
+def single_prompts(repeat: int) -> tuple[list[int], list[int], list[int]]:
+    rng = random.Random(5000 + repeat)
+    cold, prefix = _ids(rng, PREFIX + SUFFIX), _ids(rng, PREFIX)
+    return cold, prefix + _ids(rng, SUFFIX), prefix + _ids(rng, SUFFIX)
+
+
+def worker_single(model: str, precision: str, repeats: int) -> None:
+    """Ours on the single-stream workloads and llama-bench's pp512 / tg128, medians."""
+    from prefixcache import SamplingParams
+
+    llm = _ours(model, True, precision)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    decode = SamplingParams(max_tokens=SINGLE_DECODE, temperature=0.0, ignore_eos=True)
+    llm.generate([warmup_prompt()], one)
+    cold, cached, pp, tg = [], [], [], []
+    for r in range(repeats):
+        first, warm, hit = single_prompts(r)
+        cold.append(_time(llm.generate, [first], one))
+        llm.generate([warm], one)  # the prefix is now cached
+        cached.append(_time(llm.generate, [hit], one))
+        pp.append(512 / _time(llm.generate, [_ids(random.Random(900 + r), 512)], one))
+        start = _ids(random.Random(800 + r), 16)
+        tg.append((SINGLE_DECODE - 1) / (_time(llm.generate, [start], decode)
+                                         - _time(llm.generate, [start], one)))
+    print("RESULT " + json.dumps({
+        "ttft_cold_s": statistics.median(cold), "ttft_cached_s": statistics.median(cached),
+        "pp512_tok_s": statistics.median(pp), "tg128_tok_s": statistics.median(tg),
+    }), flush=True)
+
+
+def _time(call: Any, *args: Any) -> float:
+    start = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - start
+
+
+def llamacpp_rows(
+    build: Path, precisions: list[str], repeats: int, env: dict[str, str]
+) -> list[dict[str, Any]]:
+    from prefixcache.model.builtin import locate_packaged
+
+    gguf = locate_packaged("smollm2")
+    rows: list[dict[str, Any]] = []
+    for precision in precisions:  # ours on the same file's model
+        rows.append({"llamacpp_peer": "ours", "precision": precision, **_run(
+            sys.executable, ["single", "smollm2", precision, str(repeats)], env)})
+        rows[-1]["batch"] = _run(sys.executable,
+                                 ["ours", "smollm2", "on", precision, str(repeats)], env)
+        print(json.dumps(rows[-1]), flush=True)
+    bench = subprocess.run(
+        [str(build / "bin" / "llama-bench"), "-m", str(gguf), "-p", "512", "-n", "128",
+         "-t", "2", "-r", str(max(repeats, 3)), "-o", "json"],
+        capture_output=True, text=True, timeout=1800, check=True)  # fmt: skip
+    tests = json.loads(bench.stdout)
+    row: dict[str, Any] = {"llamacpp_peer": "llama.cpp", "precision": gguf.name}
+    for test in tests:
+        name = "pp512_tok_s" if test["n_prompt"] else "tg128_tok_s"
+        row[name] = test["avg_ts"]
+    row.update(_llama_server(build, gguf, repeats))
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    return rows
+
+
+def _llama_server(build: Path, gguf: Path, repeats: int) -> dict[str, Any]:
+    """llama-server with a slot per prompt and its prompt cache on: the shared-prefix batch
+    (all 16 at once) and the single-stream workloads, medians."""
+    import socket
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = N_PROMPTS * (PREFIX + SUFFIX + MAX_TOKENS) + 2048
+    proc = subprocess.Popen(
+        [str(build / "bin" / "llama-server"), "-m", str(gguf), "-t", "2", "-np", str(N_PROMPTS),
+         "-c", str(context), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+         "--cache-prompt", "-kvu"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def post(prompt: list[int], n: int) -> dict[str, Any]:
+        body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0.0,
+                           "ignore_eos": True, "cache_prompt": True, "return_tokens": True})
+        request = urllib.request.Request(f"{url}/completion", body.encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=1800) as response:
+            return dict(json.loads(response.read()))
+
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        post(warmup_prompt(), 1)
+        times, outputs = [], []
+        with ThreadPoolExecutor(N_PROMPTS) as pool:
+            for r in range(repeats):
+                start = time.perf_counter()
+                answers = list(pool.map(lambda p: post(p, MAX_TOKENS), prompts(r)))
+                times.append(time.perf_counter() - start)
+                outputs += [a.get("tokens", []) for a in answers]
+        cold, cached, tg = [], [], []
+        for r in range(repeats):
+            first, warm, hit = single_prompts(r)
+            cold.append(_time(post, first, 1))
+            post(warm, 1)
+            cached.append(_time(post, hit, 1))
+            answer = post(_ids(random.Random(800 + r), 16), SINGLE_DECODE)
+            tg.append(answer["timings"]["predicted_per_second"])
+        digest = hashlib.sha1(json.dumps(outputs).encode()).hexdigest()
+        return {"batch": {"median_s": statistics.median(times), "times_s": times,
+                          "outputs_sha1": digest},
+                "ttft_cold_s": statistics.median(cold), "ttft_cached_s": statistics.median(cached),
+                "server_tg128_tok_s": statistics.median(tg)}  # fmt: skip
+    finally:
+        _end_session(proc.pid)
+
+
+def print_llamacpp(rows: list[dict[str, Any]]) -> None:
+    peer = next((r for r in rows if r.get("llamacpp_peer") == "llama.cpp"), None)
+    if peer is None:
+        return
+    print(f"\nSmolLM2 GGUF ({peer['precision']}), ours beside llama.cpp:")
+    print(f"{'engine':<24} {'batch s':>8} {'TTFT cold':>10} {'TTFT hit':>9} {'pp512 t/s':>10} "
+          f"{'tg128 t/s':>10}")
+    for r in rows:
+        if "llamacpp_peer" not in r:
+            continue
+        name = "llama.cpp" if r["llamacpp_peer"] == "llama.cpp" else f"ours {r['precision']}"
+        print(f"{name:<24} {r['batch']['median_s']:>8.2f} {r['ttft_cold_s']:>10.3f} "
+              f"{r['ttft_cached_s']:>9.3f} {r['pp512_tok_s']:>10.0f} {r['tg128_tok_s']:>10.1f}")
+    for r in rows:
+        if r.get("llamacpp_peer") == "ours":
+            speedup = peer["batch"]["median_s"] / r["batch"]["median_s"]
+            print(f"ours {r['precision']}: batch {speedup:.2f}x faster than llama-server; "
+                  f"tg128 {peer['tg128_tok_s'] / r['tg128_tok_s']:.2f}x llama.cpp's time per "
+                  "token")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
+    print_llamacpp(rows)
+    rows = [r for r in rows if "llamacpp_peer" not in r]
     peaks = {(row["shape"], row["dtype"]): row["prefill"]["peak_gflops"] * 1e9 for row in rows
              if "prefill" in row}
     print(f"\n{'shape':<10} {'dtype':<9} {'cache':<5} {'ours s':>8} {'vLLM s':>8} "
@@ -367,12 +569,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                       f"decode step{measured}")
     steps = {(row["shape"], row["dtype"]): row["ours"]["decode_step_s"] for row in rows
              if "ours" in row and "decode_step_s" in row["ours"]}
-    for shape in dict.fromkeys(shape for shape, _ in steps):
-        if (shape, "float32") in steps and (shape, "bfloat16") in steps:
+    for (shape, precision), step in steps.items():
+        base = steps.get((shape, "float32"))
+        if base is not None and precision != "float32":
             print(f"{shape:<10} decode step of {N_PROMPTS} sequences, ours (median engine step): "
-                  f"bfloat16 {1e3 * steps[shape, 'bfloat16']:.1f} ms / float32 "
-                  f"{1e3 * steps[shape, 'float32']:.1f} ms = "
-                  f"{steps[shape, 'bfloat16'] / steps[shape, 'float32']:.2f}")
+                  f"{precision} {1e3 * step:.1f} ms / float32 {1e3 * base:.1f} ms = "
+                  f"{step / base:.2f}")
 
 
 def _step_s(result: dict[str, Any]) -> float:

@@ -121,18 +121,29 @@ def test_each_tensor_type_dequantizes_like_transformers(qtype, tmp_path):
     assert GGUFCheckpoint(file).weights_dtype() == expected
 
 
-def test_dtype_auto_reads_a_gguf_files_precision(tmp_path, monkeypatch):
-    from prefixcache.model import loader
+def test_dtype_auto_offers_a_gguf_files_own_blocks_where_it_has_them(tmp_path, monkeypatch):
+    from prefixcache.model import loader, precision, quant_gemm
 
     model = _random_model("llama")
     f32 = write_gguf(tmp_path / "f32.gguf", model, "llama", "F32")
     q8 = write_gguf(tmp_path / "q8.gguf", model, "llama", "Q8_0")
     assert GGUFCheckpoint(f32).weights_dtype() == "float32"
+    offered: list[list[str]] = []
+    choose = precision.choose
+
+    def record(config, options, has_min=True):  # noqa: ANN001, ANN202
+        offered.append([p.label for p in options])
+        return choose(config, options, has_min)
+
+    monkeypatch.setattr(precision, "choose", record)
+    assert load_model(str(f32), dtype="auto").precision in offered[-1]
+    assert "float32+gguf" not in offered[-1]  # no blocks in an F32 file
+    q8_auto = load_model(str(q8), dtype="auto")
+    assert ("float32+gguf" in offered[-1]) == quant_gemm.vectorised()
+    assert q8_auto.precision in offered[-1]
+    # off the CPU nothing is measured: the file's precision where the CPU computes it natively
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
-    assert load_model(str(f32), dtype="auto").dtype == torch.float32
-    assert load_model(str(q8), dtype="auto").dtype == torch.bfloat16
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
-    assert load_model(str(q8), dtype="auto").dtype == torch.float32
+    assert loader.resolve_dtype(GGUFCheckpoint(q8).weights_dtype()) == "bfloat16"
 
 
 def test_tokenizer_from_metadata_matches_transformers(tmp_path):

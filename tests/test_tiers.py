@@ -593,8 +593,8 @@ def test_explain_names_the_tier_each_block_would_come_from(tmp_path: Path) -> No
     written(engine)
     a = json.dumps(PROMPT[: 4 * BS + 3])  # A shares B's first 4 blocks: those stay in RAM
     out = subprocess.run([sys.executable, "-m", "prefixcache", "explain", a, json.dumps(PROMPT),
-                          "--kv-disk", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
+                          "--kv-disk", str(tmp_path), "--dtype", "float32"],  # the engine's
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "disk tier: holds 10 of B's 10 reusable blocks" in out.stdout
     assert "blocks 0-3: from A's RAM cache" in out.stdout
