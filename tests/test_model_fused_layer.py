@@ -165,7 +165,12 @@ def test_fused_where_it_applies() -> None:
         native_layers.set_enabled(True)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(2)  # its packed copy is now stale
-    assert _prepare(model, h, cos_sin, cache, meta) is None
+    assert _prepare(model, h, cos_sin, cache, meta) is None  # the checked part is not reused
+    model.prepare_cpu_projections()  # packed again: the calls read the new weight
+    fused = _prepare(model, h, cos_sin, cache, meta)
+    assert fused is not None
+    down = model.model.layers[1].mlp.down_proj.current_copy()
+    assert fused._args[1].w_down == down.operand  # type: ignore[union-attr]
 
 
 def test_refuses_a_step_it_would_misread() -> None:

@@ -68,8 +68,15 @@ class CausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
 
     def layer_parts(self) -> list[LayerParts]:
-        """What the compiled layer calls read from each layer."""
-        return [layer.parts() for layer in self.model.layers]  # type: ignore[operator]
+        """What the compiled layer calls read from each layer: looked up once (the same list
+        every step, which `FusedLayers` keys its checked step-independent part on) and again
+        only where a layer module was replaced."""
+        layers = list(self.model.layers)
+        cached = self.__dict__.get("_layer_parts")
+        if cached is None or cached[0] != [id(m) for m in layers]:
+            cached = ([id(m) for m in layers], [layer.parts() for layer in layers])
+            self.__dict__["_layer_parts"] = cached
+        return cached[1]  # type: ignore[no-any-return]
 
     def projections(self) -> list[Projection]:
         """The 4 projections of every layer: qkv, o, gate/up, down."""

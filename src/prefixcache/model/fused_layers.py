@@ -19,7 +19,8 @@ Figures: docs/performance.md.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -32,7 +33,7 @@ from prefixcache.model.quant_gemm import QuantWeight
 
 if TYPE_CHECKING:
     from prefixcache.model.config import ModelConfig
-    from prefixcache.model.layers import LayerParts, RMSNorm
+    from prefixcache.model.layers import LayerParts, Projection, RMSNorm
 
 __all__ = ["FusedLayers"]
 
@@ -119,14 +120,12 @@ class FusedLayers:
             or not native_layers.applies(h)
         ):
             return None
-        parts = [_layer_parts(layer, h.dtype) for layer in layers]
-        if any(p is None for p in parts):
+        static = _static_parts(c, layers, h.dtype, kv_cache)
+        if static is None:
             return None
-        gemm = _gemm_address(parts)  # type: ignore[arg-type]
-        if gemm is None:
-            return None
-        _check_step(c, h, cos_sin, kv_cache, metadata, parts)  # type: ignore[arg-type]
-        for w in parts[0].packed:  # type: ignore[union-attr]
+        parts, gemm = static.parts, static.gemm
+        _check_step(c, h, cos_sin, kv_cache, metadata)
+        for w in parts[0].packed:
             if isinstance(w, QuantWeight):  # its scratch, for the calls from C
                 w.reserve(h.shape[0])
         rows, heads, kv_heads, head_dim = (
@@ -148,7 +147,7 @@ class FusedLayers:
                 buffers["qkv"][:, :heads], kv_cache, plan, buffers["attn"]
             )
         template = LayerArgs(
-            gemm=gemm, h=h.data_ptr(), eps=parts[0].norm.eps,  # type: ignore[union-attr]
+            gemm=gemm, h=h.data_ptr(), eps=parts[0].norm.eps,
             rows=rows, hidden=c.hidden_size, H=heads, KV=kv_heads, D=head_dim,
             I=c.intermediate_size, chunk=chunk, nthreads=torch.get_num_threads(),
             cos=cos_sin[0].data_ptr(), signed_sin=cos_sin[1].data_ptr(),
@@ -161,15 +160,11 @@ class FusedLayers:
                 template.scratch, template.sgemm, template.set_threads,
             ) = attention.kernel_arguments(buffers["attn"])  # fmt: skip
         args = []
-        for i, part in enumerate(parts):
-            assert part is not None
+        for i, fields in enumerate(static.fields):
             a = LayerArgs.from_buffer_copy(template)
             a.delta = None if i == 0 else template.out  # the previous layer's MLP output
-            a.norm_w, a.post_norm_w = part.norm.weight.data_ptr(), part.post_norm.weight.data_ptr()
-            a.w_qkv, a.w_o, a.w_gate_up, a.w_down = (w.operand for w in part.packed)
-            a.qkv_bias = None if part.qkv_bias is None else part.qkv_bias.data_ptr()
-            a.k_cache, a.v_cache = (t.data_ptr() for t in kv_cache.layer(i))
-            a.scale = part.scale
+            (a.norm_w, a.post_norm_w, a.w_qkv, a.w_o, a.w_gate_up, a.w_down, a.qkv_bias,
+             a.k_cache, a.v_cache, a.scale) = fields  # fmt: skip
             args.append(a)
         return cls(library, args, layers, (heads, kv_heads), kv_cache, metadata, plan, buffers,
                    attention)
@@ -219,6 +214,69 @@ def _layer_parts(layer: LayerParts, dtype: torch.dtype) -> _Parts | None:
     return _Parts(packed, layer.norm, layer.post_norm, layer.qkv_bias, layer.scale)
 
 
+@dataclass(eq=False)
+class _Static:
+    """What a step's calls read that does not change between steps of one model over one KV
+    cache, checked and looked up once: each layer's parts and static `LayerArgs` fields."""
+
+    layers: list[LayerParts]  # held: the cache's key is its id
+    kv_cache: PagedKVCache
+    dtype: torch.dtype
+    parts: list[_Parts]
+    gemm: int
+    fields: list[tuple[Any, ...]]  # norm_w, post_norm_w, the 4 weights, qkv_bias, K, V, scale
+    # each projection, its copy, and the weight tensor, version and address it was packed from
+    copies: list[tuple[Projection, GemmWeight, torch.Tensor, int, int]]
+
+    def current(self) -> bool:
+        """Whether every projection still multiplies through the copy looked up, over the same
+        weight, unmodified (`Projection.current_copy`'s test, without its calls)."""
+        return all(
+            p.packed_copy is c and p._parameters["weight"] is w and w._version == v
+            and w.data_ptr() == d
+            for p, c, w, v, d in self.copies
+        )  # fmt: skip
+
+
+_STATIC: dict[tuple[int, torch.dtype, int], _Static] = {}
+_STATIC_ENTRIES = 8  # models x KV caches x dtypes alive at once in one process, at most
+
+
+def _static_parts(
+    config: ModelConfig, layers: list[LayerParts], dtype: torch.dtype, kv_cache: PagedKVCache
+) -> _Static | None:
+    """The step-independent part of `FusedLayers.prepare`, from the cache where it still holds
+    (the model's `layer_parts` list is the same object every step), else looked up, checked and
+    kept; None where the calls do not apply."""
+    key = (id(layers), dtype, id(kv_cache))
+    static = _STATIC.get(key)
+    if static is not None and static.layers is layers and static.kv_cache is kv_cache:
+        if static.current():
+            return static
+        del _STATIC[key]
+    parts = [_layer_parts(layer, dtype) for layer in layers]
+    if any(p is None for p in parts):
+        return None
+    gemm = _gemm_address(parts)  # type: ignore[arg-type]
+    if gemm is None:
+        return None
+    _check_static(config, dtype, kv_cache, parts)  # type: ignore[arg-type]
+    fields = [
+        (part.norm.weight.data_ptr(), part.post_norm.weight.data_ptr(),
+         *(w.operand for w in part.packed),
+         None if part.qkv_bias is None else part.qkv_bias.data_ptr(),
+         *(t.data_ptr() for t in kv_cache.layer(i)), part.scale)
+        for i, part in enumerate(parts)  # type: ignore[union-attr]
+    ]  # fmt: skip
+    copies = [(p, p.current_copy(), p.weight, *p.packed_from)
+              for layer in layers for p in layer.projections]  # fmt: skip
+    static = _Static(layers, kv_cache, dtype, parts, gemm, fields, copies)  # type: ignore[arg-type]
+    if len(_STATIC) >= _STATIC_ENTRIES:
+        _STATIC.pop(next(iter(_STATIC)))
+    _STATIC[key] = static
+    return static
+
+
 def _gemm_address(parts: list[_Parts]) -> int | None:
     """The C GEMM that multiplies every layer's float32 packed weights (0 for bfloat16: the
     bfloat16 calls call the panel GEMM themselves), or None if the kinds differ."""
@@ -256,11 +314,33 @@ def _check_step(
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     kv_cache: PagedKVCache,
     metadata: AttentionMetadata,
-    parts: list[_Parts],
 ) -> None:
-    """What the compiled calls read through raw pointers, checked once for all layers."""
-    c, dtype = config, h.dtype
-    rows, hidden, head_dim = h.shape[0], c.hidden_size, c.head_dim
+    """What the compiled calls read through raw pointers that changes with the step, checked
+    once for all layers (the rest: `_check_static`)."""
+    rows, head_dim, dtype = h.shape[0], config.head_dim, h.dtype
+    slots = metadata.slot_mapping
+    ok = (
+        h.shape[1] == config.hidden_size
+        and all(t.shape == (rows, 1, head_dim) and t.is_contiguous() for t in cos_sin)
+        and all(t.dtype == dtype and t.is_cpu for t in cos_sin)
+        and slots.shape == (rows,)
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+    )
+    if not ok:
+        raise ValueError("fused layers: unsupported shapes, strides or dtypes")
+    low, high = metadata.slot_range()
+    if low < 0 or high >= kv_cache.num_blocks * kv_cache.block_size:
+        raise ValueError("fused layers: slot out of range")
+
+
+def _check_static(
+    config: ModelConfig, dtype: torch.dtype, kv_cache: PagedKVCache, parts: list[_Parts]
+) -> None:
+    """The weights, norms, biases and KV caches the calls read through raw pointers, checked
+    once per model, KV cache and dtype."""
+    c = config
+    hidden, head_dim = c.hidden_size, c.head_dim
     heads, kv_heads, inter = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
     width, q_size = (heads + 2 * kv_heads) * head_dim, heads * head_dim
     shapes = [(hidden, width), (q_size, hidden), (hidden, 2 * inter), (inter, hidden)]
@@ -268,20 +348,13 @@ def _check_step(
     caches = [t for i in range(kv_cache.num_layers) for t in kv_cache.layer(i)]
     norms = [norm for p in parts for norm in (p.norm, p.post_norm)]
     eps = norms[0].eps
-    slots = metadata.slot_mapping
     ok = (
-        h.shape[1] == hidden
-        and all(w.dtype == dtype for p in parts for w in p.packed)
-        and all(t.shape == (rows, 1, head_dim) and t.is_contiguous() for t in cos_sin)
-        and all(t.dtype == dtype and t.is_cpu for t in cos_sin)
+        all(w.dtype == dtype for p in parts for w in p.packed)
         and kv_cache.num_layers == len(parts)
         and all(
             t.shape == cache_shape and t.is_contiguous() and t.dtype == dtype and t.is_cpu
             for t in caches
         )
-        and slots.shape == (rows,)
-        and slots.dtype == torch.int64
-        and slots.is_contiguous()
         and all([(w.in_features, w.out_features) for w in p.packed] == shapes for p in parts)
         and all(
             w.shape == (hidden,) and w.is_contiguous() and w.dtype == dtype
@@ -295,6 +368,3 @@ def _check_step(
     )
     if not ok:
         raise ValueError("fused layers: unsupported shapes, strides or dtypes")
-    low, high = metadata.slot_range()
-    if low < 0 or high >= kv_cache.num_blocks * kv_cache.block_size:
-        raise ValueError("fused layers: slot out of range")

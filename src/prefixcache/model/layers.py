@@ -154,6 +154,12 @@ class Projection(nn.Linear):
             weight = weight.to(x.dtype)
         return F.linear(x, weight, self.bias)
 
+    @property
+    def packed_from(self) -> tuple[int, int]:
+        """The (version, address) of the weight the packed copy was made from."""
+        ptr, version = self._packed_from
+        return version, ptr
+
     def current_copy(self) -> PackedCopy | None:
         """The packed copy if it still holds the current weight, else None (and dropped: the
         weight changed, a stale copy is never used)."""
