@@ -46,14 +46,21 @@ def _reference(x: torch.Tensor, q: np.ndarray, d: np.ndarray, m: np.ndarray | No
     return xq.reshape(rows, k) @ torch.from_numpy(w.reshape(n, k)).t()
 
 
-@pytest.mark.parametrize("with_min", [False, True])
+@pytest.mark.parametrize("form", ["bytes", "bytes_min", "nibbles", "signed_nibbles"])
 @pytest.mark.parametrize(("n", "k"), [(50, 96), (960, 576), (97, 1536)])
-def test_quantized_gemm_is_the_block_products_whatever_the_batch(n, k, with_min) -> None:
+def test_quantized_gemm_is_the_block_products_whatever_the_batch(n, k, form) -> None:
+    # every layout the kernel keeps: 8-bit values (Q8_0, Q5_0), with minimums (Q5_1), 4-bit
+    # values in nibbles (Q4_1, Q4_K) and signed 4-bit ones (Q4_0, kept as nibbles + an offset)
     gen = torch.Generator().manual_seed(n + k)
+    rng = np.random.default_rng(n)
     q, d, _ = quant_gemm.quantize_q8_0(torch.randn(n, k, generator=gen).numpy())
-    m = (np.random.default_rng(0).standard_normal(d.shape) * 0.01).astype(np.float16)
-    m = m if with_min else None
+    m = (rng.standard_normal(d.shape) * 0.01).astype(np.float16)
+    if form in ("nibbles", "signed_nibbles"):
+        q = rng.integers(0, 16, q.shape).astype(np.int8) - (8 if form == "signed_nibbles" else 0)
+    m = m if form in ("bytes_min", "nibbles") else None
     packed = QuantWeight.pack(q, d, m)
+    expected_form = {"bytes": quant_gemm.BYTES, "bytes_min": quant_gemm.BYTES_MIN}
+    assert packed.form == expected_form.get(form, quant_gemm.NIBBLES)
     x = torch.randn(37, k, generator=gen)
     x[3] = 0  # an all-zero row quantizes to zeros, not NaN
     bias = torch.randn(n, generator=gen)
@@ -176,9 +183,9 @@ def test_dtype_auto_measures_once_per_machine_and_shape(tiny_llama, tmp_path, mo
     measured: list[list[str]] = []
     real = precision._measure
 
-    def measure(config, options, has_min):  # noqa: ANN001, ANN202
+    def measure(config, options, form):  # noqa: ANN001, ANN202
         measured.append([p.label for p in options])
-        return real(config, options, has_min)
+        return real(config, options, form)
 
     monkeypatch.setattr(precision, "_measure", measure)
     auto = load_model(str(path), "auto")
@@ -206,7 +213,7 @@ def test_dtype_auto_takes_the_lowest_score_and_what_fits_in_memory(tiny_llama, m
     config = open_checkpoint(str(path)).config
     options = [Precision("float32", "float32"), Precision("float32", "bfloat16")]
 
-    def fake(config, options, has_min):  # noqa: ANN001, ANN202
+    def fake(config, options, form):  # noqa: ANN001, ANN202
         score = {"float32": 2.0, "float32+bfloat16": 1.0}
         return {p.label: {"prefill_tokens_per_s": 1.0, "decode_step_ms": 1.0,
                           "score_s": score[p.label]} for p in options}  # fmt: skip

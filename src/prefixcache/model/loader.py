@@ -207,8 +207,9 @@ def resolve_precision(
         gguf = checkpoint.quantized
         kinds = set(gguf.tensor_types().values()) if gguf else set()
         options = precision.candidates(bool(kinds & set(quant_gemm.GGUF_NATIVE_TYPES)))
-        choice = precision.choose(checkpoint.config, options,
-                                  has_min=bool(kinds & {"Q4_1", "Q5_1", "Q4_K"}))  # fmt: skip
+        form = (quant_gemm.NIBBLES if kinds & {"Q4_0", "Q4_1", "Q4_K"} else quant_gemm.BYTES_MIN
+                if "Q5_1" in kinds else quant_gemm.BYTES)  # fmt: skip
+        choice = precision.choose(checkpoint.config, options, form)
         log.info("%s", choice.describe())
         return choice.precision.dtype, choice.precision.weights, choice
     if dtype == "auto":

@@ -106,9 +106,12 @@ def candidates(has_gguf_blocks: bool) -> list[Precision]:
     return out
 
 
-def choose(config: ModelConfig, options: list[Precision], has_min: bool = True) -> Choice:
+def choose(
+    config: ModelConfig, options: list[Precision], blocks_form: int = quant_gemm.NIBBLES
+) -> Choice:
     """The fastest of ``options`` for ``config``'s shape here: from the cache, else measured
-    (and cached). ``has_min``: the GGUF blocks carry minimums (Q4_1, Q5_1, Q4_K)."""
+    (and cached). ``blocks_form``: how the GGUF file's blocks are kept (`quant_gemm.NIBBLES`
+    for its 4-bit types, `quant_gemm.BYTES` / ``BYTES_MIN`` for the others)."""
     from prefixcache.native import cpu_signature, sources_digest
 
     cpu = _cpu_name()
@@ -119,7 +122,7 @@ def choose(config: ModelConfig, options: list[Precision], has_min: bool = True) 
         return Choice(fitting[0], {}, cpu, "the only one that fits in memory")
     key = hashlib.sha256(json.dumps([
         CALIBRATION_VERSION, cpu_signature(), torch.get_num_threads(), _shape(config),
-        [p.label for p in fitting], has_min, sources_digest(), torch.__version__,
+        [p.label for p in fitting], blocks_form, sources_digest(), torch.__version__,
     ]).encode()).hexdigest()[:20]  # fmt: skip
     path = cache_dir() / "calibration" / f"{key}.json"
     cached = _read(path)
@@ -133,7 +136,7 @@ def choose(config: ModelConfig, options: list[Precision], has_min: bool = True) 
         cached = _read(path)
         if cached is not None:
             return cached
-        figures = _measure(config, fitting, has_min)
+        figures = _measure(config, fitting, blocks_form)
         best = min(fitting, key=lambda p: figures[p.label]["score_s"])
         choice = Choice(best, figures, cpu, "measured")
         _write(path, choice)
@@ -189,7 +192,7 @@ def _cpu_name() -> str:
 
 
 def _measure(
-    config: ModelConfig, options: list[Precision], has_min: bool
+    config: ModelConfig, options: list[Precision], blocks_form: int
 ) -> dict[str, dict[str, float]]:
     from prefixcache.model.decoder import _stored_copy  # the model's own choice of copy
     from prefixcache.model.layers import Projection
@@ -202,9 +205,12 @@ def _measure(
     head = torch.randn(config.vocab_size, config.hidden_size, generator=gen) * 0.05
 
     def blocks(weight: torch.Tensor) -> Any:
+        """Stand-in blocks of the file's form: 4-bit values, or 8-bit without / with minimums."""
         q, d, _ = quant_gemm.quantize_q8_0(weight.numpy())
-        m = (d.astype("float32") * -8).astype("float16") if has_min else None
-        return q, d, m, "sample"
+        m = (d.astype("float32") * -8).astype("float16")
+        if blocks_form == quant_gemm.NIBBLES:
+            q = (q.astype("int16") // 16 + 8).clip(0, 15).astype("int8")
+        return q, d, None if blocks_form == quant_gemm.BYTES else m, "sample"
 
     runs: dict[str, Any] = {}
     for precision in options:

@@ -11,7 +11,7 @@ weights the way llama.cpp's Q8_0 does.
 `prefixcache/native/quant_gemm.h` (in the layers library) multiplies through it as llama.cpp's
 CPU backend does for these types: each activation row quantized to 8 bits per 32-value block,
 integer dot products (AVX512-VNNI ``vpdpbusd``), one float scaling per block. A decode step then
-streams about 1.2 bytes per weight instead of 4. `QuantWeight.matmul` equals ``F.linear`` over
+streams about 1.2 bytes per weight instead of 4 (0.7 for the 4-bit types, kept as nibbles). `QuantWeight.matmul` equals ``F.linear`` over
 the dequantized weight up to the activations' 8-bit rounding (what llama.cpp's own results carry),
 whatever the row count: a row's result does not depend on its batch.
 """
@@ -45,7 +45,12 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 class _Struct(ctypes.Structure):
     """``struct quant_weight`` of quant_gemm.h."""
 
-    _fields_ = [("data", _P), ("has_min", _I)]
+    _fields_ = [("data", _P), ("form", _I)]
+
+
+# how quant_gemm.h lays the blocks out: bytes, bytes with minimums, 4-bit values in nibbles
+# (with minimums: a signed 4-bit block's offset becomes one)
+BYTES, BYTES_MIN, NIBBLES = 0, 1, 2
 
 
 @functools.cache
@@ -58,7 +63,7 @@ def _library() -> ctypes.CDLL | None:
     library.pc_quant_size.restype = _I64
     library.pc_quant_size.argtypes = [_I, _I, _I]
     library.pc_quant_pack.restype = None
-    library.pc_quant_pack.argtypes = [_P, _P, _P, _I, _I, _P]
+    library.pc_quant_pack.argtypes = [_P, _P, _P, _I, _I, _I, _P]
     library.pc_quant_gemm.restype = _I
     library.pc_quant_gemm.argtypes = [_P, _I64, _I, _I, _P, _I, _I, _P, _F, _P, _I64, _I]
     library.pc_quant_reserve.restype = _I
@@ -81,7 +86,7 @@ class QuantWeight:
     buffer: torch.Tensor  # uint8, the packed panels
     out_features: int
     in_features: int
-    has_min: bool
+    form: int  # BYTES, BYTES_MIN or NIBBLES
     kind: str  # what the blocks came from: q8_0, q4_1, ... (for logs and /v1/models)
     struct: _Struct
 
@@ -97,15 +102,20 @@ class QuantWeight:
             raise ValueError(f"expected int8 q [out, in] with in a multiple of {BLOCK}")
         if d.shape != blocks or (m is not None and m.shape != blocks):
             raise ValueError(f"expected float16 scales [{blocks[0]}, {blocks[1]}]")
+        low, high = (int(q.min()), int(q.max())) if q.size else (0, 0)
+        if m is None and -8 <= low and high <= 7:  # Q4_0: d * q = d * (q + 8) - 8 * d
+            q, m = (q + 8).astype(np.int8), (d.astype(np.float32) * -8).astype(np.float16)
+            low, high = low + 8, high + 8
+        form = BYTES if m is None else NIBBLES if 0 <= low and high <= 15 else BYTES_MIN
         q = np.ascontiguousarray(q)
         d = np.ascontiguousarray(d, dtype=np.float16)
         m = None if m is None else np.ascontiguousarray(m, dtype=np.float16)
-        size = library.pc_quant_size(out_features, in_features, int(m is not None))
+        size = library.pc_quant_size(out_features, in_features, form)
         buffer = torch.empty(size, dtype=torch.uint8)
         library.pc_quant_pack(q.ctypes.data, d.ctypes.data, None if m is None else m.ctypes.data,
-                              out_features, in_features, buffer.data_ptr())  # fmt: skip
-        struct = _Struct(buffer.data_ptr(), int(m is not None))
-        return cls(buffer, out_features, in_features, m is not None, kind, struct)
+                              out_features, in_features, form, buffer.data_ptr())  # fmt: skip
+        struct = _Struct(buffer.data_ptr(), form)
+        return cls(buffer, out_features, in_features, form, kind, struct)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> QuantWeight:
@@ -139,7 +149,7 @@ class QuantWeight:
         library = _library_or_raise()
         failed = library.pc_quant_gemm(
             x.data_ptr(), x.stride(0), rows, self.in_features, self.buffer.data_ptr(),
-            self.out_features, int(self.has_min), None if bias is None else bias.data_ptr(),
+            self.out_features, self.form, None if bias is None else bias.data_ptr(),
             0.0, out.data_ptr(), self.out_features, torch.get_num_threads(),
         )  # fmt: skip
         if failed:

@@ -13,10 +13,13 @@
  *
  * Layout: panels of QUANT_COLS columns; each panel a run of k / 32 block records of
  *   q     [8][48][4] int8   (4 consecutive k of a column side by side: vpdpbusd's operand)
+ *         or, for 4-bit values (0..15), [4][48][4] bytes holding groups 2i and 2i + 1 in their
+ *         low and high nibbles (unpacked with a shift and a mask: half the bytes streamed)
  *   d     [48] float16
  *   wsum  [48] int16        (the column's sum of q over the block)
  *   m     [48] float16      (with minimums only)
- * zero padded to whole panels. A panel's records stay in L2 while every QUANT_ROWS-row tile of
+ * zero padded to whole panels. A weight's `form` says which: QUANT_BYTES (no minimum),
+ * QUANT_BYTES_MIN, QUANT_NIBBLES (with minimum). A panel's records stay in L2 while every QUANT_ROWS-row tile of
  * x goes through them; the first tile streams them and prefetches ahead.
  *
  * AVX512_VNNI kernels where the compiler targets them; plain loops otherwise (correct, slow:
@@ -40,6 +43,7 @@
 #define QUANT_ROWS 4
 #define QUANT_VECS (QUANT_COLS / 16)
 #define QUANT_GROUPS (QUANT_BLOCK / 4)
+enum { QUANT_BYTES = 0, QUANT_BYTES_MIN = 1, QUANT_NIBBLES = 2 };
 
 int pc_quant_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
@@ -51,27 +55,32 @@ int pc_quant_isa(void) {
 
 static inline int quant_panels(int n) { return (n + QUANT_COLS - 1) / QUANT_COLS; }
 
+static inline int quant_q_bytes(int form) {
+    return QUANT_BLOCK * QUANT_COLS / (form == QUANT_NIBBLES ? 2 : 1);
+}
+
 /* bytes of one block record */
-static inline int64_t quant_record(int has_min) {
-    return QUANT_BLOCK * QUANT_COLS + QUANT_COLS * 2 * (has_min ? 3 : 2);
+static inline int64_t quant_record(int form) {
+    return quant_q_bytes(form) + QUANT_COLS * 2 * (form == QUANT_BYTES ? 2 : 3);
 }
 
 /* bytes of the packed copy of a [n, k] weight (k a multiple of 32) */
-int64_t pc_quant_size(int n, int k, int has_min) {
-    return (int64_t)quant_panels(n) * (k / QUANT_BLOCK) * quant_record(has_min);
+int64_t pc_quant_size(int n, int k, int form) {
+    return (int64_t)quant_panels(n) * (k / QUANT_BLOCK) * quant_record(form);
 }
 
-/* q [n, k] int8, d [n, k / 32] and m (or NULL) float16 bits -> the packed layout */
+/* q [n, k] int8 (0..15 for QUANT_NIBBLES), d [n, k / 32] and m (NULL for QUANT_BYTES) float16
+ * bits -> the packed layout */
 void pc_quant_pack(const int8_t *q, const uint16_t *d, const uint16_t *m, int n, int k,
-                   uint8_t *out) {
-    const int nb = k / QUANT_BLOCK, has_min = m != NULL;
-    const int64_t record = quant_record(has_min);
-    memset(out, 0, (size_t)pc_quant_size(n, k, has_min));
+                   int form, uint8_t *out) {
+    const int nb = k / QUANT_BLOCK, has_min = form != QUANT_BYTES, nib = form == QUANT_NIBBLES;
+    const int64_t record = quant_record(form);
+    memset(out, 0, (size_t)pc_quant_size(n, k, form));
     for (int p = 0; p < quant_panels(n); p++)
         for (int b = 0; b < nb; b++) {
             uint8_t *rec = out + ((int64_t)p * nb + b) * record;
             int8_t *rq = (int8_t *)rec;
-            uint16_t *rd = (uint16_t *)(rec + QUANT_BLOCK * QUANT_COLS);
+            uint16_t *rd = (uint16_t *)(rec + quant_q_bytes(form));
             int16_t *rs = (int16_t *)(rd + QUANT_COLS);
             uint16_t *rm = (uint16_t *)(rs + QUANT_COLS);
             for (int j = 0; j < QUANT_COLS; j++) {
@@ -80,7 +89,9 @@ void pc_quant_pack(const int8_t *q, const uint16_t *d, const uint16_t *m, int n,
                 const int8_t *src = q + (int64_t)col * k + b * QUANT_BLOCK;
                 int sum = 0;
                 for (int i = 0; i < QUANT_BLOCK; i++) {
-                    rq[((i / 4) * QUANT_COLS + j) * 4 + i % 4] = src[i];
+                    const int g = i / 4, at = (((nib ? g / 2 : g) * QUANT_COLS) + j) * 4 + i % 4;
+                    if (!nib) rq[at] = src[i];
+                    else rq[at] = (int8_t)((uint8_t)rq[at] | (uint8_t)((src[i] & 15) << (g & 1 ? 4 : 0)));
                     sum += src[i];
                 }
                 rd[j] = d[(int64_t)col * nb + b];
@@ -129,9 +140,10 @@ static void quant_row(const float *x, int k, uint8_t *xu, float *dx, float *sx) 
 /* mb (constant after inlining) rows of quantized x through one panel */
 static inline __attribute__((always_inline)) void quant_tile(
     const uint8_t *xu, int64_t ldu, const float *dx, const float *sx, int64_t ldd,
-    const uint8_t *wp, int nb, const int has_min, const int mb, int prefetch,
+    const uint8_t *wp, int nb, const int form, const int mb, int prefetch,
     const float *bias, float beta, float *out, int64_t ldo, int cols) {
-    const int64_t record = quant_record(has_min);
+    const int64_t record = quant_record(form);
+    const int has_min = form != QUANT_BYTES;
     __m512 acc[QUANT_ROWS][QUANT_VECS];
     for (int m = 0; m < mb; m++)
         for (int j = 0; j < QUANT_VECS; j++) acc[m][j] = _mm512_setzero_ps();
@@ -141,13 +153,19 @@ static inline __attribute__((always_inline)) void quant_tile(
         for (int m = 0; m < mb; m++)
             for (int j = 0; j < QUANT_VECS; j++) isum[m][j] = _mm512_setzero_si512();
         for (int g = 0; g < QUANT_GROUPS; g++) {
-            const uint8_t *wg = rec + g * QUANT_COLS * 4;
-            if (prefetch)
-                for (int line = 0; line < 4; line++)
+            const int nib = form == QUANT_NIBBLES;
+            const uint8_t *wg = rec + (nib ? g / 2 : g) * QUANT_COLS * 4;
+            if (prefetch && (!nib || !(g & 1)))
+                for (int line = 0; line < 5; line++)
                     _mm_prefetch((const char *)rec + g * (record / QUANT_GROUPS) + 64 * line + 2048,
                                  _MM_HINT_T0);
             __m512i wv[QUANT_VECS];
-            for (int j = 0; j < QUANT_VECS; j++) wv[j] = _mm512_loadu_si512(wg + 64 * j);
+            for (int j = 0; j < QUANT_VECS; j++) {
+                wv[j] = _mm512_loadu_si512(wg + 64 * j);
+                if (nib) /* this group's nibble of each byte */
+                    wv[j] = _mm512_and_si512(g & 1 ? _mm512_srli_epi16(wv[j], 4) : wv[j],
+                                             _mm512_set1_epi8(15));
+            }
             for (int m = 0; m < mb; m++) {
                 int32_t four;
                 memcpy(&four, xu + m * ldu + b * QUANT_BLOCK + 4 * g, sizeof four);
@@ -156,7 +174,7 @@ static inline __attribute__((always_inline)) void quant_tile(
                     isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], xv, wv[j]);
             }
         }
-        const uint16_t *rd = (const uint16_t *)(rec + QUANT_BLOCK * QUANT_COLS);
+        const uint16_t *rd = (const uint16_t *)(rec + quant_q_bytes(form));
         const int16_t *rs = (const int16_t *)(rd + QUANT_COLS);
         const uint16_t *rm = (const uint16_t *)(rs + QUANT_COLS);
         for (int j = 0; j < QUANT_VECS; j++) {
@@ -180,21 +198,24 @@ static inline __attribute__((always_inline)) void quant_tile(
 
 /* the same, plain loops (exact integer sums; the float steps in the same order) */
 static __attribute__((unused)) void quant_tile_plain(const uint8_t *xu, int64_t ldu, const float *dx, const float *sx,
-                             int64_t ldd, const uint8_t *wp, int nb, int has_min, int mb,
+                             int64_t ldd, const uint8_t *wp, int nb, int form, int mb,
                              const float *bias, float beta, float *out, int64_t ldo, int cols) {
-    const int64_t record = quant_record(has_min);
+    const int64_t record = quant_record(form);
+    const int has_min = form != QUANT_BYTES, nib = form == QUANT_NIBBLES;
     for (int m = 0; m < mb; m++)
         for (int j = 0; j < cols; j++) {
             float acc = 0.0f;
             for (int b = 0; b < nb; b++) {
                 const uint8_t *rec = wp + b * record;
                 const int8_t *rq = (const int8_t *)rec;
-                const uint16_t *rd = (const uint16_t *)(rec + QUANT_BLOCK * QUANT_COLS);
+                const uint16_t *rd = (const uint16_t *)(rec + quant_q_bytes(form));
                 const uint16_t *rm = rd + 2 * QUANT_COLS;
                 int isum = 0;
-                for (int i = 0; i < QUANT_BLOCK; i++)
-                    isum += ((int)xu[m * ldu + b * QUANT_BLOCK + i] - 128) *
-                            rq[((i / 4) * QUANT_COLS + j) * 4 + i % 4];
+                for (int i = 0; i < QUANT_BLOCK; i++) {
+                    const int g = i / 4, at = (((nib ? g / 2 : g) * QUANT_COLS) + j) * 4 + i % 4;
+                    const int w = nib ? ((uint8_t)rq[at] >> (g & 1 ? 4 : 0)) & 15 : rq[at];
+                    isum += ((int)xu[m * ldu + b * QUANT_BLOCK + i] - 128) * w;
+                }
                 acc += (float)isum * (quant_half(rd[j]) * dx[m * ldd + b]);
                 if (has_min) acc += quant_half(rm[j]) * sx[m * ldd + b];
             }
@@ -227,10 +248,10 @@ int pc_quant_reserve(int rows, int k) { return quant_buffer(quant_scratch_bytes(
 /* out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) W^T + bias (or NULL)
  * + beta * out; w packed by pc_quant_pack. Returns 0, or -1 where scratch memory ran out. */
 int pc_quant_gemm(const float *x, int64_t ldx, int rows, int k, const uint8_t *w, int n,
-                  int has_min, const float *bias, float beta, float *out, int64_t ldo,
+                  int form, const float *bias, float beta, float *out, int64_t ldo,
                   int nthreads) {
     const int nb = k / QUANT_BLOCK;
-    const int64_t ldu = k, ldd = nb, record = quant_record(has_min);
+    const int64_t ldu = k, ldd = nb, record = quant_record(form);
     uint8_t *scratch = quant_buffer(quant_scratch_bytes(rows, k));
     if (scratch == NULL) return -1;
     uint8_t *xu = scratch;
@@ -253,24 +274,26 @@ int pc_quant_gemm(const float *x, int64_t ldx, int rows, int k, const uint8_t *w
                 const float *dm = dx + m0 * ldd, *sm = sx + m0 * ldd;
                 float *om = out + m0 * ldo + c0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
-#define QUANT_TILE(HAS_MIN, MB) \
-    quant_tile(xm, ldu, dm, sm, ldd, wp, nb, HAS_MIN, MB, m0 == 0, b, beta, om, ldo, cols)
-#define QUANT_TILES(HAS_MIN)                        \
-    switch (mb) {                                   \
-    case 4: QUANT_TILE(HAS_MIN, 4); break;          \
-    case 3: QUANT_TILE(HAS_MIN, 3); break;          \
-    case 2: QUANT_TILE(HAS_MIN, 2); break;          \
-    default: QUANT_TILE(HAS_MIN, 1); break;         \
+#define QUANT_TILE(FORM, MB) \
+    quant_tile(xm, ldu, dm, sm, ldd, wp, nb, FORM, MB, m0 == 0, b, beta, om, ldo, cols)
+#define QUANT_TILES(FORM)                        \
+    switch (mb) {                                \
+    case 4: QUANT_TILE(FORM, 4); break;          \
+    case 3: QUANT_TILE(FORM, 3); break;          \
+    case 2: QUANT_TILE(FORM, 2); break;          \
+    default: QUANT_TILE(FORM, 1); break;         \
     }
-                if (has_min) {
-                    QUANT_TILES(1)
+                if (form == QUANT_NIBBLES) {
+                    QUANT_TILES(QUANT_NIBBLES)
+                } else if (form == QUANT_BYTES_MIN) {
+                    QUANT_TILES(QUANT_BYTES_MIN)
                 } else {
-                    QUANT_TILES(0)
+                    QUANT_TILES(QUANT_BYTES)
                 }
 #undef QUANT_TILES
 #undef QUANT_TILE
 #else
-                quant_tile_plain(xm, ldu, dm, sm, ldd, wp, nb, has_min, mb, b, beta, om, ldo, cols);
+                quant_tile_plain(xm, ldu, dm, sm, ldd, wp, nb, form, mb, b, beta, om, ldo, cols);
 #endif
             }
         }
@@ -281,7 +304,7 @@ int pc_quant_gemm(const float *x, int64_t ldx, int rows, int k, const uint8_t *w
 /* what the compiled layers' `gemm` pointer hands pc_quant_compute as its packed B */
 struct quant_weight {
     const uint8_t *data;
-    int has_min;
+    int form;
 };
 
 /* pc_quant_gemm behind MKL's cblas_sgemm_compute signature, B a struct quant_weight */
@@ -289,7 +312,7 @@ void pc_quant_compute(int layout, int transa, int transb, int m, int n, int k, c
                       int lda, const void *b, int ldb, float beta, float *c, int ldc) {
     (void)layout, (void)transa, (void)transb, (void)ldb;
     const struct quant_weight *qw = b;
-    if (pc_quant_gemm(a, lda, m, k, qw->data, n, qw->has_min, NULL, beta, c, ldc,
+    if (pc_quant_gemm(a, lda, m, k, qw->data, n, qw->form, NULL, beta, c, ldc,
                       omp_get_max_threads()) != 0)
         abort(); /* not after pc_quant_reserve(m, k) succeeded in this thread */
 }
