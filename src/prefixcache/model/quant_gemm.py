@@ -11,9 +11,10 @@ weights the way llama.cpp's Q8_0 does.
 `prefixcache/native/quant_gemm.h` (in the layers library) multiplies through it as llama.cpp's
 CPU backend does for these types: each activation row quantized to 8 bits per 32-value block,
 integer dot products (AVX512-VNNI ``vpdpbusd``), one float scaling per block. A decode step then
-streams about 1.2 bytes per weight instead of 4 (0.7 for the 4-bit types, kept as nibbles). `QuantWeight.matmul` equals ``F.linear`` over
-the dequantized weight up to the activations' 8-bit rounding (what llama.cpp's own results carry),
-whatever the row count: a row's result does not depend on its batch.
+streams about 1.2 bytes per weight instead of 4 (0.7 for the 4-bit types, kept as nibbles).
+`QuantWeight.matmul` equals ``F.linear`` over the dequantized weight up to the activations' 8-bit
+rounding (what llama.cpp's own results carry), whatever the row count: a row's result does not
+depend on its batch.
 """
 
 from __future__ import annotations
