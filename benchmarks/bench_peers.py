@@ -396,11 +396,41 @@ def single_prompts(repeat: int) -> tuple[list[int], list[int], list[int]]:
     return cold, prefix + _ids(rng, SUFFIX), prefix + _ids(rng, SUFFIX)
 
 
+# next-token distributions compared with llama.cpp's on the same file: fixed chat prompts
+LOGIT_PROMPTS = ["What is the capital of France?", "Name a primary colour.",
+                 "What do bees make?", "Write a haiku about the sea.",
+                 "Explain recursion in one sentence.", "What is 12 times 12?"]
+
+
+def top_probabilities(llm: Any) -> list[dict[int, float]]:
+    """Our top-10 next-token probabilities after each of `LOGIT_PROMPTS` (chat-rendered)."""
+    import math
+
+    from prefixcache import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=10)
+    out = []
+    for prompt in LOGIT_PROMPTS:
+        ids = llm.chat_prompt([{"role": "user", "content": prompt}])
+        (result,) = llm.generate([ids], params)
+        top = result.outputs[0].logprobs[0]["top"]
+        out.append({int(t): math.exp(lp) for t, lp in top.items()})
+    return out
+
+
+def chat_ids() -> list[list[int]]:
+    from prefixcache import LLM
+
+    llm = LLM("smollm2")
+    return [llm.chat_prompt([{"role": "user", "content": p}]) for p in LOGIT_PROMPTS]
+
+
 def worker_single(model: str, precision: str, repeats: int) -> None:
     """Ours on the single-stream workloads and llama-bench's pp512 / tg128, medians."""
     from prefixcache import SamplingParams
 
     llm = _ours(model, True, precision)
+    probabilities = top_probabilities(llm)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     decode = SamplingParams(max_tokens=SINGLE_DECODE, temperature=0.0, ignore_eos=True)
     llm.generate([warmup_prompt()], one)
@@ -417,6 +447,7 @@ def worker_single(model: str, precision: str, repeats: int) -> None:
     print("RESULT " + json.dumps({
         "ttft_cold_s": statistics.median(cold), "ttft_cached_s": statistics.median(cached),
         "pp512_tok_s": statistics.median(pp), "tg128_tok_s": statistics.median(tg),
+        "top_probabilities": [{str(k): v for k, v in p.items()} for p in probabilities],
     }), flush=True)
 
 
@@ -450,13 +481,28 @@ def llamacpp_rows(
         row[name] = test["avg_ts"]
     row.update(_llama_server(build, gguf, repeats))
     rows.append(row)
+    for ours in rows[:-1]:  # the next-token distributions against llama.cpp's
+        ours["vs_llamacpp"] = _compare(ours["top_probabilities"], row["top_probabilities"])
     print(json.dumps(row), flush=True)
     return rows
+
+
+def _compare(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> dict[str, float]:
+    """Over the prompts: the largest difference of a token's probability among either side's
+    top 10 (a token missing from one side's top 10 counts as 0 there), and how often the most
+    probable token is the same."""
+    worst, same = 0.0, 0
+    for a, b in zip(ours, theirs, strict=True):
+        for token in set(a) | set(b):
+            worst = max(worst, abs(a.get(token, 0.0) - b.get(token, 0.0)))
+        same += max(a, key=a.__getitem__) == max(b, key=b.__getitem__)
+    return {"max_probability_difference": worst, "same_top_token": same / len(ours)}
 
 
 def _llama_server(build: Path, gguf: Path, repeats: int) -> dict[str, Any]:
     """llama-server with a slot per prompt and its prompt cache on: the shared-prefix batch
     (all 16 at once) and the single-stream workloads, medians."""
+    import math
     import socket
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
@@ -505,7 +551,18 @@ def _llama_server(build: Path, gguf: Path, repeats: int) -> dict[str, Any]:
             answer = post(_ids(random.Random(800 + r), 16), SINGLE_DECODE)
             tg.append(answer["timings"]["predicted_per_second"])
         digest = hashlib.sha1(json.dumps(outputs).encode()).hexdigest()
-        return {"batch": {"median_s": statistics.median(times), "times_s": times,
+        probabilities = []
+        for ids in chat_ids():
+            body = json.dumps({"prompt": ids, "n_predict": 1, "temperature": 0.0, "n_probs": 10,
+                               "post_sampling_probs": False, "cache_prompt": False})
+            request = urllib.request.Request(f"{url}/completion", body.encode(),
+                                             {"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(request, timeout=600) as response:
+                answer = json.loads(response.read())
+            top = answer["completion_probabilities"][0]["top_logprobs"]
+            probabilities.append({str(t["id"]): math.exp(t["logprob"]) for t in top})
+        return {"top_probabilities": probabilities,
+                "batch": {"median_s": statistics.median(times), "times_s": times,
                           "outputs_sha1": digest},
                 "ttft_cold_s": statistics.median(cold), "ttft_cached_s": statistics.median(cached),
                 "server_tg128_tok_s": statistics.median(tg)}  # fmt: skip
@@ -526,6 +583,12 @@ def print_llamacpp(rows: list[dict[str, Any]]) -> None:
         name = "llama.cpp" if r["llamacpp_peer"] == "llama.cpp" else f"ours {r['precision']}"
         print(f"{name:<24} {r['batch']['median_s']:>8.2f} {r['ttft_cold_s']:>10.3f} "
               f"{r['ttft_cached_s']:>9.3f} {r['pp512_tok_s']:>10.0f} {r['tg128_tok_s']:>10.1f}")
+    for r in rows:
+        if "vs_llamacpp" in r:
+            c = r["vs_llamacpp"]
+            print(f"ours {r['precision']}: next-token probabilities within "
+                  f"{c['max_probability_difference']:.4f} of llama.cpp's, same top token on "
+                  f"{100 * c['same_top_token']:.0f}% of {len(LOGIT_PROMPTS)} prompts")
     for r in rows:
         if r.get("llamacpp_peer") == "ours":
             speedup = peer["batch"]["median_s"] / r["batch"]["median_s"]

@@ -25,7 +25,14 @@ from prefixcache.attention.plan import build_plan
 from prefixcache.model import onednn_gemm, panel_gemm, quant_gemm
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.fused_layers import FusedLayers
-from prefixcache.model.layers import PACKED_DTYPES, DecoderLayer, LayerParts, Projection, RMSNorm
+from prefixcache.model.layers import (
+    PACKED_DTYPES,
+    DecoderLayer,
+    LayerParts,
+    LayerPartsList,
+    Projection,
+    RMSNorm,
+)
 from prefixcache.model.panel_gemm import PanelWeight
 from prefixcache.model.quant_gemm import QuantWeight
 from prefixcache.model.rope import RotaryEmbedding
@@ -74,7 +81,7 @@ class CausalLM(nn.Module):
         layers = list(self.model.layers)
         cached = self.__dict__.get("_layer_parts")
         if cached is None or cached[0] != [id(m) for m in layers]:
-            cached = ([id(m) for m in layers], [layer.parts() for layer in layers])
+            cached = ([id(m) for m in layers], LayerPartsList([layer.parts() for layer in layers]))
             self.__dict__["_layer_parts"] = cached
         return cached[1]  # type: ignore[no-any-return]
 

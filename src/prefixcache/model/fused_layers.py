@@ -19,6 +19,7 @@ Figures: docs/performance.md.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -219,8 +220,7 @@ class _Static:
     """What a step's calls read that does not change between steps of one model over one KV
     cache, checked and looked up once: each layer's parts and static `LayerArgs` fields."""
 
-    layers: list[LayerParts]  # held: the cache's key is its id
-    kv_cache: PagedKVCache
+    kv_cache: weakref.ref[PagedKVCache]  # weak: a dropped engine's KV memory is let go
     dtype: torch.dtype
     parts: list[_Parts]
     gemm: int
@@ -238,22 +238,23 @@ class _Static:
         )  # fmt: skip
 
 
-_STATIC: dict[tuple[int, torch.dtype, int], _Static] = {}
-_STATIC_ENTRIES = 8  # models x KV caches x dtypes alive at once in one process, at most
+_STATIC_ENTRIES = 4  # KV caches x dtypes one model's layers keep checked parts for
 
 
 def _static_parts(
     config: ModelConfig, layers: list[LayerParts], dtype: torch.dtype, kv_cache: PagedKVCache
 ) -> _Static | None:
-    """The step-independent part of `FusedLayers.prepare`, from the cache where it still holds
-    (the model's `layer_parts` list is the same object every step), else looked up, checked and
-    kept; None where the calls do not apply."""
-    key = (id(layers), dtype, id(kv_cache))
-    static = _STATIC.get(key)
-    if static is not None and static.layers is layers and static.kv_cache is kv_cache:
+    """The step-independent part of `FusedLayers.prepare`: kept on the model's `layer_parts`
+    list (`LayerPartsList`, the same object every step, so it lives and dies with the model),
+    reused while it still holds, else looked up, checked and kept; None where the calls do not
+    apply."""
+    store: dict[tuple[torch.dtype, int], _Static] | None = getattr(layers, "fused_static", None)
+    key = (dtype, id(kv_cache))
+    static = store.get(key) if store is not None else None
+    if static is not None and static.kv_cache() is kv_cache:
         if static.current():
             return static
-        del _STATIC[key]
+        del store[key]  # type: ignore[union-attr]
     parts = [_layer_parts(layer, dtype) for layer in layers]
     if any(p is None for p in parts):
         return None
@@ -270,10 +271,13 @@ def _static_parts(
     ]  # fmt: skip
     copies = [(p, p.current_copy(), p.weight, *p.packed_from)
               for layer in layers for p in layer.projections]  # fmt: skip
-    static = _Static(layers, kv_cache, dtype, parts, gemm, fields, copies)  # type: ignore[arg-type]
-    if len(_STATIC) >= _STATIC_ENTRIES:
-        _STATIC.pop(next(iter(_STATIC)))
-    _STATIC[key] = static
+    static = _Static(weakref.ref(kv_cache), dtype, parts, gemm, fields, copies)  # type: ignore[arg-type]
+    if store is not None:
+        for stale in [k for k, v in store.items() if v.kv_cache() is None]:
+            del store[stale]  # an engine's KV cache that is gone
+        if len(store) >= _STATIC_ENTRIES:
+            store.pop(next(iter(store)))
+        store[key] = static
     return static
 
 

@@ -24,7 +24,8 @@ from prefixcache.model.panel_gemm import PanelWeight
 from prefixcache.model.rope import apply_rotary
 
 __all__ = [
-    "MLP", "PACKED_DTYPES", "Attention", "DecoderLayer", "LayerParts", "Projection", "RMSNorm",
+    "MLP", "PACKED_DTYPES", "Attention", "DecoderLayer", "LayerParts", "LayerPartsList",
+    "Projection", "RMSNorm",
 ]  # fmt: skip
 
 
@@ -263,6 +264,16 @@ class LayerParts(NamedTuple):
     post_norm: RMSNorm
     qkv_bias: torch.Tensor | None
     scale: float
+
+
+class LayerPartsList(list[LayerParts]):
+    """A model's `LayerParts`, one per layer, as `CausalLM.layer_parts` keeps them: the
+    compiled layers keep what they checked once on it (``fused_static``), so that it lives and
+    dies with the model."""
+
+    def __init__(self, parts: list[LayerParts]) -> None:
+        super().__init__(parts)
+        self.fused_static: dict[object, object] = {}
 
 
 class DecoderLayer(nn.Module):
