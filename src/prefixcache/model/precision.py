@@ -15,8 +15,9 @@ cost. So the candidates are measured on this model's own projection shapes:
 Each candidate packs random weights of the model's projection shapes (as many layers as fit in
 `SAMPLE_BYTES`, so that a step streams them from memory as the model's would) the way the model
 would pack them, and times a prefill of `PREFILL_ROWS` tokens and a decode step of `DECODE_ROWS`
-sequences through them (medians of `REPEATS`, candidates alternating). The score is one typical
-request's share: its prefill plus 8 decode steps (a 128-token answer among 16 running). A
+sequences through them (medians of `REPEATS` after a warm-up round, candidates alternating).
+The score is one typical request's share: its prefill plus 8 decode steps (a 128-token answer
+among 16 running). A
 candidate whose weights would not fit in the memory the machine has free is left out. The result
 is kept under the cache directory per CPU model and flags, thread count, model shape and kernel
 sources, so only the first start on a machine pays the few seconds it takes.
@@ -45,12 +46,15 @@ __all__ = ["Choice", "Precision", "candidates", "choose"]
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 1
-SAMPLE_BYTES = 256 << 20  # float32 weights measured per candidate, at most (at least one layer)
+CALIBRATION_VERSION = 2
+# float32 weights measured per candidate, at most (at least one layer): several times a CPU's
+# last-level cache per core complex, so that a step streams them as the model's would, and small
+# enough that a first start measures in seconds (SmolLM2, four candidates: ~9 s on 2 cores)
+SAMPLE_BYTES = 128 << 20
 PREFILL_ROWS = 512
 DECODE_ROWS = 16
 DECODE_STEPS_PER_REQUEST = 8  # a 128-token answer with 16 sequences running: 128 / 16 steps
-REPEATS = 5
+REPEATS = 3
 
 
 @dataclass(frozen=True, slots=True)
