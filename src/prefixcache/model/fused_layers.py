@@ -225,7 +225,7 @@ class _Static:
     parts: list[_Parts]
     gemm: int
     fields: list[tuple[Any, ...]]  # norm_w, post_norm_w, the 4 weights, qkv_bias, K, V, scale
-    # each projection, its copy, and the weight tensor, version and address it was packed from
+    # each projection, its copy, and the weight tensor, address and version it was packed from
     copies: list[tuple[Projection, GemmWeight, torch.Tensor, int, int]]
 
     def current(self) -> bool:
@@ -234,7 +234,7 @@ class _Static:
         return all(
             p.packed_copy is c and p._parameters["weight"] is w and w._version == v
             and w.data_ptr() == d
-            for p, c, w, v, d in self.copies
+            for p, c, w, d, v in self.copies
         )  # fmt: skip
 
 

@@ -157,9 +157,8 @@ class Projection(nn.Linear):
 
     @property
     def packed_from(self) -> tuple[int, int]:
-        """The (version, address) of the weight the packed copy was made from."""
-        ptr, version = self._packed_from
-        return version, ptr
+        """The (address, version) of the weight the packed copy was made from."""
+        return self._packed_from
 
     def current_copy(self) -> PackedCopy | None:
         """The packed copy if it still holds the current weight, else None (and dropped: the

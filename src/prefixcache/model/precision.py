@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 CALIBRATION_VERSION = 2
 # float32 weights measured per candidate, at most (at least one layer): several times a CPU's
 # last-level cache per core complex, so that a step streams them as the model's would, and small
-# enough that a first start measures in seconds (SmolLM2, four candidates: ~9 s on 2 cores)
+# enough that a first start measures in seconds (what it takes: docs/model.md)
 SAMPLE_BYTES = 128 << 20
 PREFILL_ROWS = 512
 DECODE_ROWS = 16
