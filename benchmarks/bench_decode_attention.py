@@ -10,6 +10,8 @@ attended once for all 16 queries)? Same cache contents, outputs checked equal.
 (b) and (c) run through the compiled kernel (`native_attention`, where it builds) and through
 the torch paths. Warm-up, then the median of interleaved repeats; prints a table and a final
 JSON line.
+Other shapes: ``--heads 9 --kv-heads 3`` (SmolLM2); ``--splits 1,2,3`` also times the compiled
+kernel with the shared keys forced into that many runs per work item.
 Usage: python benchmarks/bench_decode_attention.py [--repeats 20] [--threads 2]
 """
 
@@ -66,6 +68,18 @@ def make_tables(args: argparse.Namespace, shared: bool) -> tuple[np.ndarray, np.
     return table, lens
 
 
+def _forced_splits(splits: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``fn`` with the direct path's shared keys in ``splits`` runs instead of the chosen number
+    (`native_attention.decode_split`) where its plan's kernel call is prepared (its first
+    call)."""
+    chosen = native_attention.decode_split
+    native_attention.decode_split = lambda *a: (chosen(*a)[0], splits)
+    try:
+        return fn()
+    finally:
+        native_attention.decode_split = chosen
+
+
 def time_ms(fn: Callable[[], torch.Tensor], repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
@@ -78,7 +92,7 @@ def time_ms(fn: Callable[[], torch.Tensor], repeats: int) -> list[float]:
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    bs, heads, kv_heads, dim = args.block_size, 12, 4, 64
+    bs, heads, kv_heads, dim = args.block_size, args.heads, args.kv_heads, args.head_dim
     num_blocks = args.seqs * (-(-(args.context + bs) // bs)) + args.prefix // bs
     k_cache = torch.randn(num_blocks, bs, kv_heads, dim)
     v_cache = torch.randn(num_blocks, bs, kv_heads, dim)
@@ -105,6 +119,11 @@ def run(args: argparse.Namespace) -> dict:
             cases[f"decode_attention, torch paths, {tag}"] = lambda p=plan: _torch_paths(
                 lambda: decode_attention(q, k_cache, v_cache, p, scale)
             )
+        for splits in args.splits if shared and native_attention.available() else ():
+            own = DecodePlan.build(table, lens, bs)  # its kernel call prepared with `splits`
+            cases[f"compiled kernel, splits={splits}, {tag}"] = lambda p=own, n=splits: (
+                _forced_splits(n, lambda: decode_attention(q, k_cache, v_cache, p, scale))
+            )
     for name, fn in cases.items():
         outputs[name] = fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -125,6 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         "seqs": args.seqs,
         "context": args.context,
         "shared_prefix": args.prefix,
+        "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": dim},
         "repeats": args.repeats,
         "compiled_kernel": native_attention.available(),
         "median_ms": {name: round(statistics.median(t), 3) for name, t in times.items()},
@@ -140,6 +160,12 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=1920)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                        help="also time the compiled kernel with the shared keys in these "
+                        "numbers of runs (e.g. 1,2,3) beside the number it chooses")
     summary = run(parser.parse_args())
     ref = summary["median_ms"]
     print(

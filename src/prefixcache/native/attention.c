@@ -214,24 +214,38 @@ static void direct_tiles(int D, const float *q, int64_t q_row_stride, const void
                                                    tile_tokens, h, H, KV, G, scale, buf);
 }
 
-/* Decode sequences b0 .. b0 + nb - 1 of kv head h (`direct_decode_64` / `_128`) */
-static void direct_decode(int D, const float *q, int64_t q_row_stride, const void *k_cache,
-                          const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
-                          const int64_t *tail_slots, const int *tail_lens, int max_tail,
-                          float *out, int b0, int nb, int h, int H, int KV, int G, float scale,
-                          float *buf) {
-    (D == 64 ? direct_decode_64 : direct_decode_128)(
-        q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared, tail_slots, tail_lens,
-        max_tail, out, b0, nb, h, H, KV, G, scale, buf);
+/* A decode work item's shared keys k0 .. k1 - 1, or its sequences' tails, into part p
+ * (`decode_shared_64` / `decode_tails_64` / `_128`) */
+static void direct_decode_shared(int D, const float *q, int64_t q_row_stride, const void *k_cache,
+                                 const void *v_cache, int bf16, const int64_t *shared_slots,
+                                 int k0, int k1, int b0, int nb, int h, int KV, int G, float scale,
+                                 float *buf, struct decode_part p) {
+    (D == 64 ? decode_shared_64 : decode_shared_128)(q, q_row_stride, k_cache, v_cache, bf16,
+                                                     shared_slots, k0, k1, b0, nb, h, KV, G,
+                                                     scale, buf, p);
+}
+
+static void direct_decode_tails(int D, const float *q, int64_t q_row_stride, const void *k_cache,
+                                const void *v_cache, int bf16, const int64_t *tail_slots,
+                                const int *tail_lens, int max_tail, int b0, int nb, int h, int KV,
+                                int G, float scale, float *buf, struct decode_part p) {
+    (D == 64 ? decode_tails_64 : decode_tails_128)(q, q_row_stride, k_cache, v_cache, bf16,
+                                                   tail_slots, tail_lens, max_tail, b0, nb, h,
+                                                   KV, G, scale, buf, p);
 }
 #else
 #define GROUP_TILES 1
+#define KEY_BLOCK 32 /* decode's split_keys rounds to it; no split runs without AVX-512 */
 static inline int direct_applies(int D, int tile_rows) { (void)D; (void)tile_rows; return 0; }
 /* never reached without AVX-512 (direct_applies is 0 there); the arguments count as used */
 static inline int64_t direct_unused(int D, ...) { (void)D; return 0; }
 #define direct_floats(...) direct_unused(__VA_ARGS__)
 #define direct_tiles(...) ((void)direct_unused(__VA_ARGS__))
-#define direct_decode(...) ((void)direct_unused(__VA_ARGS__))
+#define direct_decode_shared(...) ((void)direct_unused(__VA_ARGS__))
+#define direct_decode_tails(...) ((void)direct_unused(__VA_ARGS__))
+struct decode_part {
+    float *o, *max, *sum;
+};
 #endif
 
 /* Tiles per work item of the direct path: the most (up to GROUP_TILES, which share each key
@@ -367,9 +381,10 @@ int pc_attention_path(int T, int S, int H, int KV, int D, int tile_tokens, int n
     return S - T >= T && local_heads(KV, nthreads);
 }
 
-/* Floats of scratch `pc_decode` needs: on the direct path each thread's tiles only; otherwise
- * shared K and V per kv head (or per thread, whichever is more), then per thread the stacked
- * queries and outputs of one chunk, its scores, and one tail's K and V. */
+/* Floats of scratch `pc_decode` needs: on the direct path each thread's tiles, then the work
+ * items' partial results (`decode_parts`); otherwise shared K and V per kv head (or per thread,
+ * whichever is more), then per thread the stacked queries and outputs of one chunk, its
+ * scores, and one tail's K and V. */
 static inline int decode_direct(int G, int D, int chunk) { return direct_applies(D, G * chunk); }
 
 static int64_t decode_thread_floats(int shared, int max_tail, int G, int D, int chunk) {
@@ -379,11 +394,112 @@ static int64_t decode_thread_floats(int shared, int max_tail, int G, int D, int 
     return rows * (2 * (int64_t)D + shared + max_tail) + 2 * (int64_t)max_tail * D;
 }
 
-int64_t pc_decode_scratch_floats(int shared, int max_tail, int H, int KV, int D, int chunk,
-                                 int nthreads) {
+/* How the direct path splits each (kv head, chunk) item's keys: `shared_units` runs of `span`
+ * shared keys (a multiple of the key block; `splits` asked for, fewer where the keys run out),
+ * then one unit for all the chunk's tails: parts = shared_units + 1 partial results to merge. */
+#define MAX_SPLITS 32 /* runs of shared keys per decode item */
+struct decode_split {
+    int span, shared_units, parts;
+};
+
+static struct decode_split split_keys(int shared, int splits) {
+    struct decode_split sp = {0, 0, 1};
+    if (shared <= 0) return sp;
+    splits = splits < 1 ? 1 : splits > MAX_SPLITS ? MAX_SPLITS : splits;
+    sp.span = ((shared + splits - 1) / splits + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+    sp.shared_units = (shared + sp.span - 1) / sp.span;
+    sp.parts = sp.shared_units + 1;
+    return sp;
+}
+
+static int64_t decode_part_floats(int G, int D, int chunk) {
+    return (int64_t)G * chunk * (D + 2);
+}
+
+/* Whether `pc_decode` takes the direct path (and so `splits`) for these sizes */
+int pc_decode_direct(int H, int KV, int D, int chunk) { return decode_direct(H / KV, D, chunk); }
+
+int64_t pc_decode_scratch_floats(int shared, int max_tail, int B, int H, int KV, int D,
+                                 int chunk, int splits, int nthreads) {
     const int G = H / KV;
-    const int64_t gathered = decode_direct(G, D, chunk) ? 0 : 2 * kv_copies(KV, nthreads) * (int64_t)shared * D;
-    return gathered + (int64_t)nthreads * decode_thread_floats(shared, max_tail, G, D, chunk);
+    const int64_t threads = (int64_t)nthreads * decode_thread_floats(shared, max_tail, G, D, chunk);
+    if (decode_direct(G, D, chunk)) {
+        const int64_t items = (int64_t)KV * ((B + chunk - 1) / chunk);
+        return threads + items * split_keys(shared, splits).parts * decode_part_floats(G, D, chunk);
+    }
+    return 2 * kv_copies(KV, nthreads) * (int64_t)shared * D + threads;
+}
+
+/* Part `index` of the parts area: o [rows, D], then max and sum [rows] */
+static struct decode_part part_at(float *parts, int64_t index, int G, int D, int chunk) {
+    const int64_t rows = (int64_t)G * chunk;
+    float *o = parts + index * decode_part_floats(G, D, chunk);
+    const struct decode_part p = {o, o + rows * D, o + rows * D + rows};
+    return p;
+}
+
+/* The normalised output rows of one work item from its n parts: per row r = g * nb + b, the
+ * parts' sums rescaled to their common max (as the online softmax rescales between key
+ * blocks), summed, divided by the summed weights; into out [B, H, D]. */
+static void merge_parts(const struct decode_part *parts, int n, int nb, int h, int H, int G,
+                        int D, int b0, float scale, float *out) {
+    for (int r = 0; r < G * nb; r++) {
+        float mx = -INFINITY;
+        for (int i = 0; i < n; i++) mx = parts[i].max[r] > mx ? parts[i].max[r] : mx;
+        float *dst = out + ((int64_t)(b0 + r % nb) * H + h * G + r / nb) * D;
+        float sum = 0.0f;
+        for (int i = 0; i < n; i++) {
+            const float w = expf((parts[i].max[r] - mx) * scale);
+            const float *o = parts[i].o + (int64_t)r * D;
+            sum += w * parts[i].sum[r];
+            if (i == 0)
+                for (int d = 0; d < D; d++) dst[d] = w * o[d];
+            else
+                for (int d = 0; d < D; d++) dst[d] += w * o[d];
+        }
+        const float inv = 1.0f / sum;
+        for (int d = 0; d < D; d++) dst[d] *= inv;
+    }
+}
+
+/* The direct path's decode, inside the team: every (kv head h, chunk c) item split into
+ * `split_keys` units, the shared-key units of every item first, then the tail units (largest
+ * first for the dynamic schedule); each writes its part; after the team's barrier the items'
+ * parts are merged. Separate units for the tails and for runs of the shared keys are what
+ * balance few kv heads over the threads (SmolLM2's 3 on 2 threads, one chunk each). */
+static void direct_decode(const float *q, int64_t q_row_stride, const void *k_cache,
+                          const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
+                          const int64_t *tail_slots, const int *tail_lens, int max_tail,
+                          float *out, int B, int H, int KV, int D, float scale, int chunk,
+                          struct decode_split sp, float *tile, float *parts) {
+    const int G = H / KV, num_chunks = (B + chunk - 1) / chunk, items = KV * num_chunks;
+    const int shared_total = items * sp.shared_units;
+#pragma omp for schedule(dynamic, 1)
+    for (int unit = 0; unit < items * sp.parts; unit++) {
+        const int tails = unit >= shared_total;
+        const int item = tails ? unit - shared_total : unit / sp.shared_units;
+        const int s = tails ? sp.parts - 1 : unit % sp.shared_units;
+        const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
+        const int nb = B - b0 < chunk ? B - b0 : chunk;
+        const struct decode_part p = part_at(parts, (int64_t)item * sp.parts + s, G, D, chunk);
+        if (tails)
+            direct_decode_tails(D, q, q_row_stride, k_cache, v_cache, bf16, tail_slots,
+                                tail_lens, max_tail, b0, nb, h, KV, G, scale, tile, p);
+        else {
+            const int k0 = s * sp.span, k1 = shared - k0 < sp.span ? shared : k0 + sp.span;
+            direct_decode_shared(D, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, k0,
+                                 k1, b0, nb, h, KV, G, scale, tile, p);
+        }
+    }
+#pragma omp for schedule(static)
+    for (int item = 0; item < items; item++) {
+        struct decode_part item_parts[MAX_SPLITS + 1];
+        for (int i = 0; i < sp.parts; i++)
+            item_parts[i] = part_at(parts, (int64_t)item * sp.parts + i, G, D, chunk);
+        const int b0 = (item % num_chunks) * chunk;
+        merge_parts(item_parts, sp.parts, B - b0 < chunk ? B - b0 : chunk, item / num_chunks, H,
+                    G, D, b0, scale, out);
+    }
 }
 
 /* One work item of `pc_decode`: sequences b0 .. b0 + nb - 1, kv head h, whose shared keys are
@@ -447,10 +563,10 @@ static void decode_item(const float *q, int64_t q_row_stride, const void *k_cach
  * max_tail ..]). q: [B, H, D] with rows q_row_stride floats apart; out: [B, H, D] contiguous.
  * Work item = (kv head, chunk of `chunk` sequences): their G query heads stacked, one GEMM over
  * the shared keys for all of them, small GEMMs per tail, one softmax per row over both parts.
- * Where `direct_applies` (AVX-512, head_dim 64 or 128) the shared keys and then each tail are
- * read straight from the cache by the direct path's key-block loops (`direct_decode`: no
- * gather, and the register tiles run near the GEMM's rate), each tail's state folded into its
- * rows after the shared keys. Otherwise, as in
+ * Where `direct_applies` (AVX-512, head_dim 64 or 128) the shared keys and the tails are read
+ * straight from the cache by the direct path's key-block loops (`direct_decode`: no gather, and
+ * the register tiles run near the GEMM's rate), in units of up to `splits` runs of shared keys
+ * and one of the tails per item, merged after. Otherwise (`splits` unused), as in
  * pc_attention, where each thread gets whole kv heads, the thread gathers the shared keys of
  * the head it works on into its own buffer (read from L2 by that head's chunks), or the team
  * gathers every head's once. */
@@ -458,8 +574,9 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
                    const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
                    const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
                    float *scratch, int B, int H, int KV, int D, float scale, int chunk,
-                   int nthreads, sgemm_fn sgemm, set_threads_fn set_threads) {
+                   int splits, int nthreads, sgemm_fn sgemm, set_threads_fn set_threads) {
     const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
+    const struct decode_split sp = split_keys(shared, splits);
     const int64_t head_floats = (int64_t)shared * D, chunk_rows = (int64_t)G * chunk;
     const int width = shared + max_tail;
     const int direct = decode_direct(G, D, chunk);
@@ -477,14 +594,10 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
         float *scores = stacked_out + chunk_rows * D;
         float *k_tail = scores + chunk_rows * width, *v_tail = k_tail + (int64_t)max_tail * D;
         if (direct) {
-            float *tile = per_thread + thread * thread_floats;
-#pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < KV * num_chunks; item++) {
-                const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
-                direct_decode(D, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
-                              tail_slots, tail_lens, max_tail, out, b0,
-                              B - b0 < chunk ? B - b0 : chunk, h, H, KV, G, scale, tile);
-            }
+            direct_decode(q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
+                          tail_slots, tail_lens, max_tail, out, B, H, KV, D, scale, chunk, sp,
+                          per_thread + thread * thread_floats,
+                          per_thread + nthreads * thread_floats);
         } else if (local) {
             float *k_h = kv_buffers + 2 * thread * head_floats, *v_h = k_h + head_floats;
 #pragma omp for schedule(dynamic, 1)
@@ -515,10 +628,11 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
 void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                const int64_t *shared_slots, int shared, const int64_t *tail_slots,
                const int *tail_lens, int max_tail, float *out, float *scratch, int B, int H,
-               int KV, int D, float scale, int chunk, int nthreads, sgemm_fn sgemm,
+               int KV, int D, float scale, int chunk, int splits, int nthreads, sgemm_fn sgemm,
                set_threads_fn set_threads) {
     decode(q, q_row_stride, k_cache, v_cache, 0, shared_slots, shared, tail_slots, tail_lens,
-           max_tail, out, scratch, B, H, KV, D, scale, chunk, nthreads, sgemm, set_threads);
+           max_tail, out, scratch, B, H, KV, D, scale, chunk, splits, nthreads, sgemm,
+           set_threads);
 }
 
 /* pc_decode over bfloat16 caches (queries and outputs float32; `products` as for
@@ -527,8 +641,9 @@ void pc_decode_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_cach
                     const uint16_t *v_cache, const int64_t *shared_slots, int shared,
                     const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
                     float *scratch, int B, int H, int KV, int D, float scale, int chunk,
-                    int nthreads, sgemm_fn sgemm, set_threads_fn set_threads, int products) {
+                    int splits, int nthreads, sgemm_fn sgemm, set_threads_fn set_threads,
+                    int products) {
     decode(q, q_row_stride, k_cache, v_cache, products ? KV_BF16_PRODUCTS : KV_BF16,
            shared_slots, shared, tail_slots, tail_lens, max_tail, out, scratch, B, H, KV, D,
-           scale, chunk, nthreads, sgemm, set_threads);
+           scale, chunk, splits, nthreads, sgemm, set_threads);
 }

@@ -584,49 +584,57 @@ static void D_(direct_tiles)(const float *q, int64_t q_row_stride, const void *k
     }
 }
 
-/* Decode sequences b0 .. b0 + nb - 1 of kv head h as one tile (rows g * nb + b): the shared
- * keys (shared_slots) straight from the cache, in key blocks as above; then each sequence's own
- * tail keys the same way, through a second tile of its G rows (buffer slot 1), folded into its
- * rows' running max, sum and output sums. buf: D_(direct_floats)(G * nb). */
-static void D_(direct_decode)(const float *q, int64_t q_row_stride, const void *k_cache,
-                          const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
-                          const int64_t *tail_slots, const int *tail_lens, int max_tail,
-                          float *out, int b0, int nb, int h, int H, int KV, int G, float scale,
-                          float *buf) {
-    enum { D = HD };
-    const int dot16 = bf16 == KV_BF16_PRODUCTS;
-    const struct head_rows hr = D_(head_of)(k_cache, v_cache, bf16, shared_slots, h, KV);
+#ifndef DIRECT_COMMON
+/* A decode work item's partial result (attention.c's `decode`): for its rows r = g * nb + b
+ * (query head h * G + g of sequence b0 + b), the output sums o [rows, D] over the keys it saw,
+ * not normalised, their running max (raw scores) and sum; merged by `merge_parts`. */
+struct decode_part {
+    float *o, *max, *sum;
+};
+
+/* The tile's running max and sum of row r into part p, row pr */
+static inline void keep_row_state(const struct tile_state *ts, int r, struct decode_part p, int pr) {
+    p.max[pr] = ts->max[r / LANES][r % LANES], p.sum[pr] = ts->sum[r / LANES][r % LANES];
+}
+#endif
+
+/* Sequences b0 .. b0 + nb - 1 of kv head h as one tile (rows g * nb + b) over the shared keys
+ * k0 .. k1 - 1 (shared_slots), straight from the cache in key blocks as above, into part p.
+ * buf: D_(direct_floats)(G * nb). */
+static void D_(decode_shared)(const float *q, int64_t q_row_stride, const void *k_cache,
+                              const void *v_cache, int bf16, const int64_t *shared_slots, int k0,
+                              int k1, int b0, int nb, int h, int KV, int G, float scale,
+                              float *buf, struct decode_part p) {
+    const struct head_rows hr = D_(head_of)(k_cache, v_cache, bf16, shared_slots + k0, h, KV);
     const struct direct_buf b = D_(direct_layout)(buf, G * nb);
-    struct tile_state ts, tail;
-    D_(tile_begin)(&ts, &b, 0, G * nb, q, q_row_stride, b0, nb, shared, shared, h, G, dot16, 1);
+    const int keys = k1 - k0;
+    struct tile_state ts;
+    D_(tile_begin)(&ts, &b, 0, G * nb, q, q_row_stride, b0, nb, keys, keys, h, G,
+                   bf16 == KV_BF16_PRODUCTS, 1);
+    ts.o = p.o; /* the output sums go straight to the part */
     D_(tiles_over_keys)(&ts, 1, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
+    for (int r = 0; r < ts.rows; r++) keep_row_state(&ts, r, p, r);
+}
+
+/* The same sequences over each one's own tail keys (tail_lens[b] of them at tail_slots[b *
+ * max_tail ..]): a tile of its G rows per sequence, into part p's rows g * nb + b. */
+static void D_(decode_tails)(const float *q, int64_t q_row_stride, const void *k_cache,
+                             const void *v_cache, int bf16, const int64_t *tail_slots,
+                             const int *tail_lens, int max_tail, int b0, int nb, int h, int KV,
+                             int G, float scale, float *buf, struct decode_part p) {
+    enum { D = HD };
+    const struct direct_buf b = D_(direct_layout)(buf, G * nb);
+    struct tile_state tail;
     for (int t = 0; t < nb; t++) {
         const int len = tail_lens[b0 + t];
         const struct head_rows tr = D_(head_of)(k_cache, v_cache, bf16,
                                                 tail_slots + (int64_t)(b0 + t) * max_tail, h, KV);
-        D_(tile_begin)(&tail, &b, 1, G * nb, q, q_row_stride, b0 + t, 1, len, len, h, G, dot16,
-                       t == 0);
+        D_(tile_begin)(&tail, &b, 0, G * nb, q, q_row_stride, b0 + t, 1, len, len, h, G,
+                       bf16 == KV_BF16_PRODUCTS, t == 0);
         D_(tiles_over_keys)(&tail, 1, &tr, &b, k_cache, v_cache, bf16, KV, h, scale);
-        for (int g = 0; g < G; g++) { /* row r of the shared tile += row g of the tail's */
-            const int r = g * nb + t, v = r / LANES, l = r % LANES;
-            float *o = ts.o + (int64_t)r * D;
-            const float *o2 = tail.o + (int64_t)g * D;
-            const float m1 = ts.max[v][l], m2 = tail.max[g / LANES][g % LANES];
-            const float s2 = tail.sum[g / LANES][g % LANES];
-            if (shared == 0) { /* no shared keys: the tail's state is the row's */
-                memcpy(o, o2, D * sizeof(float));
-                ts.max[v][l] = m2, ts.sum[v][l] = s2;
-                continue;
-            }
-            const float mx = m1 > m2 ? m1 : m2;
-            vfloat x = {0};
-            x[0] = (m1 - mx) * scale, x[1] = (m2 - mx) * scale;
-            x = exp_nonpositive(x);
-            const vfloat a1 = splat(x[0]), a2 = splat(x[1]);
-            for (int d = 0; d < D; d += LANES)
-                store_vec(o + d, load_vec(o + d) * a1 + load_vec(o2 + d) * a2);
-            ts.max[v][l] = mx, ts.sum[v][l] = ts.sum[v][l] * x[0] + s2 * x[1];
+        for (int g = 0; g < G; g++) {
+            memcpy(p.o + (int64_t)(g * nb + t) * D, tail.o + (int64_t)g * D, D * sizeof(float));
+            keep_row_state(&tail, g, p, g * nb + t);
         }
     }
-    D_(tile_end)(&ts, out, h, H, G);
 }
