@@ -11,7 +11,8 @@ attended once for all 16 queries)? Same cache contents, outputs checked equal.
 the torch paths. Warm-up, then the median of interleaved repeats; prints a table and a final
 JSON line.
 Other shapes: ``--heads 9 --kv-heads 3`` (SmolLM2); ``--splits 1,2,3`` also times the compiled
-kernel with the shared keys forced into that many runs per work item.
+kernel with the shared keys forced into that many runs per work item; ``--layers 30`` runs each
+case over 30 layers' caches in turn (K and V from memory, as in a step; times per layer).
 Usage: python benchmarks/bench_decode_attention.py [--repeats 20] [--threads 2]
 """
 
@@ -94,42 +95,56 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     bs, heads, kv_heads, dim = args.block_size, args.heads, args.kv_heads, args.head_dim
     num_blocks = args.seqs * (-(-(args.context + bs) // bs)) + args.prefix // bs
-    k_cache = torch.randn(num_blocks, bs, kv_heads, dim)
-    v_cache = torch.randn(num_blocks, bs, kv_heads, dim)
+    # one cache per layer: with --layers N each case runs over N layers' caches in turn, so K
+    # and V come from memory as in a model's step rather than from the last case's reads
+    caches = [
+        (torch.randn(num_blocks, bs, kv_heads, dim), torch.randn(num_blocks, bs, kv_heads, dim))
+        for _ in range(args.layers)
+    ]
     q = torch.randn(args.seqs, heads, dim)
     scale = dim**-0.5
     cases: dict[str, Callable[[], torch.Tensor]] = {}
     outputs = {}
+
+    def add(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        cases[name] = lambda: [fn(k, v) for k, v in caches][-1]  # the last layer's output
+
     for shared in (False, True):
         table, lens = make_tables(args, shared)
         pos = [np.arange(n) for n in lens]
         slots = [torch.as_tensor(table[b, p // bs] * bs + p % bs) for b, p in enumerate(pos)]
         plan = DecodePlan.build(table, lens, bs)
         tag = "shared" if shared else "unshared"
-        cases[f"per-sequence slot gather, {tag}"] = lambda s=slots: per_sequence_reference(
-            q, k_cache, v_cache, s
+        add(
+            f"per-sequence slot gather, {tag}",
+            lambda k, v, s=slots: per_sequence_reference(q, k, v, s),
         )
-        cases[f"decode_attention, {tag}"] = lambda p=plan: decode_attention(
-            q, k_cache, v_cache, p, scale
-        )
-        cases[f"decode_attention incl. plan, {tag}"] = lambda t=table, n=lens: decode_attention(
-            q, k_cache, v_cache, DecodePlan.build(t, n, bs), scale
+        add(f"decode_attention, {tag}", lambda k, v, p=plan: decode_attention(q, k, v, p, scale))
+        add(
+            f"decode_attention incl. plan, {tag}",
+            lambda k, v, t=table, n=lens: decode_attention(
+                q, k, v, DecodePlan.build(t, n, bs), scale
+            ),
         )
         if native_attention.available():
-            cases[f"decode_attention, torch paths, {tag}"] = lambda p=plan: _torch_paths(
-                lambda: decode_attention(q, k_cache, v_cache, p, scale)
+            add(
+                f"decode_attention, torch paths, {tag}",
+                lambda k, v, p=plan: _torch_paths(lambda: decode_attention(q, k, v, p, scale)),
             )
         for splits in args.splits if shared and native_attention.available() else ():
             own = DecodePlan.build(table, lens, bs)  # its kernel call prepared with `splits`
-            cases[f"compiled kernel, splits={splits}, {tag}"] = lambda p=own, n=splits: (
-                _forced_splits(n, lambda: decode_attention(q, k_cache, v_cache, p, scale))
+            add(
+                f"compiled kernel, splits={splits}, {tag}",
+                lambda k, v, p=own, n=splits: _forced_splits(
+                    n, lambda: decode_attention(q, k, v, p, scale)
+                ),
             )
     for name, fn in cases.items():
         outputs[name] = fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):  # interleaved, so machine load hits every case alike
         for name, fn in cases.items():
-            times[name].extend(time_ms(fn, 1))
+            times[name].extend(t / args.layers for t in time_ms(fn, 1))
     max_diff = {
         name: (out - outputs[f"per-sequence slot gather, {name.rsplit(', ', 1)[1]}"])
         .abs()
@@ -145,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
         "context": args.context,
         "shared_prefix": args.prefix,
         "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": dim},
+        "layers": args.layers,
         "repeats": args.repeats,
         "compiled_kernel": native_attention.available(),
         "median_ms": {name: round(statistics.median(t), 3) for name, t in times.items()},
@@ -160,12 +176,19 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=1920)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--layers", type=int, default=1, help="caches to run over in turn (times are per layer)"
+    )
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
-                        help="also time the compiled kernel with the shared keys in these "
-                        "numbers of runs (e.g. 1,2,3) beside the number it chooses")
+    parser.add_argument(
+        "--splits",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[],
+        help="also time the compiled kernel with the shared keys in these "
+        "numbers of runs (e.g. 1,2,3) beside the number it chooses",
+    )
     summary = run(parser.parse_args())
     ref = summary["median_ms"]
     print(
