@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from native_support import require_native_attention
 from prefixcache import native
 from prefixcache.attention import native_attention
+from prefixcache.native import machine
 
 
 @pytest.fixture(autouse=True)
@@ -170,9 +171,25 @@ def test_prefill_path_choice() -> None:
 
 
 def test_tile_size_follows_the_query_heads_per_kv_head() -> None:
-    # about 128 stacked query rows per tile, in a power of two of tokens
-    sizes = {g: native_attention.tile_tokens(g * 2, 2) for g in (1, 2, 3, 4, 7, 8, 9, 16, 200)}
+    # 128 stacked query rows per tile with a 32 KiB L1d and 1 MiB L2, in a power of two of tokens
+    zen4 = machine.Caches(l1d=32 << 10, l2=1 << 20, l3=32 << 20, line=64)
+    sizes = {
+        g: native_attention.tile_tokens(g * 2, 2, 64, zen4) for g in (1, 2, 3, 4, 7, 8, 9, 16, 200)
+    }
     assert sizes == {1: 128, 2: 64, 3: 32, 4: 32, 7: 16, 8: 16, 9: 8, 16: 8, 200: 1}
+
+
+def test_tile_rows_follow_the_cache_sizes() -> None:
+    # a key block's scores in half the L1d, four tiles' queries and sums in half the L2
+    def rows(l1d_kib: int, l2_kib: int, head_dim: int) -> int:
+        caches = machine.Caches(l1d=l1d_kib << 10, l2=l2_kib << 10, l3=32 << 20, line=64)
+        return native_attention.tile_rows(head_dim, caches)
+
+    assert rows(32, 1024, 64) == rows(32, 1024, 128) == rows(48, 2048, 128) == 128
+    assert rows(64, 2048, 64) == 256  # a direct-path tile's most
+    assert rows(64, 1024, 128) == 128  # the L2 bounds it at head_dim 128
+    assert rows(32, 512, 128) == 64
+    assert rows(8, 256, 64) == 32
 
 
 def test_decode_work_items_spread_evenly_over_the_threads() -> None:

@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from prefixcache.native import Switch, load_library
+from prefixcache.native import Switch, load_library, machine
 
 __all__ = [
     "applies",
@@ -55,10 +55,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Stacked query rows (G query heads x new tokens) per prefill tile. The direct path's register
-# tiles take up to 256 rows; a sweep over G = 1, 3, 4, 7, 8 and 16 (head_dim 64 and 128, both
-# dtypes, 2 threads) found ~128 as fast as the best size on every shape (docs/performance.md).
-_TILE_ROWS = 128
+# The direct path's tiles (attention.c): key block, tiles sharing each key block
+_GROUP_TILES = 4
 _MAX_TILE_ROWS = 4096  # MAX_TILE_ROWS in attention.c: stacked query rows of one work item
 _DIRECT_ROWS = 256  # MAX_TILE_VECS * LANES in attention.c: most rows of a direct-path tile
 # Most decode sequences per work item: their G query heads stack into one GEMM over the shared
@@ -72,7 +70,7 @@ _ITEM_ROWS = 32
 # _MIN_SPAN long, at most _MAX_SPLITS (MAX_SPLITS in attention.c) per item
 _KEY_READ = 1.0
 _UNIT_COST = 64.0
-_KEY_BLOCK = 32
+_KEY_BLOCK = 32  # KEY_BLOCK in attention.c
 _MIN_SPAN = 128
 _MAX_SPLITS = 32
 
@@ -207,13 +205,33 @@ def _check(
 PREFILL_PATHS = ("shared gather", "gather per kv head", "direct per kv head")
 
 
-def tile_tokens(num_heads: int, num_kv_heads: int) -> int:
+def tile_rows(head_dim: int, caches: machine.Caches | None = None) -> int:
+    """Stacked query rows per prefill tile on this machine: the largest power of two from 16 to
+    256 (a direct-path tile's most) for which one key block's scores (`_KEY_BLOCK` x rows
+    floats) take at most half the L1d, and the `_GROUP_TILES` tiles that share each key block,
+    their transposed queries and output sums (2 x rows x head_dim floats a tile), at most half
+    the L2. 128 with a 32 KiB L1d and 1 MiB L2 at head_dim 64 or 128 (a sweep over G = 1-16
+    found ~128 as fast as the best size on every shape: docs/performance.md)."""
+    caches = caches or machine.caches()
+    rows = 16
+    while (
+        rows < _DIRECT_ROWS
+        and _KEY_BLOCK * 2 * rows * 4 <= caches.l1d // 2
+        and _GROUP_TILES * 2 * (2 * rows) * head_dim * 4 <= caches.l2 // 2
+    ):
+        rows *= 2
+    return rows
+
+
+def tile_tokens(
+    num_heads: int, num_kv_heads: int, head_dim: int = 64, caches: machine.Caches | None = None
+) -> int:
     """New tokens per prefill tile for this shape: the largest power of two up to 128 whose G
-    stacked query heads make at most `_TILE_ROWS` rows (at least one token), e.g. 32 at G = 3
-    or 4, 16 at G = 8, 128 without GQA: up to G = 256 the tiles stay on the direct path, and
-    few query heads per kv head still fill its register tiles."""
-    group, tokens = num_heads // num_kv_heads, 128
-    while tokens > 1 and group * tokens > _TILE_ROWS:
+    stacked query heads make at most `tile_rows` rows (at least one token), e.g. with 128 rows
+    32 at G = 3 or 4, 16 at G = 8, 128 without GQA: up to G = 256 the tiles stay on the direct
+    path, and few query heads per kv head still fill its register tiles."""
+    group, tokens, rows = num_heads // num_kv_heads, 128, tile_rows(head_dim, caches)
+    while tokens > 1 and group * tokens > rows:
         tokens //= 2
     return tokens
 
@@ -234,7 +252,8 @@ def prefill_path(
     kernel = _kernel_or_raise()
     path = kernel.attention_path(
         num_tokens, seq_len, num_heads, num_kv_heads, head_dim,
-        tile_tokens(num_heads, num_kv_heads), torch.get_num_threads(), kv_dtype == torch.bfloat16,
+        tile_tokens(num_heads, num_kv_heads, head_dim), torch.get_num_threads(),
+        kv_dtype == torch.bfloat16,
     )  # fmt: skip
     return PREFILL_PATHS[path]
 
@@ -283,7 +302,7 @@ class PreparedAttend:
         kernel = self._kernel = _kernel_or_raise()
         num_tokens, num_heads, head_dim = q.shape
         seq_len, num_kv_heads = slots.shape[0], k_flat.shape[1]
-        self._tile_tokens = tile_tokens(num_heads, num_kv_heads)
+        self._tile_tokens = tile_tokens(num_heads, num_kv_heads, head_dim)
         _check(q, k_flat, v_flat, out, [slots], self._tile_tokens, "attention", slot_range)
         if not 0 < num_tokens <= seq_len:
             raise ValueError(

@@ -2,7 +2,7 @@
 
 ``CausalLM(input_ids [T], positions [T], kv_cache, attn_metadata) -> logits [B, vocab]``:
 linear layers run over all T tokens of the step at once (the MLP over at most
-`tuning.MLP_CHUNK_ROWS` at a time); attention writes the new K/V through the slot mapping and
+`tuning.mlp_chunk_rows` at a time); attention writes the new K/V through the slot mapping and
 reads context through block tables (`prefixcache.attention`). Parameter names follow
 transformers except the fused ``qkv_proj`` and ``gate_up_proj`` (see weights.py). On CPU the
 projections also hold a packed copy of their weight (`Projection`: the panel GEMM's, MKL's or

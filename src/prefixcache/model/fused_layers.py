@@ -132,7 +132,7 @@ class FusedLayers:
         rows, heads, kv_heads, head_dim = (
             h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         )  # fmt: skip
-        chunk = min(rows, tuning.MLP_CHUNK_ROWS)
+        chunk = min(rows, tuning.mlp_chunk_rows(c.intermediate_size, h.element_size()))
         buffers = {
             "x": torch.empty_like(h),
             "o": torch.empty_like(h),

@@ -237,7 +237,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        chunk = tuning.MLP_CHUNK_ROWS
+        chunk = tuning.mlp_chunk_rows(self.intermediate_size, x.element_size())
         if num_tokens <= chunk:
             return self._swiglu(x)
         # long prefills go through in row chunks: the activation stays cache-sized

@@ -28,7 +28,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from prefixcache.native import Switch, load_library
+from prefixcache.native import Switch, load_library, machine
 
 __all__ = [
     "add_rms_norm",
@@ -66,6 +66,8 @@ def _library() -> ctypes.CDLL | None:
     library = load_library("layers")
     if library is None:
         return None
+    library.pc_set_prefetch_bytes.argtypes = [_I]
+    library.pc_set_prefetch_bytes(machine.prefetch_bytes())  # the GEMMs' prefetch distance
     for suffix in ("", "_bf16"):  # attribute access: ctypes caches the function objects
         getattr(library, "pc_add_rms_norm" + suffix).argtypes = [
             _P, _P, _P, _P, _I, _I, ctypes.c_float, _I

@@ -7,7 +7,7 @@
  * of k, the operand layout of vdpbf16ps), zero padded to whole panels and, in bfloat16, to an
  * even k. A panel (k x 48 values) stays in the core's L2 cache while every PANEL_ROWS-row tile
  * of x goes through it; a tile is 8 x 3 zmm accumulators, one weight load feeding 8 FMAs. The
- * first tile of a panel streams its weights from memory and prefetches PREFETCH_BYTES ahead of
+ * first tile of a panel streams its weights from memory and prefetches prefetch_bytes ahead of
  * that stream; the others read them from L2. Threads split the panels, so every output value is
  * the same sequence of operations whatever the row count or thread count: a row's result does
  * not depend on the batch it is in.
@@ -28,7 +28,11 @@
 #define PANEL_COLS 48
 #define PANEL_ROWS 8
 #define PANEL_VECS (PANEL_COLS / 16)
-#define PREFETCH_BYTES 2048
+/* How far ahead of a weight stream the first tile prefetches: set from the machine's memory
+ * latency x streaming rate (prefixcache.native.machine.prefetch_bytes) when the library loads */
+static int64_t prefetch_bytes = 2048;
+
+void pc_set_prefetch_bytes(int bytes) { prefetch_bytes = bytes; }
 
 typedef uint16_t panel_bf16_t;
 
@@ -132,8 +136,8 @@ static inline __attribute__((always_inline)) void panel_tile(
         const char *wk = (const char *)wp + kk * row_bytes;
         if (prefetch)
             for (int line = 0; line < row_bytes / 64; line++)
-                _mm_prefetch(wk + 64 * line + PREFETCH_BYTES, _MM_HINT_T0);
-        if (prefetch && bf16w && (kk & 1)) _mm_prefetch(wk + 64 + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch(wk + 64 * line + prefetch_bytes, _MM_HINT_T0);
+        if (prefetch && bf16w && (kk & 1)) _mm_prefetch(wk + 64 + prefetch_bytes, _MM_HINT_T0);
         __m512 wv[PANEL_VECS];
         for (int j = 0; j < PANEL_VECS; j++) wv[j] = panel_weights(wk, j, bf16w);
 #pragma GCC unroll 8
@@ -159,7 +163,7 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(
         const panel_bf16_t *wk = wp + (int64_t)kk * PANEL_COLS;
         if (prefetch)
             for (int line = 0; line < PANEL_VECS; line++)
-                _mm_prefetch((const char *)(wk + 32 * line) + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)(wk + 32 * line) + prefetch_bytes, _MM_HINT_T0);
         __m512bh wv[PANEL_VECS];
         for (int j = 0; j < PANEL_VECS; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
 #pragma GCC unroll 8

@@ -157,7 +157,7 @@ static inline __attribute__((always_inline)) void quant_tile(
             const uint8_t *wg = rec + (nib ? g / 2 : g) * QUANT_COLS * 4;
             if (prefetch && (!nib || !(g & 1)))
                 for (int line = 0; line < 5; line++)
-                    _mm_prefetch((const char *)rec + g * (record / QUANT_GROUPS) + 64 * line + 2048,
+                    _mm_prefetch((const char *)rec + g * (record / QUANT_GROUPS) + 64 * line + prefetch_bytes,
                                  _MM_HINT_T0);
             __m512i wv[QUANT_VECS];
             for (int j = 0; j < QUANT_VECS; j++) {
