@@ -196,6 +196,11 @@ def test_dtype_auto_measures_once_per_machine_and_shape(tiny_llama, tmp_path, mo
     best = min(labels, key=lambda label: figures[label]["score_s"])
     assert auto.precision == best
     assert all(figures[label]["prefill_tokens_per_s"] > 0 for label in labels)
+    # each candidate's figures include its compute dtype's attention: float32's for float32
+    # with narrower weights too (their KV cache and products are float32)
+    attention = {label: figures[label]["attention_ms"] for label in labels}
+    assert all(a["prefill"] > 0 and a["decode_step"] > 0 for a in attention.values())
+    assert attention["float32"] == attention["float32+bfloat16"]
     assert auto.choice.cpu and "chose" in auto.choice.describe()
     (kept,) = (tmp_path / "calibration").glob("*.json")
     assert json.loads(kept.read_text())["chosen"] == best

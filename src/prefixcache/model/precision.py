@@ -16,9 +16,13 @@ Each candidate packs random weights of the model's projection shapes (as many la
 `SAMPLE_BYTES`, so that a step streams them from memory as the model's would) the way the model
 would pack them, and times a prefill of `PREFILL_ROWS` tokens and a decode step of `DECODE_ROWS`
 sequences through them (medians of `REPEATS` after a warm-up round, candidates alternating).
-The score is one typical request's share: its prefill plus 8 decode steps (a 128-token answer
-among 16 running). A
-candidate whose weights would not fit in the memory the machine has free is left out. The result
+To each, the attention of its compute dtype is added (`_Attention`: float32 or bfloat16 queries
+and KV cache, through the compiled kernels as the model's steps run them, over a prefill of the
+same tokens and a decode step of the same sequences, `ATTENTION_CONTEXT` keys each): quantized
+or bfloat16 weights under float32 compute keep float32's attention, which at long contexts is
+what a decode step spends most on. The score is one typical request's share: its prefill plus 8
+decode steps (a 128-token answer among 16 running). A candidate whose weights would not fit in
+the memory the machine has free is left out. The result
 is kept under the cache directory per CPU model and flags, thread count, model shape and kernel
 sources, so only the first start on a machine pays the few seconds it takes.
 """
@@ -46,7 +50,7 @@ __all__ = ["Choice", "Precision", "candidates", "choose"]
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 # float32 weights measured per candidate, at most (at least one layer): several times a CPU's
 # last-level cache per core complex, so that a step streams them as the model's would, and small
 # enough that a first start measures in seconds (what it takes: docs/model.md)
@@ -55,6 +59,12 @@ PREFILL_ROWS = 512
 DECODE_ROWS = 16
 DECODE_STEPS_PER_REQUEST = 8  # a 128-token answer with 16 sequences running: 128 / 16 steps
 REPEATS = 3
+# The attention each compute dtype runs (float32 or bfloat16 queries and KV cache): a prefill of
+# PREFILL_ROWS new tokens, and a decode step of DECODE_ROWS sequences over ATTENTION_CONTEXT keys
+# each, the first half shared; over up to ATTENTION_LAYERS layers' caches in turn (K and V from
+# memory, as in a step), scaled to the model's layers
+ATTENTION_CONTEXT = 1024
+ATTENTION_LAYERS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +88,11 @@ class Precision:
 @dataclass(slots=True)
 class Choice:
     """The chosen precision and what was measured: per candidate label, prefill tokens/s,
-    decode step ms and the score (seconds of one typical request's projections)."""
+    decode step ms, the attention's share of both and the score (seconds of one typical
+    request's projections and attention)."""
 
     precision: Precision
-    figures: dict[str, dict[str, float]] = field(default_factory=dict)
+    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
     cpu: str = ""
     reason: str = ""
 
@@ -197,7 +208,7 @@ def _cpu_name() -> str:
 
 def _measure(
     config: ModelConfig, options: list[Precision], blocks_form: int
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     from prefixcache.model.decoder import _stored_copy  # the model's own choice of copy
     from prefixcache.model.layers import Projection
 
@@ -246,6 +257,8 @@ def _measure(
     times: dict[str, dict[int, list[float]]] = {
         label: {PREFILL_ROWS: [], DECODE_ROWS: []} for label in runs
     }
+    dtypes = {dtype for _, dtype in runs.values()}
+    attention = {dtype: _Attention(config, dtype, gen) for dtype in dtypes}
     with torch.inference_mode():
         for repeat in range(REPEATS + 1):
             for label, (projections, dtype) in runs.items():
@@ -253,17 +266,92 @@ def _measure(
                     seconds = step(projections, dtype, rows)
                     if repeat:  # the first round warms up
                         times[label][rows].append(seconds)
+            for each in attention.values():
+                each.run(keep=repeat > 0)
     scale = config.num_hidden_layers / layers
     figures = {}
     for label, by_rows in times.items():
-        prefill = statistics.median(by_rows[PREFILL_ROWS]) * scale
-        decode = statistics.median(by_rows[DECODE_ROWS]) * scale
+        dtype = runs[label][1]
+        attend_prefill, attend_decode = attention[dtype].per_model()
+        prefill = statistics.median(by_rows[PREFILL_ROWS]) * scale + attend_prefill
+        decode = statistics.median(by_rows[DECODE_ROWS]) * scale + attend_decode
         figures[label] = {
             "prefill_tokens_per_s": PREFILL_ROWS / prefill,
             "decode_step_ms": decode * 1e3,
+            "attention_ms": {"prefill": attend_prefill * 1e3, "decode_step": attend_decode * 1e3},
             "score_s": prefill + DECODE_STEPS_PER_REQUEST * decode,
         }
     return figures
+
+
+class _Attention:
+    """The attention of one compute dtype at the calibration's sizes (`ATTENTION_CONTEXT`):
+    through the compiled kernels where they take it, as the model's steps would, else torch's
+    SDPA over the same keys already gathered."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, gen: torch.Generator) -> None:
+        from prefixcache.attention import native_attention
+
+        heads, kv_heads, dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        )  # fmt: skip
+        shared = own = ATTENTION_CONTEXT // 2
+        slots = shared + DECODE_ROWS * own + PREFILL_ROWS
+        layer_bytes = 2 * slots * kv_heads * dim * torch.finfo(dtype).bits // 8
+        self.layers = max(1, min(ATTENTION_LAYERS, config.num_hidden_layers,
+                                 SAMPLE_BYTES // max(layer_bytes, 1)))  # fmt: skip
+        self.scale_to_model = config.num_hidden_layers / self.layers
+        self.caches = [
+            (torch.randn(slots, kv_heads, dim, generator=gen).to(dtype),
+             torch.randn(slots, kv_heads, dim, generator=gen).to(dtype))
+            for _ in range(self.layers)
+        ]  # fmt: skip
+        q_decode = torch.randn(DECODE_ROWS, heads, dim, generator=gen).to(dtype)
+        q_prefill = torch.randn(PREFILL_ROWS, heads, dim, generator=gen).to(dtype)
+        shared_slots = torch.arange(shared)
+        tail_slots = (shared + torch.arange(DECODE_ROWS * own)).view(DECODE_ROWS, own)
+        prefill_slots = torch.arange(slots - PREFILL_ROWS, slots)
+        score_scale = dim**-0.5
+        self.times: tuple[list[float], list[float]] = ([], [])
+        k0, v0 = self.caches[0]
+        if native_attention.applies_to(dtype, k0.device, k0, v0):
+            out_decode, out_prefill = torch.empty_like(q_decode), torch.empty_like(q_prefill)
+            decode = native_attention.PreparedDecode(
+                q_decode, k0, v0, shared_slots, tail_slots,
+                torch.full((DECODE_ROWS,), own, dtype=torch.int32), out_decode,
+            )  # fmt: skip
+            prefill = native_attention.PreparedAttend(
+                q_prefill, k0, v0, prefill_slots, out_prefill
+            )
+            self._prefill = lambda k, v: prefill(q_prefill, k, v, score_scale, out_prefill)
+            self._decode = lambda k, v: decode(q_decode, k, v, score_scale, out_decode)
+            return
+        import torch.nn.functional as F
+
+        def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool) -> None:
+            F.scaled_dot_product_attention(
+                q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                is_causal=causal, scale=score_scale, enable_gqa=True,
+            )  # fmt: skip
+
+        every = torch.cat([shared_slots.expand(DECODE_ROWS, -1), tail_slots], 1)
+        self._prefill = lambda k, v: sdpa(q_prefill, k[prefill_slots], v[prefill_slots], True)
+        self._decode = lambda k, v: [
+            sdpa(q_decode[b : b + 1], k[every[b]], v[every[b]], False) for b in range(DECODE_ROWS)
+        ]
+
+    def run(self, keep: bool) -> None:
+        """One prefill and one decode step over every layer's cache; kept unless warming up."""
+        for index, function in enumerate((self._prefill, self._decode)):
+            start = time.perf_counter()
+            for k, v in self.caches:
+                function(k, v)
+            if keep:
+                self.times[index].append((time.perf_counter() - start) * self.scale_to_model)
+
+    def per_model(self) -> tuple[float, float]:
+        """Seconds of a prefill's and of a decode step's attention over the model's layers."""
+        return statistics.median(self.times[0]), statistics.median(self.times[1])
 
 
 def _pack_like_model(linear: Any, dtype: torch.dtype) -> None:
