@@ -341,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         model = checkpoint(shape, Path(args.models_dir))
         for dtype in args.dtypes.split(","):
+            if dtype.endswith("+gguf") and model != "smollm2":
+                print(f"{shape}: {dtype} skipped (no GGUF file for this shape)", flush=True)
+                continue
             if not args.no_prefill:
                 rows.append({"shape": shape, "dtype": dtype, "prefill": _run(
                     sys.executable, ["prefill", model, dtype], env)})
