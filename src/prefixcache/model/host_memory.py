@@ -11,15 +11,18 @@ process.
 Kept without bound, that memory would make RSS follow the largest step the process has ever
 run, and a server's steps keep finding larger shapes. So a process that retains freed memory
 also hands it back every `TRIM_INTERVAL_S` (`FreedMemoryTrimmer`, called between engine steps):
-``malloc_trim(0)`` returns the free pages of every arena to the OS in well under a millisecond,
+``malloc_trim(0)`` returns the free pages of the heap to the OS in well under a millisecond,
 and the next step faults in only what it uses. What stays reserved is what is in use plus, at
-most, what the steps of the last interval freed.
+most, what the steps of the last interval freed. The process keeps one malloc arena for all its
+threads (``M_ARENA_MAX`` 1): under the raised trim threshold a thread's own arena keeps the
+free top of its heap resident, out of ``malloc_trim``'s reach (it trims the main arena's top
+only); the request threads that tokenize a 700 kB prompt left tens of MB there in a soak.
 
 It changes the allocator of the whole process, so it is the application's choice, not the
 library's: ``prefixcache serve`` opts in (``--no-retain-freed-memory`` keeps glibc's defaults),
 the benchmarks do too, and a library user may call `retain_freed_memory()` once. Settings the
 user gave through glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` environment
-variables win. What it saves is measured in docs/performance.md.
+variables win (and ``MALLOC_ARENA_MAX`` keeps the user's arena count). What it saves is measured in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import cast
 
 __all__ = ["FreedMemoryTrimmer", "retain_freed_memory"]
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # malloc.h
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's upper limit on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 256 * 1024 * 1024
 # the trade: a step after a trim faults its temporaries in again (page faults, no copies), once
@@ -56,9 +59,15 @@ def retain_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    # trim first: with the mmap threshold fixed, glibc stops raising the trim threshold itself
-    return bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    # trim first: with the mmap threshold fixed, glibc stops raising the trim threshold itself.
+    # One arena: a thread's own arena never gives back the free top of its first heap under a
+    # trim threshold this high, and malloc_trim cannot reach it either (it trims the top of the
+    # main arena only), so memory a tokenizer thread freed would stay resident for ever
+    arena_max = "MALLOC_ARENA_MAX" in os.environ or bool(mallopt(_M_ARENA_MAX, 1))
+    return (
+        bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        and bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        and arena_max
     )
 
 
