@@ -22,7 +22,8 @@ It changes the allocator of the whole process, so it is the application's choice
 library's: ``prefixcache serve`` opts in (``--no-retain-freed-memory`` keeps glibc's defaults),
 the benchmarks do too, and a library user may call `retain_freed_memory()` once. Settings the
 user gave through glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` environment
-variables win (and ``MALLOC_ARENA_MAX`` keeps the user's arena count). What it saves is measured in docs/performance.md.
+variables win (and ``MALLOC_ARENA_MAX`` keeps the user's arena count). What it saves is
+measured in docs/performance.md.
 """
 
 from __future__ import annotations
