@@ -224,8 +224,8 @@ def test_dtype_auto_takes_the_lowest_score_and_what_fits_in_memory(tiny_llama, m
                           "score_s": score[p.label]} for p in options}  # fmt: skip
 
     monkeypatch.setattr(precision, "_measure", fake)
-    monkeypatch.setattr(precision, "_read", lambda path: None)
-    monkeypatch.setattr(precision, "_write", lambda path, choice: None)
+    # measured every time: nothing read from or written to the cache
+    monkeypatch.setattr(precision.machine, "measured_once", lambda path, measure: (measure(), True))
     assert precision.choose(config, options).precision.label == "float32+bfloat16"
     float32_bytes = precision._weight_bytes(config, options[0])
     monkeypatch.setattr(precision, "_free_memory", lambda: float32_bytes - 1)

@@ -210,8 +210,7 @@ def tile_rows(head_dim: int, caches: machine.Caches | None = None) -> int:
     256 (a direct-path tile's most) for which one key block's scores (`_KEY_BLOCK` x rows
     floats) take at most half the L1d, and the `_GROUP_TILES` tiles that share each key block,
     their transposed queries and output sums (2 x rows x head_dim floats a tile), at most half
-    the L2. 128 with a 32 KiB L1d and 1 MiB L2 at head_dim 64 or 128 (a sweep over G = 1-16
-    found ~128 as fast as the best size on every shape: docs/performance.md)."""
+    the L2 (the rule and what it gives: docs/performance.md)."""
     caches = caches or machine.caches()
     rows = 16
     while (

@@ -16,7 +16,7 @@ and the next step faults in only what it uses. What stays reserved is what is in
 most, what the steps of the last interval freed. The process keeps one malloc arena for all its
 threads (``M_ARENA_MAX`` 1): under the raised trim threshold a thread's own arena keeps the
 free top of its heap resident, out of ``malloc_trim``'s reach (it trims the main arena's top
-only); the request threads that tokenize a 700 kB prompt left tens of MB there in a soak.
+only), and what request threads free (tokenizing a long prompt) would stay there.
 
 It changes the allocator of the whole process, so it is the application's choice, not the
 library's: ``prefixcache serve`` opts in (``--no-retain-freed-memory`` keeps glibc's defaults),

@@ -29,21 +29,19 @@ sources, so only the first start on a machine pays the few seconds it takes.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from prefixcache.model import native_layers, panel_gemm, quant_gemm
 from prefixcache.model.config import ModelConfig
+from prefixcache.native import machine
 from prefixcache.paths import cache_dir
 
 __all__ = ["Choice", "Precision", "candidates", "choose"]
@@ -140,21 +138,21 @@ def choose(
         [p.label for p in fitting], blocks_form, sources_digest(), torch.__version__,
     ]).encode()).hexdigest()[:20]  # fmt: skip
     path = cache_dir() / "calibration" / f"{key}.json"
-    cached = _read(path)
-    if cached is not None:
-        return cached
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # one measurement per machine at a time: replicas starting together would otherwise time
-    # each other's load and could choose differently (and so not share a cache namespace)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = _read(path)
-        if cached is not None:
-            return cached
+
+    def measure() -> dict[str, Any]:
         figures = _measure(config, fitting, blocks_form)
         best = min(fitting, key=lambda p: figures[p.label]["score_s"])
-        choice = Choice(best, figures, cpu, "measured")
-        _write(path, choice)
+        return Choice(best, figures, cpu, "measured").as_dict()
+
+    # one measurement per machine at a time: replicas starting together would otherwise time
+    # each other's load and could choose differently (and so not share a cache namespace)
+    data, fresh = machine.measured_once(path, measure)
+    choice = _from_dict(data, "measured" if fresh else "measured at an earlier start")
+    if choice is None:  # a damaged file: measured again, not trusted
+        path.unlink(missing_ok=True)
+        data, _ = machine.measured_once(path, measure)
+        choice = _from_dict(data, "measured")
+    assert choice is not None
     return choice
 
 
@@ -365,18 +363,8 @@ def _pack_like_model(linear: Any, dtype: torch.dtype) -> None:
     linear.pack(True, onednn, panel)
 
 
-def _read(path: Path) -> Choice | None:
+def _from_dict(data: dict[str, Any], reason: str) -> Choice | None:
     try:
-        data = json.loads(path.read_text())
-        return Choice(Precision.parse(data["chosen"]), data["candidates"], data["cpu"],
-                      "measured at an earlier start")  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError):
+        return Choice(Precision.parse(data["chosen"]), data["candidates"], data["cpu"], reason)
+    except (KeyError, TypeError, AttributeError):
         return None
-
-
-def _write(path: Path, choice: Choice) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    staging.write_text(json.dumps(choice.as_dict(), indent=1))
-    os.replace(staging, path)
-
