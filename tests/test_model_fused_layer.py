@@ -70,7 +70,8 @@ def _prepare(
 
 def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list:
     """A 40-token prefill (MLP in 16-row chunks), 30 more over it as a cache hit, two sequences
-    decoding together: the logits of each step."""
+    decoding together, a decode beside a chunk, two decodes sharing blocks: the logits of each
+    step."""
     monkeypatch.setattr(tuning, "MLP_CHUNK_ROWS", 16)
     calls: list[bool] = []
     prepare = FusedLayers.prepare
@@ -95,11 +96,13 @@ def _steps(model: decoder.CausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch
     out.append(step([tables[1]], [0], [9], ids[70:79]))
     out.append(step(tables, [70, 9], [1, 1], ids[[79, 0]]))
     out.append(step(tables, [71, 10], [1, 5], ids[:6]))  # a decode and a chunk together
+    # two decodes sharing the first two blocks: one kernel call reads them once for both
+    out.append(step([tables[0], [7, 2, 6]], [72, 32], [1, 1], ids[[1, 2]]))
     monkeypatch.undo()
-    # one call per layer for one sequence's prefill (float32), two around paged_attention
-    # otherwise
-    one_call = [dtype == torch.float32] * 3
-    assert calls == ([*one_call, False, False] if fused else [None] * 5)
+    # one call per layer where one kernel call attends the whole step (one sequence's prefill
+    # in float32, decodes only), two around paged_attention otherwise
+    prefill = dtype == torch.float32
+    assert calls == ([prefill] * 3 + [True, False, True] if fused else [None] * 6)
     return out
 
 

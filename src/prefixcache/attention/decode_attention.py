@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from prefixcache.attention import native_attention
 from prefixcache.attention.shared_prefix import SharedPrefix, find_shared_prefixes, merge_by_lse
 
-__all__ = ["DecodePlan", "SharedPrefix", "decode_attention"]
+__all__ = ["DecodePlan", "SharedPrefix", "decode_attention", "prepared_whole_step"]
 
 # Without a merge, tails are gathered a few sequences at a time: a gather above glibc's mmap
 # threshold (at most 32 MiB) gets fresh pages that fault on every call, so one large gather is
@@ -158,6 +158,31 @@ def _attend_native(
         if not every:
             out[rows] = part
     return out
+
+
+def prepared_whole_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    out: torch.Tensor,
+) -> native_attention.PreparedDecode | None:
+    """The kernel prepared for a step whose sequences all decode in one call (they share one
+    prefix, or none shares any), for compiled callers (`pc_layer`); None otherwise. q: the
+    first layer's [B, num_heads, head_dim] (rows may be strided), ``out`` the output."""
+    if not native_attention.applies(q, k_cache, v_cache):
+        return None
+    num_seqs, block_size = q.shape[0], k_cache.shape[1]
+    inputs = _native_inputs(plan, block_size, q.device)
+    if len(inputs.parts) != 1 or len(inputs.parts[0][0]) != num_seqs:
+        return None
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    shared_slots = inputs.parts[0][1]
+    return native_attention.PreparedDecode(
+        q, k_flat, v_flat, shared_slots, inputs.tail_slots, inputs.tail_lens, out
+    )
 
 
 def _block_slots(block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

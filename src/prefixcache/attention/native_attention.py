@@ -110,6 +110,8 @@ class _Kernel:
         self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 8)
         self.sgemm, self.set_threads = sgemm, set_threads
         self.attention_address = ctypes.cast(self.attention, _P).value
+        self.decode_address = ctypes.cast(self.decode, _P).value
+        self.decode_kv16_address = ctypes.cast(self.decode_kv16, _P).value
 
 
 @functools.cache
@@ -329,19 +331,21 @@ class PreparedAttend:
     ) -> tuple:
         return tuple((t.shape, t.stride(), t.dtype, t.is_cpu) for t in (q, k_flat, v_flat, out))
 
-    def kernel_arguments(self, out: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
-        """For compiled callers (`pc_layer`): the kernel's address, the slots' address, S, the
-        tile size, the scratch's address, sgemm and set_threads; ``out`` must be the output
-        it was prepared with."""
+    def kernel_arguments(self, out: torch.Tensor) -> dict[str, int]:
+        """For compiled callers (`pc_layer`), by ``struct layer_args``' field names: the
+        kernel's address, the slots' address, S, the tile size, the scratch's address, sgemm
+        and set_threads; ``out`` must be the output it was prepared with."""
         if self.signature(out, out, out, out)[3] != self._signature[3]:
             raise ValueError("native attention: output unlike the one it was prepared for")
         if self._function is not self._kernel.attention or self._out32 is not None:
             raise ValueError("native attention: compiled callers pass float32 tensors")
         kernel = self._kernel
-        return (
-            kernel.attention_address, self._slots.data_ptr(), self._sizes[1], self._tile_tokens,
-            self.scratch.data_ptr(), kernel.sgemm, kernel.set_threads,
-        )  # fmt: skip
+        return {
+            "attention": kernel.attention_address, "seq_slots": self._slots.data_ptr(),
+            "S": self._sizes[1], "tile_tokens": self._tile_tokens,
+            "scratch": self.scratch.data_ptr(), "sgemm": kernel.sgemm,
+            "set_threads": kernel.set_threads,
+        }  # fmt: skip
 
     def __call__(
         self,
@@ -440,6 +444,33 @@ class PreparedDecode:
         self._function, self._extra = kernel.decode, ()
         if k_flat.dtype == torch.bfloat16:
             self._function, self._extra = kernel.decode_kv16, (int(wide),)
+
+    def kernel_arguments(self, out: torch.Tensor) -> dict[str, int]:
+        """For compiled callers (`pc_layer`, `pc_layer_bf16`), by ``struct layer_args``' field
+        names: the kernel's address (pc_decode, or pc_decode_kv16 for bfloat16 queries), the
+        slots' and lengths' addresses and counts, the scratch's address, the chunk and runs,
+        sgemm and set_threads, and for bfloat16 queries the float32 buffers they are widened
+        into and the output is rounded from; ``out`` must be the output it was prepared
+        with."""
+        if PreparedAttend.signature(out, out, out, out)[3] != self._signature[3]:
+            raise ValueError("native decode: output unlike the one it was prepared for")
+        kernel, (shared_slots, tail_slots, tail_lens) = self._kernel, self._slots
+        fields = {
+            "shared_slots": shared_slots.data_ptr(), "shared": self._sizes[0],
+            "tail_slots": tail_slots.data_ptr(), "tail_lens": tail_lens.data_ptr(),
+            "max_tail": self._sizes[1], "scratch": self._scratch.data_ptr(),
+            "decode_chunk": self._chunk, "splits": self.splits, "sgemm": kernel.sgemm,
+            "set_threads": kernel.set_threads,
+        }  # fmt: skip
+        if self._function is kernel.decode and self._q32 is None:
+            return {"decode": kernel.decode_address, **fields}
+        if self._function is kernel.decode_kv16 and self._q32 is not None:
+            assert self._out32 is not None
+            return {
+                "decode": kernel.decode_kv16_address, "products": self._extra[0],
+                "q32": self._q32.data_ptr(), "out32": self._out32.data_ptr(), **fields,
+            }  # fmt: skip
+        raise ValueError("native decode: compiled callers pass float32 or bfloat16 throughout")
 
     def __call__(
         self,

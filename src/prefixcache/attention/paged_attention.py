@@ -28,7 +28,7 @@ from prefixcache.attention.decode_attention import DecodePlan, decode_attention
 from prefixcache.attention.metadata import AttentionMetadata, min_max
 from prefixcache.attention.plan import EXPLICIT_SCORES_MAX_BYTES, AttentionPlan, attention_plan
 
-__all__ = ["EXPLICIT_SCORES_MAX_BYTES", "paged_attention", "write_kv"]
+__all__ = ["EXPLICIT_SCORES_MAX_BYTES", "paged_attention", "step_decode_plan", "write_kv"]
 
 def write_kv(
     k: torch.Tensor,
@@ -127,17 +127,26 @@ def _attend_decodes(
     out: torch.Tensor,
 ) -> None:
     """Fill ``out`` at the decode sequences' tokens; their K/V are already in the cache."""
-    def build_plan() -> DecodePlan:
-        table = metadata.block_tables.cpu().numpy()[rows]
-        seq_lens = np.asarray(metadata.num_computed)[rows] + 1
-        return DecodePlan.build(table, seq_lens, metadata.block_size, device=q.device)
-
-    plan = metadata.derived(("decode_plan", tuple(rows), q.device), build_plan)  # once per step
+    plan = step_decode_plan(metadata, rows, q.device)
     if len(rows) == metadata.num_seqs:  # a pure decode step: token i belongs to sequence i
         out.copy_(decode_attention(q, k_cache, v_cache, plan, scale))
         return
     tokens = torch.tensor([metadata.query_starts[b] for b in rows], device=q.device)
     out[tokens] = decode_attention(q[tokens], k_cache, v_cache, plan, scale)
+
+
+def step_decode_plan(
+    metadata: AttentionMetadata, rows: list[int] | tuple[int, ...], device: torch.device
+) -> DecodePlan:
+    """The step's `DecodePlan` for its decode sequences ``rows``, built once per step (every
+    layer, and the fused layers, read the same one)."""
+
+    def build() -> DecodePlan:
+        table = metadata.block_tables.cpu().numpy()[list(rows)]
+        seq_lens = np.asarray(metadata.num_computed)[list(rows)] + 1
+        return DecodePlan.build(table, seq_lens, metadata.block_size, device=device)
+
+    return metadata.derived(("decode_plan", tuple(rows), device), build)
 
 
 def _attend_explicit(

@@ -7,12 +7,14 @@ misses, so they cost several times what they cost with warm caches. So `FusedLay
 the step once, in the first layer (shapes, dtypes, every layer's cache, the slots' range, the
 packed weights), allocates the buffers once, and builds each layer's arguments. A layer is then
 one call (`pc_layer` in prefixcache/native/layers.c: add + norm, qkv projection, rotary, K/V
-write, the attention kernel, o projection, add + norm, MLP) when the step is one sequence's
-prefill through the attention kernel in float32, else two calls (`pc_layer_inputs`,
-`pc_layer_outputs`, or their ``_bf16`` versions) around `paged_attention` (batches of sequences,
-decode, bfloat16, the torch attention paths); each takes the layer's `LayerArgs`, a C struct
-filled once per step. The operations, their order and the GEMMs (MKL's packed compute or the
-panel GEMM, called from C) are those of the separate steps, so the logits are the same bits.
+write, the attention kernel, o projection, add + norm, MLP) when one attention kernel call
+takes the whole step (one sequence's prefill in float32; decodes only, sharing one prefix or
+none, in float32 or bfloat16: `pc_layer_bf16`), else two calls (`pc_layer_inputs`,
+`pc_layer_outputs`, or their ``_bf16`` versions) around `paged_attention` (batches of
+prefills, mixed steps, a bfloat16 prefill, the torch attention paths); each takes the layer's
+`LayerArgs`, a C struct filled once per step. The operations, their order and the GEMMs (MKL's
+packed compute or the panel GEMM, called from C) are those of the separate steps, so the logits
+are the same bits.
 Figures: docs/performance.md.
 """
 
@@ -26,6 +28,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention, paged_attention
+from prefixcache.attention.decode_attention import prepared_whole_step
+from prefixcache.attention.paged_attention import step_decode_plan
 from prefixcache.attention.plan import AttentionPlan
 from prefixcache.model import native_layers, packed_gemm, panel_gemm, quant_gemm, tuning
 from prefixcache.model.packed_gemm import PackedWeight
@@ -62,6 +66,9 @@ class LayerArgs(ctypes.Structure):
         ("tile_tokens", _I),
         ("scale", _F),
         *[(name, _P) for name in ("attn", "scratch", "sgemm", "set_threads")],
+        *[(name, _P) for name in ("decode", "shared_slots", "tail_slots", "tail_lens")],
+        *[(name, _I) for name in ("shared", "max_tail", "decode_chunk", "splits", "products")],
+        *[(name, _P) for name in ("q32", "out32")],
     ]
 
 
@@ -78,7 +85,7 @@ class FusedLayers:
         metadata: AttentionMetadata,
         plan: AttentionPlan,
         buffers: dict[str, torch.Tensor],
-        attention: native_attention.PreparedAttend | None,
+        attention: native_attention.PreparedAttend | native_attention.PreparedDecode | None,
     ) -> None:
         self._library, self._args, self._layers = library, args, layers
         self._num_heads, self._num_kv_heads = num_heads
@@ -89,10 +96,12 @@ class FusedLayers:
         suffix = "_bf16" if buffers["x"].dtype == torch.bfloat16 else ""
         self._inputs = getattr(library, "pc_layer_inputs" + suffix)
         self._outputs = getattr(library, "pc_layer_outputs" + suffix)
+        self._layer = getattr(library, "pc_layer" + suffix)
 
     @property
     def one_call_per_layer(self) -> bool:
-        """Whether each layer is one compiled call (the step is one sequence's prefill)."""
+        """Whether each layer is one compiled call (the step is one sequence's prefill in
+        float32, or decodes only that one kernel call attends)."""
         return self._attention is not None
 
     @classmethod
@@ -142,11 +151,9 @@ class FusedLayers:
             "act": h.new_empty(chunk, c.intermediate_size),
             "attn": h.new_empty(rows, heads, head_dim),
         }
-        attention = None  # the attention kernel inside the call: float32 only
-        if h.dtype == torch.float32:
-            attention = _one_sequence_prefill(
-                buffers["qkv"][:, :heads], kv_cache, plan, buffers["attn"]
-            )
+        attention = _whole_step_kernel(  # the attention kernel inside the call
+            buffers["qkv"][:, :heads], kv_cache, metadata, plan, buffers["attn"]
+        )
         template = LayerArgs(
             gemm=gemm, h=h.data_ptr(), eps=parts[0].norm.eps,
             rows=rows, hidden=c.hidden_size, H=heads, KV=kv_heads, D=head_dim,
@@ -156,10 +163,8 @@ class FusedLayers:
             **{name: t.data_ptr() for name, t in buffers.items()},
         )  # fmt: skip
         if attention is not None:
-            (
-                template.attention, template.seq_slots, template.S, template.tile_tokens,
-                template.scratch, template.sgemm, template.set_threads,
-            ) = attention.kernel_arguments(buffers["attn"])  # fmt: skip
+            for name, value in attention.kernel_arguments(buffers["attn"]).items():
+                setattr(template, name, value)
         args = []
         for i, fields in enumerate(static.fields):
             a = LayerArgs.from_buffer_copy(template)
@@ -175,7 +180,7 @@ class FusedLayers:
         buffer that the next layer reads (adds to h) before it writes its own there."""
         address, buffers = self._addresses[i], self._buffers
         if self._attention is not None:
-            self._library.pc_layer(address)
+            self._layer(address)
             return buffers["out"]
         self._inputs(address)
         qkv, scale = buffers["qkv"], self._layers[i].scale
@@ -297,19 +302,28 @@ def _gemm_address(parts: list[_Parts]) -> int | None:
     return panel_gemm.compute_address(bf16w=kind == "panel-bf16w")
 
 
-def _one_sequence_prefill(
-    q: torch.Tensor, kv_cache: PagedKVCache, plan: AttentionPlan, out: torch.Tensor
-) -> native_attention.PreparedAttend | None:
-    """The attention kernel set up for the step's one sequence, where the step's
-    `AttentionPlan` gives the whole step to the kernel."""
-    if not plan.whole_step_native:
-        return None
-    (work,) = plan.prefill
-    assert work.slots is not None
-    kv_heads, head_dim = kv_cache.num_kv_heads, kv_cache.head_dim
+def _whole_step_kernel(
+    q: torch.Tensor,
+    kv_cache: PagedKVCache,
+    metadata: AttentionMetadata,
+    plan: AttentionPlan,
+    out: torch.Tensor,
+) -> native_attention.PreparedAttend | native_attention.PreparedDecode | None:
+    """The attention kernel set up for the whole step where one kernel call attends all of it:
+    one sequence's prefill in float32 (the step's `AttentionPlan` gives it to the kernel), or
+    decodes only with one shared prefix or none (`decode_attention.prepared_whole_step`)."""
     k_cache, v_cache = kv_cache.layer(0)
-    k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
-    return native_attention.PreparedAttend(q, k_flat, v_flat, work.slots, out)
+    if plan.whole_step_native and q.dtype == torch.float32:
+        (work,) = plan.prefill
+        assert work.slots is not None
+        kv_heads, head_dim = kv_cache.num_kv_heads, kv_cache.head_dim
+        k_flat = k_cache.view(-1, kv_heads, head_dim)
+        v_flat = v_cache.view(-1, kv_heads, head_dim)
+        return native_attention.PreparedAttend(q, k_flat, v_flat, work.slots, out)
+    if not plan.native or plan.prefill or len(plan.decode_rows) != metadata.num_seqs:
+        return None
+    decodes = step_decode_plan(metadata, plan.decode_rows, q.device)
+    return prepared_whole_step(q, k_cache, v_cache, decodes, out)
 
 
 def _check_step(

@@ -78,11 +78,13 @@ def _library() -> ctypes.CDLL | None:
         ]  # fmt: skip
         for name in ("pc_add_rms_norm", "pc_silu_mul", "pc_rotary"):
             getattr(library, name + suffix).restype = None
-    library.pc_layer.argtypes = [_P]  # a struct layer_args (`fused_layers.LayerArgs`)
+    # a struct layer_args (`fused_layers.LayerArgs`)
+    library.pc_layer.argtypes = library.pc_layer_bf16.argtypes = [_P]
     library.pc_layer_inputs.argtypes = library.pc_layer_inputs_bf16.argtypes = [_P]
     library.pc_layer_outputs.argtypes = library.pc_layer_outputs_bf16.argtypes = [_P, _P]
     for function in (
         library.pc_layer,
+        library.pc_layer_bf16,
         library.pc_layer_inputs,
         library.pc_layer_outputs,
         library.pc_layer_inputs_bf16,

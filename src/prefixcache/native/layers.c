@@ -279,6 +279,21 @@ typedef void (*attention_fn)(const float *q, int64_t q_row_stride, const float *
                              float *scratch, int T, int S, int H, int KV, int D, float scale,
                              int tile_tokens, int nthreads, void *sgemm, void *set_threads);
 
+/* pc_decode (attention.c): one query per sequence, over shared keys then each one's own */
+typedef void (*decode_fn)(const float *q, int64_t q_row_stride, const float *k_cache,
+                          const float *v_cache, const int64_t *shared_slots, int shared,
+                          const int64_t *tail_slots, const int *tail_lens, int max_tail,
+                          float *out, float *scratch, int B, int H, int KV, int D, float scale,
+                          int chunk, int splits, int nthreads, void *sgemm, void *set_threads);
+
+/* pc_decode_kv16: the same over bfloat16 caches; products: bfloat16 products */
+typedef void (*decode_kv16_fn)(const float *q, int64_t q_row_stride, const uint16_t *k_cache,
+                               const uint16_t *v_cache, const int64_t *shared_slots, int shared,
+                               const int64_t *tail_slots, const int *tail_lens, int max_tail,
+                               float *out, float *scratch, int B, int H, int KV, int D,
+                               float scale, int chunk, int splits, int nthreads, void *sgemm,
+                               void *set_threads, int products);
+
 /* One layer of one step: prefixcache.model.fused_layers.LayerArgs mirrors this layout. */
 struct layer_args {
     packed_gemm_fn gemm;
@@ -300,6 +315,14 @@ struct layer_args {
     float scale;
     float *attn, *scratch;
     void *sgemm, *set_threads;
+    /* or, for a step of decodes only, pc_decode's address (attention then NULL) and its own
+     * arguments; in bfloat16 pc_decode_kv16's, with the queries widened into q32 and its
+     * float32 output out32 rounded into attn */
+    void *decode;
+    const int64_t *shared_slots, *tail_slots;
+    const int *tail_lens;
+    int shared, max_tail, decode_chunk, splits, products;
+    float *q32, *out32;
 };
 
 /* The steps before the attention (pc_attention_inputs) */
@@ -316,12 +339,20 @@ void pc_layer_outputs(const struct layer_args *a, const float *attended) {
                  a->chunk, a->nthreads);
 }
 
-/* A whole layer, for a step that is one sequence's prefill through pc_attention */
+/* A whole layer, for a step that is one sequence's prefill through pc_attention or decodes
+ * only through pc_decode (the queries: qkv's rows, read in place) */
 void pc_layer(const struct layer_args *a) {
+    const int64_t q_stride = (int64_t)(a->H + 2 * a->KV) * a->D;
     pc_layer_inputs(a);
-    a->attention(a->qkv, (int64_t)(a->H + 2 * a->KV) * a->D, a->k_cache, a->v_cache, a->seq_slots,
-                 a->attn, a->scratch, a->rows, a->S, a->H, a->KV, a->D, a->scale, a->tile_tokens,
-                 a->nthreads, a->sgemm, a->set_threads);
+    if (a->decode != NULL)
+        ((decode_fn)a->decode)(a->qkv, q_stride, a->k_cache, a->v_cache, a->shared_slots, a->shared,
+                  a->tail_slots, a->tail_lens, a->max_tail, a->attn, a->scratch, a->rows, a->H,
+                  a->KV, a->D, a->scale, a->decode_chunk, a->splits, a->nthreads, a->sgemm,
+                  a->set_threads);
+    else
+        a->attention(a->qkv, q_stride, a->k_cache, a->v_cache, a->seq_slots, a->attn,
+                     a->scratch, a->rows, a->S, a->H, a->KV, a->D, a->scale, a->tile_tokens,
+                     a->nthreads, a->sgemm, a->set_threads);
     pc_layer_outputs(a, a->attn);
 }
 
@@ -370,4 +401,23 @@ void pc_layer_outputs_bf16(const struct layer_args *a, const bf16_t *attended) {
         pc_silu_mul_bf16(gate_up, act, m, I, a->nthreads);
         project_bf16(act, m, I, a->w_down, hidden, NULL, out + (int64_t)r0 * hidden, a->nthreads);
     }
+}
+
+/* A whole bfloat16 layer for a step of decodes only through pc_decode_kv16: the queries widened
+ * to float32 (exact) and the output rounded to bfloat16, as native_attention.PreparedDecode
+ * does around the same kernel: the same bits as the two calls around paged_attention. */
+void pc_layer_bf16(const struct layer_args *a) {
+    const int rows = a->rows, n = a->H * a->D, width = (a->H + 2 * a->KV) * a->D;
+    const bf16_t *qkv = (const bf16_t *)a->qkv;
+    bf16_t *attn = (bf16_t *)a->attn;
+    pc_layer_inputs_bf16(a);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < n; i++) a->q32[(int64_t)r * n + i] = widen(qkv[(int64_t)r * width + i]);
+    ((decode_kv16_fn)a->decode)(a->q32, n, (const uint16_t *)a->k_cache,
+                                (const uint16_t *)a->v_cache, a->shared_slots, a->shared,
+                                a->tail_slots, a->tail_lens, a->max_tail, a->out32, a->scratch,
+                                rows, a->H, a->KV, a->D, a->scale, a->decode_chunk, a->splits,
+                                a->nthreads, a->sgemm, a->set_threads, a->products);
+    for (int64_t i = 0; i < (int64_t)rows * n; i++) attn[i] = narrow(a->out32[i]);
+    pc_layer_outputs_bf16(a, attn);
 }
