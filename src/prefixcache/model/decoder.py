@@ -56,7 +56,10 @@ BlockSource = Callable[[str], "tuple[np.ndarray, np.ndarray, np.ndarray | None, 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # the weight comes from the checkpoint: no random init (on the meta device the loader
+        # builds on, Embedding's normal_ would import torch._dynamo, a second of start-up)
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
