@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -198,6 +199,12 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
     end = _metrics(server.base_url)
     warm_rss = [m for _, m in rss[soak_start:]]
     settle = warm_rss[len(warm_rss) // 4:]  # after warm-up under load
+    # RSS is a sawtooth (freed memory accumulates between two trims, `FreedMemoryTrimmer`), so
+    # one sample at each end measures the teeth as much as any trend: the level of the first
+    # and the last tenth of the settled samples, each a median, is the growth to read
+    tenth = max(1, len(settle) // 10)
+    level = (statistics.median(settle[:tenth]), statistics.median(settle[-tenth:])) if settle \
+        else (None, None)
     return {
         "seconds": args.seconds,
         "calm_ttft_ms": {phase: {"p50": _p(v, 0.5), "p99": _p(v, 0.99), "n": len(v)}
@@ -211,7 +218,10 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
                    None, "end": rss[-1][1] if rss else None,
                    "max": max((m for _, m in rss), default=None),
                    "growth_after_warmup": (settle[-1] / settle[0] - 1) if settle else None,
-                   "every_minute": [round(m) for _, m in rss[::30]]},  # sampled each 2 s
+                   "level_first_last_tenth": level,
+                   "level_growth": (level[1] / level[0] - 1) if settle else None,
+                   "every_minute": [round(m) for _, m in rss[::30]],  # sampled each 2 s
+                   "every_10s": [round(m) for _, m in rss[::5]]},
         "kv_usage_end": end.get("prefixcache:kv_cache_usage_perc"),
         "running_end": end.get("prefixcache:num_requests_running"),
         "calm_prefix_cached_tokens": {"before": before, "after": after},
@@ -259,7 +269,9 @@ def print_table(s: dict[str, Any]) -> None:
     r = s["rss_mb"]
     print(f"RSS MB start {r['start']:.0f}, after warm-up {r['after_warmup']:.0f}, end "
           f"{r['end']:.0f}, max {r['max']:.0f}; growth after warm-up "
-          f"{100 * r['growth_after_warmup']:.1f}%")
+          f"{100 * r['growth_after_warmup']:.1f}% (one sample each end); level (median of the "
+          f"first / last tenth after warm-up) {r['level_first_last_tenth'][0]:.0f} -> "
+          f"{r['level_first_last_tenth'][1]:.0f} MB, {100 * r['level_growth']:+.1f}%")
     print(f"5xx: {s['num_5xx']}; KV usage at the end {s['kv_usage_end']}; running "
           f"{s['running_end']}; calm prefix cached tokens before/after "
           f"{s['calm_prefix_cached_tokens']}")
