@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -247,3 +249,19 @@ def test_dtype_auto_runs_what_it_measured_and_off_the_cpu_the_checkpoints(checkp
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
     assert [loader.resolve_dtype(d) for d in ("bfloat16", "float16", "float32", None)] == [
         "bfloat16", "bfloat16", "float32", "float32"]
+
+
+def test_loading_a_model_starts_light(checkpoint):
+    # a model is built on the meta device and given storage in its dtype directly: no float32
+    # copy first, and none of the meta device's reference implementations, which import sympy
+    # and torch._dynamo (tens of MB resident and seconds of start-up in every server)
+    code = (
+        "import sys; from prefixcache.model import load_model; "
+        f"m = load_model({str(checkpoint)!r}, dtype='bfloat16'); "
+        "assert all(p.dtype == __import__('torch').bfloat16 for p in m.model.parameters()); "
+        "print(sorted(n for n in ('sympy', 'torch._dynamo') if n in sys.modules))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"

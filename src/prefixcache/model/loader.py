@@ -249,14 +249,31 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Uninitialised storage on ``device`` for every parameter and buffer built on the meta
+    device, floating point ones in ``dtype`` (the checkpoint fills them): what
+    ``to_empty(device=device).to(dtype)`` does, without a float32 copy first and without the
+    meta device's reference implementations, which import sympy (tens of MB resident and a
+    second of start-up)."""
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None or not t.is_meta:
+                    continue
+                kind = dtype if t.is_floating_point() else t.dtype
+                empty = torch.empty(t.shape, dtype=kind, device=device)
+                store[name] = torch.nn.Parameter(empty, False) if store is module._parameters \
+                    else empty
+
+
 def _build(
     checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, pack: bool, weights: str
 ) -> CausalLM:
     config = checkpoint.config
     with torch.device("meta"):
         model = CausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
+    _materialize(model, device, dtype)
+    if config.tie_word_embeddings:  # each parameter was re-created: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     checkpoint.load_weights(model)
