@@ -57,7 +57,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # the weight comes from the checkpoint: no random init (on the meta device the loader
-        # builds on, Embedding's normal_ would import torch._dynamo, a second of start-up)
+        # builds on, Embedding's normal_ would import torch._dynamo: start-up time for nothing)
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]

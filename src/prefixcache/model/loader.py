@@ -253,8 +253,8 @@ def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     """Uninitialised storage on ``device`` for every parameter and buffer built on the meta
     device, floating point ones in ``dtype`` (the checkpoint fills them): what
     ``to_empty(device=device).to(dtype)`` does, without a float32 copy first and without the
-    meta device's reference implementations, which import sympy (tens of MB resident and a
-    second of start-up)."""
+    meta device's reference implementations, which import sympy (resident memory and start-up
+    time for nothing; figures in docs/performance.md)."""
     for module in model.modules():
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
