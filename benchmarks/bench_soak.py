@@ -7,6 +7,12 @@ one calm tenant sending one short request at a time over a prefix it cached befo
 the calm tenant's TTFT p99 within 3x of its unloaded p99; is RSS flat after warm-up; are there
 zero 5xx; is the KV pool back to idle at the end, and does the calm prefix still hit?
 
+RSS is read three ways: one sample at each end of the loaded phase after its first quarter; the
+level (medians of the first and the last tenth of those samples: the trimmer makes RSS a
+sawtooth, and one sample lands on a tooth or a trough); and idle, before the flood and after the
+drain, each once the server has had time to trim what its last steps freed: what the whole soak
+left the process holding.
+
 Phases: warm-up (calm alone, which is also the unloaded baseline), then the soak for
 ``--seconds`` (bounded, stops by itself), then a drain. RSS of the server process is sampled
 every 2 s. Prints a table and a final JSON line.
@@ -30,6 +36,7 @@ from typing import Any
 import httpx
 
 from bench_serve import MODEL_ID, ServerProcess
+from prefixcache.model.host_memory import TRIM_INTERVAL_S
 
 TENANTS = """
 [tenants.calm]
@@ -181,6 +188,8 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
         while time.monotonic() < warm_end:
             await soak.calm_once(client, len(soak.calm_ttft["unloaded"]))
             await asyncio.sleep(0.2)
+        await asyncio.sleep(TRIM_INTERVAL_S + 2)  # idle: the server trims what it freed
+        idle_before = _rss_mb(server.proc.pid)
         soak.phase = "loaded"
         soak_start = len(rss)
         tasks = [asyncio.ensure_future(soak.calm_loop(client)),
@@ -196,6 +205,8 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
         while time.monotonic() < deadline and _metrics(server.base_url).get(
                 "prefixcache:num_requests_running", 1) > 0:
             await asyncio.sleep(1)
+        await asyncio.sleep(TRIM_INTERVAL_S + 2)
+        idle_after = _rss_mb(server.proc.pid)
     end = _metrics(server.base_url)
     warm_rss = [m for _, m in rss[soak_start:]]
     settle = warm_rss[len(warm_rss) // 4:]  # after warm-up under load
@@ -220,6 +231,8 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]
                    "growth_after_warmup": (settle[-1] / settle[0] - 1) if settle else None,
                    "level_first_last_tenth": level,
                    "level_growth": (level[1] / level[0] - 1) if settle else None,
+                   "idle_before_after": (idle_before, idle_after),
+                   "idle_growth": idle_after / idle_before - 1,
                    "every_minute": [round(m) for _, m in rss[::30]],  # sampled each 2 s
                    "every_10s": [round(m) for _, m in rss[::5]]},
         "kv_usage_end": end.get("prefixcache:kv_cache_usage_perc"),
@@ -271,7 +284,9 @@ def print_table(s: dict[str, Any]) -> None:
           f"{r['end']:.0f}, max {r['max']:.0f}; growth after warm-up "
           f"{100 * r['growth_after_warmup']:.1f}% (one sample each end); level (median of the "
           f"first / last tenth after warm-up) {r['level_first_last_tenth'][0]:.0f} -> "
-          f"{r['level_first_last_tenth'][1]:.0f} MB, {100 * r['level_growth']:+.1f}%")
+          f"{r['level_first_last_tenth'][1]:.0f} MB, {100 * r['level_growth']:+.1f}%; idle "
+          f"before the flood / after the drain {r['idle_before_after'][0]:.0f} -> "
+          f"{r['idle_before_after'][1]:.0f} MB, {100 * r['idle_growth']:+.1f}%")
     print(f"5xx: {s['num_5xx']}; KV usage at the end {s['kv_usage_end']}; running "
           f"{s['running_end']}; calm prefix cached tokens before/after "
           f"{s['calm_prefix_cached_tokens']}")

@@ -81,14 +81,35 @@ class FreedMemoryTrimmer:
         self.num_trims = 0
         self._last = time.monotonic()
         self._malloc_trim = _malloc_trim()
+        self._worked = False  # a step ran since the last trim
+
+    @property
+    def active(self) -> bool:
+        """Whether this process retains freed memory, so trims have anything to hand back."""
+        # (the cached answer: asks nothing of a process that never opted in)
+        retaining = retain_freed_memory.cache_info().currsize and retain_freed_memory()
+        return self._malloc_trim is not None and bool(retaining)
+
+    def note_work(self) -> None:
+        """A step ran: it freed temporaries that the next trim hands back."""
+        self._worked = True
+
+    def seconds_until_due(self) -> float | None:
+        """How long an idle caller may wait before the next trim is due; None when nothing ran
+        since the last one (an idle server wakes once to trim what its last burst freed, not
+        every interval)."""
+        if not (self._worked and self.active):
+            return None
+        return max(0.0, self._last + self.interval_s - time.monotonic())
 
     def maybe_trim(self) -> None:
-        retaining = retain_freed_memory.cache_info().currsize and retain_freed_memory()
-        if self._malloc_trim is None or not retaining:  # (the cached answer: nothing applied)
+        if not self.active:
             return
         now = time.monotonic()
         if now - self._last >= self.interval_s:
             self._last = now
+            self._worked = False
+            assert self._malloc_trim is not None
             self._malloc_trim(0)
             self.num_trims += 1
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prefixcache.errors import describe_exception
-from prefixcache.model.host_memory import FreedMemoryTrimmer
+from prefixcache.model.host_memory import TRIM_INTERVAL_S, FreedMemoryTrimmer
 from prefixcache.server.metrics import EngineSnapshot, ServerMetrics
 from prefixcache.server.protocol import JSONObject
 
@@ -60,6 +60,8 @@ class AsyncEngine:
 
     ``max_pending`` bounds the requests accepted and not yet finished (running + waiting), and
     ``max_pending_per_domain`` those of one isolation domain; one more gets `EngineOverloaded`.
+    Between steps, and once after the last step of a burst, freed memory goes back to the OS at
+    most every ``trim_interval_s`` (`FreedMemoryTrimmer`).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         log_interval_s: float = 10.0,
         max_pending_per_domain: int | None = None,
+        trim_interval_s: float = TRIM_INTERVAL_S,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
@@ -90,7 +93,8 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._log = _PeriodicLog(log_interval_s)
-        self._trimmer = FreedMemoryTrimmer()  # a server retains freed memory: hand it back
+        # a server retains freed memory: hand it back
+        self._trimmer = FreedMemoryTrimmer(trim_interval_s)
         # called on the engine thread with the KV events of each step or command that made any
         self.kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None
         self.on_stop: list[Callable[[], None]] = []  # after the engine thread has ended
@@ -293,9 +297,13 @@ class AsyncEngine:
         """Pending commands; blocks while there is neither a command nor engine work."""
         with self._wakeup:
             while not (self._commands or self._stopping or self.engine.has_unfinished()):
-                self._wakeup.wait(self.log_interval_s)
+                # idle: wake for the next log line, or for the trim of what the last burst freed
+                # once it is due (so an idle server's RSS is what it holds, not its last step's)
+                due = self._trimmer.seconds_until_due()
+                self._wakeup.wait(self.log_interval_s if due is None
+                                  else min(self.log_interval_s, due + 0.01))
                 self._log.maybe_log(self.snapshot)
-                self._trimmer.maybe_trim()  # what the last burst freed, once idle
+                self._trimmer.maybe_trim()
             if self._stopping:
                 return None
             commands = list(self._commands)
@@ -309,6 +317,7 @@ class AsyncEngine:
             logger.error("engine step failed: %s; failing its requests", describe_exception(exc))
             self._fail_all(f"the engine failed while running this request ({type(exc).__name__})")
             return
+        self._trimmer.note_work()
         self._deliver(outputs)
         self.snapshot = self.engine.snapshot()
         if self.metrics is not None:
