@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from prefixcache.native import Switch, load_library, machine
+from prefixcache.native import Switch, invariance, load_library, machine
 
 __all__ = [
     "applies",
@@ -413,8 +413,9 @@ class PreparedDecode:
         threads = self._threads = torch.get_num_threads()
         shared, group = shared_slots.shape[0], num_heads // num_kv_heads
         chunk = decode_chunk(num_seqs, num_kv_heads, threads, group)
-        splits = 1
-        if kernel.decode_direct(num_heads, num_kv_heads, head_dim, _largest_chunk(group)):
+        splits = 1  # each row's keys in a prefill row's order: batch invariant
+        direct = kernel.decode_direct(num_heads, num_kv_heads, head_dim, _largest_chunk(group))
+        if direct and not invariance.enabled():
             chunk, splits = decode_split(num_seqs, num_kv_heads, threads, group, shared, max_tail)
         _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], chunk, "decode")
         if not (

@@ -225,6 +225,17 @@ static void direct_decode_shared(int D, const float *q, int64_t q_row_stride, co
                                                      scale, buf, p);
 }
 
+static void direct_decode_rows(int D, const float *q, int64_t q_row_stride, const void *k_cache,
+                               const void *v_cache, int bf16, const int64_t *shared_slots,
+                               int shared, const int64_t *tail_slots, const int *tail_lens,
+                               int max_tail, float *out, int b0, int nb, int h, int H, int KV,
+                               int G, float scale, float *buf, int64_t *rest) {
+    (D == 64 ? decode_rows_64 : decode_rows_128)(q, q_row_stride, k_cache, v_cache, bf16,
+                                                 shared_slots, shared, tail_slots, tail_lens,
+                                                 max_tail, out, b0, nb, h, H, KV, G, scale, buf,
+                                                 rest);
+}
+
 static void direct_decode_tails(int D, const float *q, int64_t q_row_stride, const void *k_cache,
                                 const void *v_cache, int bf16, const int64_t *tail_slots,
                                 const int *tail_lens, int max_tail, int b0, int nb, int h, int KV,
@@ -243,6 +254,7 @@ static inline int64_t direct_unused(int D, ...) { (void)D; return 0; }
 #define direct_tiles(...) ((void)direct_unused(__VA_ARGS__))
 #define direct_decode_shared(...) ((void)direct_unused(__VA_ARGS__))
 #define direct_decode_tails(...) ((void)direct_unused(__VA_ARGS__))
+#define direct_decode_rows(...) ((void)direct_unused(__VA_ARGS__))
 struct decode_part {
     float *o, *max, *sum;
 };
@@ -389,21 +401,24 @@ static inline int decode_direct(int G, int D, int chunk) { return direct_applies
 
 static int64_t decode_thread_floats(int shared, int max_tail, int G, int D, int chunk) {
     const int64_t rows = (int64_t)G * chunk;
-    if (decode_direct(G, D, chunk)) /* its tiles */
-        return direct_floats(D, (int)rows);
+    if (decode_direct(G, D, chunk)) /* its tiles, and one sequence's slots past the shared tile */
+        return direct_floats(D, (int)rows) + 2 * ((int64_t)KEY_BLOCK + max_tail);
     return rows * (2 * (int64_t)D + shared + max_tail) + 2 * (int64_t)max_tail * D;
 }
 
-/* How the direct path splits each (kv head, chunk) item's keys: `shared_units` runs of `span`
- * shared keys (a multiple of the key block; `splits` asked for, fewer where the keys run out),
- * then one unit for all the chunk's tails: parts = shared_units + 1 partial results to merge. */
+/* How the direct path splits each (kv head, chunk) item's keys where `splits` > 1:
+ * `shared_units` runs of `span` shared keys (a multiple of the key block; `splits` asked for,
+ * fewer where the keys run out), then one unit for all the chunk's tails: parts = shared_units
+ * + 1 partial results to merge. With `splits` <= 1 (batch invariance) no split: parts = 0. */
 #define MAX_SPLITS 32 /* runs of shared keys per decode item */
 struct decode_split {
     int span, shared_units, parts;
 };
 
 static struct decode_split split_keys(int shared, int splits) {
-    struct decode_split sp = {0, 0, 1};
+    struct decode_split sp = {0, 0, 0};
+    if (splits <= 1) return sp;
+    sp.parts = 1;
     if (shared <= 0) return sp;
     splits = splits < 1 ? 1 : splits > MAX_SPLITS ? MAX_SPLITS : splits;
     sp.span = ((shared + splits - 1) / splits + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
@@ -459,6 +474,23 @@ static void merge_parts(const struct decode_part *parts, int n, int nb, int h, i
         }
         const float inv = 1.0f / sum;
         for (int d = 0; d < D; d++) dst[d] *= inv;
+    }
+}
+
+/* The direct path's decode without splits, inside the team: work item = (kv head, chunk of
+ * sequences), each row's keys in a prefill row's order (`decode_rows`). */
+static void direct_decode_in_order(const float *q, int64_t q_row_stride, const void *k_cache,
+                                   const void *v_cache, int bf16, const int64_t *shared_slots,
+                                   int shared, const int64_t *tail_slots, const int *tail_lens,
+                                   int max_tail, float *out, int B, int H, int KV, int D,
+                                   float scale, int chunk, float *tile, int64_t *rest) {
+    const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < KV * num_chunks; item++) {
+        const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
+        direct_decode_rows(D, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
+                           tail_slots, tail_lens, max_tail, out, b0,
+                           B - b0 < chunk ? B - b0 : chunk, h, H, KV, G, scale, tile, rest);
     }
 }
 
@@ -593,7 +625,13 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
         float *stacked_out = stacked_q + chunk_rows * D;
         float *scores = stacked_out + chunk_rows * D;
         float *k_tail = scores + chunk_rows * width, *v_tail = k_tail + (int64_t)max_tail * D;
-        if (direct) {
+        if (direct && sp.parts == 0) {
+            float *tile = per_thread + thread * thread_floats;
+            direct_decode_in_order(q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
+                                   tail_slots, tail_lens, max_tail, out, B, H, KV, D, scale,
+                                   chunk, tile,
+                                   (int64_t *)(tile + direct_floats(D, (int)chunk_rows)));
+        } else if (direct) {
             direct_decode(q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
                           tail_slots, tail_lens, max_tail, out, B, H, KV, D, scale, chunk, sp,
                           per_thread + thread * thread_floats,

@@ -123,9 +123,11 @@ static __attribute__((noinline)) void D_(qk_block)(const struct head_rows *hr, i
 
 #ifndef DIRECT_COMMON
 /* A tile's softmax state: per row vector the running max and sum, and the last key each row
- * sees (its own token: keys `open` .. are the tile's own tokens, seen causally). */
+ * sees (its own token: keys `open` .. are the tile's own tokens, seen causally). Keys are
+ * counted from the tile's rows (`head_rows`), which begin at key `start` of the sequence: 0,
+ * or a multiple of KEY_BLOCK where a decode row continues the state its shared keys left. */
 struct tile_state {
-    int rows, ld, m, t0, open, keys;
+    int rows, ld, m, t0, open, keys, start;
     float *qt, *o; /* Q^T panels; output sums [rows, D] */
     vfloat max[MAX_TILE_VECS], sum[MAX_TILE_VECS], last[MAX_TILE_VECS];
 };
@@ -156,7 +158,7 @@ static __attribute__((noinline)) void D_(softmax_block)(float *st, int b0, int n
                 mx = (vfloat)_mm512_mask_max_ps((__m512)mx, seen, (__m512)mx, s);
             } else mx = (vfloat)_mm512_max_ps((__m512)mx, s);
         }
-        const __mmask16 grew = b0 ? _mm512_cmp_ps_mask((__m512)mx, (__m512)ts->max[v], _CMP_GT_OQ) : 0;
+        const __mmask16 grew = ts->start + b0 ? _mm512_cmp_ps_mask((__m512)mx, (__m512)ts->max[v], _CMP_GT_OQ) : 0;
         if (grew) {
             const vfloat alpha = exp_nonpositive((ts->max[v] - mx) * scale);
             ts->sum[v] *= alpha;
@@ -440,7 +442,7 @@ static void D_(tile_begin)(struct tile_state *ts, const struct direct_buf *b, in
                        int h, int G, int dot16, int pad) {
     enum { D = HD };
     ts->m = m, ts->t0 = t0, ts->rows = G * m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
-    ts->open = open, ts->keys = keys;
+    ts->open = open, ts->keys = keys, ts->start = 0;
     ts->qt = b->qts + slot * D_(panel_floats)(tile_rows), ts->o = b->os + (int64_t)slot * b->tile_ld * D;
     const int packed = pad ? ts->ld : ts->rows;
 #if DOT16
@@ -513,7 +515,7 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
                 D_(qk_block16)(hr, b0, nk, ts->keys, (const uint32_t *)ts->qt, ts->ld, b->st);
                 D_(softmax_block)(b->st, b0, nk, ts, scale);
                 pair_probabilities(b->st, ts->ld, nk, b->p_pairs);
-                D_(pv_block16)(b->p_pairs, ts->ld, ts->rows, nk, b->v_pairs, ts->o, b0 == 0);
+                D_(pv_block16)(b->p_pairs, ts->ld, ts->rows, nk, b->v_pairs, ts->o, ts->start + b0 == 0);
             }
         }
         return;
@@ -542,9 +544,9 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
                 D_(qk_block)(hr, b0, nk, ts->keys, ts->qt, ts->ld, b->st);
             D_(softmax_block)(b->st, b0, nk, ts, scale);
             if (bf16)
-                D_(pv_block)(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, &wide, 0, 0);
+                D_(pv_block)(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, ts->start + b0 == 0, &wide, 0, 0);
             else
-                D_(pv_block)(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, b0 == 0, hr, next, next_n);
+                D_(pv_block)(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, ts->start + b0 == 0, hr, next, next_n);
         }
     }
 }
@@ -636,5 +638,48 @@ static void D_(decode_tails)(const float *q, int64_t q_row_stride, const void *k
             memcpy(p.o + (int64_t)(g * nb + t) * D, tail.o + (int64_t)g * D, D * sizeof(float));
             keep_row_state(&tail, g, p, g * nb + t);
         }
+    }
+}
+
+/* Sequences b0 .. b0 + nb - 1 of kv head h, each row's keys taken exactly as a prefill row
+ * takes them (`tiles_over_keys`: key blocks of KEY_BLOCK from key 0, one online-softmax state
+ * carried through), so a decode row's result is the same bits as the prefill of that token
+ * and does not depend on the other sequences of the step. The shared keys, down to a whole
+ * number of key blocks (`aligned`), are read once for all the item's rows as one tile; each
+ * sequence's tile then takes over its rows' state and continues over the rest of the shared
+ * keys and its own tail, whose slots it lists in `rest` (KEY_BLOCK + max_tail of them). */
+static void D_(decode_rows)(const float *q, int64_t q_row_stride, const void *k_cache,
+                            const void *v_cache, int bf16, const int64_t *shared_slots,
+                            int shared, const int64_t *tail_slots, const int *tail_lens,
+                            int max_tail, float *out, int b0, int nb, int h, int H, int KV,
+                            int G, float scale, float *buf, int64_t *rest) {
+    enum { D = HD };
+    const struct direct_buf b = D_(direct_layout)(buf, G * nb);
+    const int aligned = shared / KEY_BLOCK * KEY_BLOCK, dot16 = bf16 == KV_BF16_PRODUCTS;
+    struct tile_state all, seq;
+    if (aligned > 0) {
+        const struct head_rows hr = D_(head_of)(k_cache, v_cache, bf16, shared_slots, h, KV);
+        D_(tile_begin)(&all, &b, 0, G * nb, q, q_row_stride, b0, nb, aligned, aligned, h, G,
+                       dot16, 1);
+        D_(tiles_over_keys)(&all, 1, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
+    }
+    for (int t = 0; t < nb; t++) {
+        const int before = shared - aligned, own = tail_lens[b0 + t], len = before + own;
+        memcpy(rest, shared_slots + aligned, (size_t)before * sizeof *rest);
+        memcpy(rest + before, tail_slots + (int64_t)(b0 + t) * max_tail, (size_t)own * sizeof *rest);
+        const struct head_rows tr = D_(head_of)(k_cache, v_cache, bf16, rest, h, KV);
+        D_(tile_begin)(&seq, &b, 1, G * nb, q, q_row_stride, b0 + t, 1, len, len, h, G, dot16,
+                       t == 0);
+        if (aligned > 0) { /* row g of this tile is row g * nb + t of the shared one */
+            seq.start = aligned;
+            for (int g = 0; g < G; g++) {
+                const int r = g * nb + t;
+                seq.max[g / LANES][g % LANES] = all.max[r / LANES][r % LANES];
+                seq.sum[g / LANES][g % LANES] = all.sum[r / LANES][r % LANES];
+                memcpy(seq.o + (int64_t)g * D, all.o + (int64_t)r * D, D * sizeof(float));
+            }
+        }
+        D_(tiles_over_keys)(&seq, 1, &tr, &b, k_cache, v_cache, bf16, KV, h, scale);
+        D_(tile_end)(&seq, out, h, H, G);
     }
 }
