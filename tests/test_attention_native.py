@@ -90,10 +90,6 @@ def test_kernel_equals_reference(
     _assert_close(out, ref, v_flat)
 
 
-def _cpu_has_avx512() -> bool:
-    return " avx512f" in native.cpu_signature()  # what -march=native builds for
-
-
 @settings(max_examples=30, deadline=None)
 @given(
     kv_heads=st.sampled_from([2, 3, 4]),
@@ -136,7 +132,7 @@ def test_cache_hit_path_equals_reference(
         native_attention.attend(q, k_flat, v_flat, slots, head_dim**-0.5, out)
     finally:
         torch.set_num_threads(before)
-    direct = _cpu_has_avx512() and head_dim in (64, 128)
+    direct = head_dim in (64, 128)
     per_head = "gather per kv head" if kv_heads % threads == 0 else "shared gather"
     assert path == ("direct per kv head" if direct else per_head)
     ref = _reference(q, k_flat, v_flat, slots, head_dim**-0.5)
@@ -152,20 +148,21 @@ def test_prefill_path_choice() -> None:
         # head_dim 80: no register tiles of that width
         assert native_attention.prefill_path(2048, 2048, 36, 4, 80) == "shared gather"
         fresh = native_attention.prefill_path(2048, 2048, 12, 4, 64)  # no hit: direct too
-        assert fresh == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
-        # 9 and 12 query heads per kv head: tiles of 8 tokens keep them on the direct path;
-        # without it, after a hit, 2 threads gather a kv head each where they divide the heads
-        for heads, kv_heads, split in ((36, 4, "gather per kv head"), (12, 1, "shared gather")):
+        assert fresh == "direct per kv head"
+        # 9 and 12 query heads per kv head: tiles of 8 tokens keep them on the direct path
+        for heads, kv_heads in ((36, 4), (12, 1)):
             wide = native_attention.prefill_path(128, 2048, heads, kv_heads, 64)
-            assert wide == ("direct per kv head" if _cpu_has_avx512() else split)
+            assert wide == "direct per kv head"
         qwen2 = native_attention.prefill_path(128, 2048, 8, 1, 128)  # head_dim 128, 8:1 GQA
-        assert qwen2 == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
-        hit = native_attention.prefill_path(128, 2048, 12, 4, 64)
-        assert hit == ("direct per kv head" if _cpu_has_avx512() else "gather per kv head")
+        assert qwen2 == "direct per kv head"
+        # after a hit, without the direct path, 2 threads gather a kv head each where they
+        # divide the heads, else one shared gather
+        assert native_attention.prefill_path(128, 2048, 24, 4, 80) == "gather per kv head"
+        assert native_attention.prefill_path(128, 2048, 27, 3, 80) == "shared gather"
         # SmolLM2's 3 kv heads on 2 threads: the direct path splits heads' tiles between them
         for dtype in (torch.float32, torch.bfloat16):
             hit = native_attention.prefill_path(128, 2048, 9, 3, 64, dtype)
-            assert hit == ("direct per kv head" if _cpu_has_avx512() else "shared gather")
+            assert hit == "direct per kv head"
     finally:
         torch.set_num_threads(before)
 
@@ -300,6 +297,65 @@ def test_decode_equals_reference(
         slots = torch.cat([shared_slots, tail_slots[b, : tail_lens[b]]])
         ref = _reference(q[b : b + 1], k_flat, v_flat, slots, head_dim**-0.5)
         _assert_close(out[b : b + 1], ref, v_flat)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kv_heads=st.sampled_from([1, 3]),
+    group=st.sampled_from([1, 3, 8]),
+    head_dim=st.sampled_from([64, 128]),
+    shared=st.integers(0, 300),
+    tails=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+    chunk=st.integers(1, 120),
+    threads=st.sampled_from([1, 2, 3]),
+    dtypes=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_a_row_is_the_same_bits_in_any_decode_step_and_any_prefill(
+    kv_heads, group, head_dim, shared, tails, chunk, threads, dtypes, seed
+) -> None:  # noqa: ANN001
+    # batch invariance (docs/model.md): a query row's output does not depend on the sequences
+    # beside it in a decode step, on how many keys they share (split anywhere, block-aligned or
+    # not), on the thread count, or on whether it is computed as a decode step or as the last
+    # token of a prefill chunk of any length over the same keys
+    check_row_invariance(kv_heads, group, head_dim, shared, tails, chunk, threads, dtypes, seed)
+
+
+def check_row_invariance(kv_heads, group, head_dim, shared, tails, chunk, threads, dtypes,
+                         seed) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(seed)
+    heads, num_seqs, max_tail = kv_heads * group, len(tails), max(tails)
+    num_slots = shared + num_seqs * max_tail + 7
+    k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
+    v_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
+    order = torch.randperm(num_slots, generator=gen)
+    shared_slots = order[:shared].contiguous()
+    tail_slots = order[shared : shared + num_seqs * max_tail].view(num_seqs, max_tail).contiguous()
+    tail_lens = torch.tensor(tails, dtype=torch.int32)
+    q = (torch.randn(num_seqs, heads, head_dim, generator=gen) * 3).to(dtypes[0])
+    scale = head_dim**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = torch.empty_like(q)
+        native_attention.decode(q, k_flat, v_flat, shared_slots, tail_slots, tail_lens, scale,
+                                together)
+        for b in range(num_seqs):
+            slots = torch.cat([shared_slots, tail_slots[b, : tails[b]]])
+            alone = torch.empty_like(q[b : b + 1])
+            own = torch.tensor([len(slots)], dtype=torch.int32)
+            native_attention.decode(q[b : b + 1], k_flat, v_flat, slots[:0], slots[None], own,
+                                    scale, alone)
+            # the same token as the last of a prefill chunk of `new` tokens over these keys
+            new = min(chunk, len(slots))
+            rows = torch.randn(new, heads, head_dim, generator=gen).to(dtypes[0])
+            rows[-1] = q[b]
+            prefill = torch.empty_like(rows)
+            native_attention.attend(rows, k_flat, v_flat, slots, scale, prefill)
+            assert torch.equal(together[b], alone[0])
+            assert torch.equal(alone[0], prefill[-1])
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_decode_rejects_input_it_would_misread() -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from native_support import require_native_attention, require_native_layers
+from test_attention_native import check_row_invariance
 from prefixcache import native
 from prefixcache.attention import native_attention
 from prefixcache.model import native_layers, panel_gemm
@@ -46,11 +47,11 @@ def test_portable_vector_code_passes_the_probes() -> None:
     # exp), rotary, and the attention softmax over a causal tail with shuffled slots
     assert native_layers.available()
     assert native_attention.available()
-    # the cache-hit path that reads the cache directly needs AVX-512: this build gathers
-    assert native_attention.prefill_path(128, 2048, 12, 4, 64) in (
-        "gather per kv head",
-        "shared gather",  # a machine whose torch runs one thread
-    )
+    # the path that reads the cache directly is portable vector code too, and as invariant
+    assert native_attention.prefill_path(128, 2048, 12, 4, 64) == "direct per kv head"
+    for dtypes in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16)):
+        for head_dim, shared, tails in ((64, 45, [3, 70, 1]), (128, 300, [33, 2])):
+            check_row_invariance(3, 3, head_dim, shared, tails, 17, 2, dtypes, seed=5)
     gate_up = torch.tensor([[-200.0, -20.0, 0.0, 30.0, 1.0, 2.0, 3.0, 4.0]])
     gate, up = gate_up.split(4, dim=-1)
     torch.testing.assert_close(native_layers.silu_mul(gate_up), F.silu(gate) * up)

@@ -57,7 +57,9 @@ class Switch:
 
 
 def compile_flags() -> list[str]:
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+    # -ffp-contract=off: a multiply and an add are fused only where the source says so
+    # (vector_math.h's fmadd), never by the compiler's choice in one context and not another
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-mprefer-vector-width=512")  # zmm registers where the CPU has AVX-512
     return flags

@@ -48,8 +48,8 @@ static float softmax_row(float *row, int visible, int width, float scale) {
         vfloat x0, x1;
         memcpy(&x0, row + j, sizeof x0);
         memcpy(&x1, row + j + LANES, sizeof x1);
-        x0 = exp_nonpositive(x0 * scale + shift);
-        x1 = exp_nonpositive(x1 * scale + shift);
+        x0 = exp_nonpositive(fmadd(x0, vsplat(scale), vsplat(shift)));
+        x1 = exp_nonpositive(fmadd(x1, vsplat(scale), vsplat(shift)));
         memcpy(row + j, &x0, sizeof x0);
         memcpy(row + j + LANES, &x1, sizeof x1);
         sums0 += x0;
@@ -59,7 +59,7 @@ static float softmax_row(float *row, int visible, int width, float scale) {
         const int lanes = visible - j < LANES ? visible - j : LANES;
         vfloat x = {0};
         memcpy(&x, row + j, (size_t)lanes * sizeof(float));
-        x = exp_nonpositive(x * scale + shift);
+        x = exp_nonpositive(fmadd(x, vsplat(scale), vsplat(shift)));
         for (int l = lanes; l < LANES; l++) x[l] = 0.0f;
         memcpy(row + j, &x, (size_t)lanes * sizeof(float));
         sums0 += x;
@@ -171,13 +171,21 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
  * head_dim 64 (docs/performance.md) and kept at 128. */
 #ifdef __AVX512F__
 #define QK_KEYS 8       /* keys per QK register tile ... */
-#define QK_VECS 3       /* ... times row vectors: 24 accumulators */
-#define PANEL (QK_VECS * LANES) /* Q^T panel width: the rows of one QK register tile */
+#define QK_VECS 3       /* ... times row vectors: 24 accumulators of 32 zmm registers */
 /* rows per PV register tile (PVR in direct_path.h): 6 at head_dim 64, 3 at 128 (24 vectors) */
+#define PVR_64 6
+#define PVR_128 3
+#else /* 8-lane vectors in 16 ymm registers: QK tiles of 8 accumulators, P V of one row */
+#define QK_KEYS 4
+#define QK_VECS 2
+#define PVR_64 1
+#define PVR_128 1
+#endif
+#define PANEL (QK_VECS * LANES) /* Q^T panel width: the rows of one QK register tile */
 #define KEY_BLOCK 32    /* keys per online-softmax block */
 #define GROUP_TILES 4   /* tiles of one kv head that share each key block */
 #define PREFETCH_KEYS 64 /* how far ahead a key block's rows are prefetched */
-#define MAX_TILE_VECS 16 /* rows per tile on this path: at most 16 vectors (256 rows) */
+#define MAX_TILE_VECS (256 / LANES) /* rows per tile on this path: at most 256 */
 
 static inline int direct_applies(int D, int tile_rows) {
     return (D == 64 || D == 128) && tile_rows <= MAX_TILE_VECS * LANES;
@@ -185,7 +193,7 @@ static inline int direct_applies(int D, int tile_rows) {
 
 #define HD 64
 #define D_(name) name##_64
-#define PVR 6
+#define PVR PVR_64
 #include "direct_path.h"
 #undef HD
 #undef D_
@@ -193,7 +201,7 @@ static inline int direct_applies(int D, int tile_rows) {
 #define DIRECT_COMMON
 #define HD 128
 #define D_(name) name##_128
-#define PVR 3
+#define PVR PVR_128
 #include "direct_path.h"
 #undef HD
 #undef D_
@@ -244,21 +252,6 @@ static void direct_decode_tails(int D, const float *q, int64_t q_row_stride, con
                                                    tail_slots, tail_lens, max_tail, b0, nb, h,
                                                    KV, G, scale, buf, p);
 }
-#else
-#define GROUP_TILES 1
-#define KEY_BLOCK 32 /* decode's split_keys rounds to it; no split runs without AVX-512 */
-static inline int direct_applies(int D, int tile_rows) { (void)D; (void)tile_rows; return 0; }
-/* never reached without AVX-512 (direct_applies is 0 there); the arguments count as used */
-static inline int64_t direct_unused(int D, ...) { (void)D; return 0; }
-#define direct_floats(...) direct_unused(__VA_ARGS__)
-#define direct_tiles(...) ((void)direct_unused(__VA_ARGS__))
-#define direct_decode_shared(...) ((void)direct_unused(__VA_ARGS__))
-#define direct_decode_tails(...) ((void)direct_unused(__VA_ARGS__))
-#define direct_decode_rows(...) ((void)direct_unused(__VA_ARGS__))
-struct decode_part {
-    float *o, *max, *sum;
-};
-#endif
 
 /* Tiles per work item of the direct path: the most (up to GROUP_TILES, which share each key
  * block's K/V rows) for which kv heads x items per head spread evenly over the threads. E.g.

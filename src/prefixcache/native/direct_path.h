@@ -1,4 +1,4 @@
-/* The direct attention path for one head_dim (AVX-512; included by attention.c once per head_dim
+/* The direct attention path for one head_dim (AVX-512 or portable vector code; included by attention.c once per head_dim
  * it supports, like a C++ template): HD is the head_dim, D_(name) the name of this head_dim's
  * copy of a function, PVR the rows per P V register tile (24 accumulators: PVR x HD / 16). What
  * does not depend on the head_dim is defined by the first inclusion only (DIRECT_COMMON is set
@@ -20,12 +20,54 @@ static int64_t D_(direct_floats)(int tile_rows) {
 #ifndef DIRECT_COMMON
 static inline vfloat load_vec(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
 static inline void store_vec(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
+
+/* Per-lane selections: AVX-512's mask registers, or (portable code) lanes of all ones. A lane
+ * mask's lanes are the rows of a row vector. */
+#ifdef __AVX512F__
+typedef __mmask16 lanes;
 static inline vfloat splat(float x) { return (vfloat)_mm512_set1_ps(x); }
+static inline lanes no_lanes(void) { return 0; }
+static inline int any_lane(lanes m) { return m != 0; }
+static inline int lane_in(lanes m, int l) { return (m >> l) & 1; }
+static inline lanes lanes_greater(vfloat a, vfloat b) {
+    return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ);
+}
+/* lanes whose last seen key (`last`) is at or after `key` */
+static inline lanes lanes_seeing(int key, vfloat last) {
+    return _mm512_cmp_ps_mask(_mm512_set1_ps((float)key), (__m512)last, _CMP_LE_OQ);
+}
+static inline vfloat zero_outside(lanes m, vfloat x) { return (vfloat)_mm512_maskz_mov_ps(m, (__m512)x); }
+static inline vfloat max_vec(vfloat a, vfloat b) { return (vfloat)_mm512_max_ps((__m512)a, (__m512)b); }
+/* max(a, b) in the lanes of m, a elsewhere */
+static inline vfloat max_inside(vfloat a, lanes m, vfloat b) {
+    return (vfloat)_mm512_mask_max_ps((__m512)a, m, (__m512)a, (__m512)b);
+}
+#else
+typedef vint lanes;
+static inline vfloat splat(float x) { return (vfloat){0} + x; }
+static inline lanes no_lanes(void) { return (lanes){0}; }
+static inline int any_lane(lanes m) {
+    for (int l = 0; l < LANES; l++)
+        if (m[l]) return 1;
+    return 0;
+}
+static inline int lane_in(lanes m, int l) { return m[l] != 0; }
+static inline lanes lanes_greater(vfloat a, vfloat b) { return a > b; }
+static inline lanes lanes_seeing(int key, vfloat last) { return splat((float)key) <= last; }
+static inline vfloat zero_outside(lanes m, vfloat x) { return (vfloat)((vint)x & m); }
+static inline vfloat select_lanes(lanes m, vfloat a, vfloat b) { /* a in m, b elsewhere */
+    return (vfloat)(((vint)a & m) | ((vint)b & ~m));
+}
+static inline vfloat max_vec(vfloat a, vfloat b) { return select_lanes(a > b, a, b); }
+static inline vfloat max_inside(vfloat a, lanes m, vfloat b) {
+    return select_lanes(m & (a > b), a, select_lanes(m, b, a));
+}
+#endif
 #endif
 
 static inline void D_(prefetch_row)(const float *row) {
-    for (int c = 0; c < HD * (int)sizeof(float); c += 64)
-        _mm_prefetch((const char *)row + c, _MM_HINT_T0);
+    for (int c = 0; c < HD * (int)sizeof(float); c += 64) prefetch((const char *)row + c);
 }
 
 /* st[i][0 .. 16 nv) = sum_d k_rows[i][d] * qt[d][0 .. 16 nv), i < nk; nk and nv constants
@@ -41,7 +83,7 @@ static inline __attribute__((always_inline)) void D_(qk_tile)(const float *const
         for (int v = 0; v < nv; v++) b[v] = load_vec(qt + (int64_t)d * ldq + v * LANES);
         for (int i = 0; i < nk; i++) {
             const vfloat a = splat(k_rows[i][d]);
-            for (int v = 0; v < nv; v++) acc[i][v] += a * b[v];
+            for (int v = 0; v < nv; v++) acc[i][v] = fmadd(a, b[v], acc[i][v]);
         }
     }
     for (int i = 0; i < nk; i++)
@@ -81,7 +123,7 @@ static inline __attribute__((always_inline)) void D_(pv_tile)(const float *pt, i
         for (int k = 0; k < NV; k++) row[k] = load_vec(v + k * LANES);
         for (int i = 0; i < nr; i++) {
             const vfloat w = splat(p[i]);
-            for (int k = 0; k < NV; k++) acc[i][k] += w * row[k];
+            for (int k = 0; k < NV; k++) acc[i][k] = fmadd(w, row[k], acc[i][k]);
         }
     }
     for (int i = 0; i < nr; i++)
@@ -137,8 +179,7 @@ struct tile_state {
 /* x where the rows of vector v see key `key`, else 0 */
 static inline vfloat seen_only(vfloat x, int key, const struct tile_state *ts, int v) {
     if (key < ts->open) return x;
-    const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)key), (__m512)ts->last[v], _CMP_LE_OQ);
-    return (vfloat)_mm512_maskz_mov_ps(seen, (__m512)x);
+    return zero_outside(lanes_seeing(key, ts->last[v]), x);
 }
 #endif
 
@@ -152,19 +193,18 @@ static __attribute__((noinline)) void D_(softmax_block)(float *st, int b0, int n
         float *col = st + v * LANES;
         vfloat mx = ts->max[v];
         for (int j = 0; j < nk; j++) {
-            const __m512 s = (__m512)load_vec(col + (int64_t)j * ld);
-            if (masked && b0 + j >= ts->open) {
-                const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(b0 + j)), (__m512)ts->last[v], _CMP_LE_OQ);
-                mx = (vfloat)_mm512_mask_max_ps((__m512)mx, seen, (__m512)mx, s);
-            } else mx = (vfloat)_mm512_max_ps((__m512)mx, s);
+            const vfloat s = load_vec(col + (int64_t)j * ld);
+            if (masked && b0 + j >= ts->open)
+                mx = max_inside(mx, lanes_seeing(b0 + j, ts->last[v]), s);
+            else mx = max_vec(mx, s);
         }
-        const __mmask16 grew = ts->start + b0 ? _mm512_cmp_ps_mask((__m512)mx, (__m512)ts->max[v], _CMP_GT_OQ) : 0;
-        if (grew) {
+        const lanes grew = ts->start + b0 ? lanes_greater(mx, ts->max[v]) : no_lanes();
+        if (any_lane(grew)) {
             const vfloat alpha = exp_nonpositive((ts->max[v] - mx) * scale);
             ts->sum[v] *= alpha;
             for (int l = 0; l < LANES; l++) {
                 const int r = v * LANES + l;
-                if (!((grew >> l) & 1) || r >= ts->rows) continue;
+                if (!lane_in(grew, l) || r >= ts->rows) continue;
                 const vfloat a = splat(alpha[l]);
                 for (int k = 0; k < HD; k += LANES) {
                     float *p = ts->o + (int64_t)r * HD + k;
@@ -182,8 +222,8 @@ static __attribute__((noinline)) void D_(softmax_block)(float *st, int b0, int n
         if (!masked)
             for (; j + 2 <= nk; j += 2) {
                 float *a = col + (int64_t)j * ld, *b = a + ld;
-                const vfloat x0 = exp_nonpositive(load_vec(a) * scale + shift);
-                const vfloat x1 = exp_nonpositive(load_vec(b) * scale + shift);
+                const vfloat x0 = exp_nonpositive(fmadd(load_vec(a), splat(scale), shift));
+                const vfloat x1 = exp_nonpositive(fmadd(load_vec(b), splat(scale), shift));
                 store_vec(a, x0);
                 store_vec(b, x1);
                 sum0 += x0;
@@ -192,8 +232,8 @@ static __attribute__((noinline)) void D_(softmax_block)(float *st, int b0, int n
         else
             for (; j + 2 <= nk; j += 2) {
                 float *a = col + (int64_t)j * ld, *b = a + ld;
-                const vfloat x0 = seen_only(exp_nonpositive(load_vec(a) * scale + shift), b0 + j, ts, v);
-                const vfloat x1 = seen_only(exp_nonpositive(load_vec(b) * scale + shift), b0 + j + 1, ts, v);
+                const vfloat x0 = seen_only(exp_nonpositive(fmadd(load_vec(a), splat(scale), shift)), b0 + j, ts, v);
+                const vfloat x1 = seen_only(exp_nonpositive(fmadd(load_vec(b), splat(scale), shift)), b0 + j + 1, ts, v);
                 store_vec(a, x0);
                 store_vec(b, x1);
                 sum0 += x0;
@@ -201,7 +241,7 @@ static __attribute__((noinline)) void D_(softmax_block)(float *st, int b0, int n
             }
         if (j < nk) {
             float *a = col + (int64_t)j * ld;
-            const vfloat x = seen_only(exp_nonpositive(load_vec(a) * scale + shift), b0 + j, ts, v);
+            const vfloat x = seen_only(exp_nonpositive(fmadd(load_vec(a), splat(scale), shift)), b0 + j, ts, v);
             store_vec(a, x);
             sum0 += x;
         }
@@ -441,6 +481,7 @@ static void D_(tile_begin)(struct tile_state *ts, const struct direct_buf *b, in
                        const float *q, int64_t q_row_stride, int t0, int m, int open, int keys,
                        int h, int G, int dot16, int pad) {
     enum { D = HD };
+    (void)dot16; /* bfloat16 panels need AVX512_BF16 */
     ts->m = m, ts->t0 = t0, ts->rows = G * m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
     ts->open = open, ts->keys = keys, ts->start = 0;
     ts->qt = b->qts + slot * D_(panel_floats)(tile_rows), ts->o = b->os + (int64_t)slot * b->tile_ld * D;
@@ -488,8 +529,8 @@ static inline __attribute__((always_inline)) void D_(prefetch_block)(const struc
     for (int j = b0; j < b0 + KEY_BLOCK && j < keys; j++) {
         const int64_t offset = hr->slots[j] * hr->stride * size;
         for (int c = 0; c < HD * size; c += 64) {
-            _mm_prefetch((const char *)hr->k + offset + c, _MM_HINT_T0);
-            _mm_prefetch((const char *)hr->v + offset + c, _MM_HINT_T0);
+            prefetch((const char *)hr->k + offset + c);
+            prefetch((const char *)hr->v + offset + c);
         }
     }
 }

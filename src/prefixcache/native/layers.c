@@ -147,9 +147,10 @@ void pc_add_rms_norm_bf16(bf16_t *h, const bf16_t *delta, const bf16_t *w, bf16_
     }
 }
 
-/* 16 bfloat16 lanes, widened to a vector of floats and narrowed back (round to nearest even) */
-typedef uint16_t vbf16 __attribute__((vector_size(32)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
+/* LANES bfloat16 values, widened to a vector of floats and narrowed back (round to nearest
+ * even) */
+typedef uint16_t vbf16 __attribute__((vector_size(2 * LANES)));
+typedef uint32_t vuint __attribute__((vector_size(4 * LANES)));
 
 static inline vfloat widen_vec(vbf16 x) { return (vfloat)(__builtin_convertvector(x, vuint) << 16); }
 
@@ -158,7 +159,7 @@ static inline vbf16 narrow_vec(vfloat f) {
     return __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, vbf16);
 }
 
-/* bf16(bf16(silu(g)) * u) for 16 lanes */
+/* bf16(bf16(silu(g)) * u) for LANES lanes */
 static inline vbf16 silu_mul_bf16(vbf16 g, vbf16 u) {
     const vfloat a = widen_vec(g);
     return narrow_vec(widen_vec(narrow_vec(a / (1.0f + exp_clamped(-a)))) * widen_vec(u));
