@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from native_support import require_native_layers
-from prefixcache.model import load_model, precision, quant_gemm
+from prefixcache.attention import native_attention
+from prefixcache.model import load_model, panel_gemm, precision, quant_gemm
 from prefixcache.model.loader import ModelLoadError
 from prefixcache.model.precision import Precision
 from prefixcache.model.quant_gemm import QuantWeight
@@ -193,7 +194,10 @@ def test_dtype_auto_measures_once_per_machine_and_shape(tiny_llama, tmp_path, mo
     labels = measured[0]
     assert "float32" in labels and auto.precision in labels
     figures = auto.choice.figures
-    best = min(labels, key=lambda label: figures[label]["score_s"])
+    # the fastest whose answers stay within the fidelity bounds (float32 needs none)
+    kept_answers = [label for label in labels
+                    if label == "float32" or figures[label]["fidelity"]["eligible"]]
+    best = min(kept_answers, key=lambda label: figures[label]["score_s"])
     assert auto.precision == best
     assert all(figures[label]["prefill_tokens_per_s"] > 0 for label in labels)
     # each candidate's figures include its compute dtype's attention: float32's for float32
@@ -202,8 +206,11 @@ def test_dtype_auto_measures_once_per_machine_and_shape(tiny_llama, tmp_path, mo
     assert all(a["prefill"] > 0 and a["decode_step"] > 0 for a in attention.values())
     assert attention["float32"] == attention["float32+bfloat16"]
     assert auto.choice.cpu and "chose" in auto.choice.describe()
-    (kept,) = (tmp_path / "calibration").glob("*.json")
-    assert json.loads(kept.read_text())["chosen"] == best
+    timings = [p for p in (tmp_path / "calibration").glob("*.json")
+               if not p.name.startswith("fidelity-")]  # fmt: skip
+    (kept,) = timings
+    assert json.loads(kept.read_text())["chosen"] == min(
+        labels, key=lambda label: figures[label]["score_s"])  # the fastest, as measured
     again = load_model(str(path), "auto")  # read back: not measured again
     assert len(measured) == 1 and again.precision == best
     forced = Precision.parse(best)
@@ -231,6 +238,56 @@ def test_dtype_auto_takes_the_lowest_score_and_what_fits_in_memory(tiny_llama, m
     monkeypatch.setattr(precision, "_free_memory", lambda: float32_bytes - 1)
     choice = precision.choose(config, options)
     assert choice.precision.label == "float32+bfloat16" and "fits" in choice.reason
+
+
+def test_dtype_auto_passes_over_a_faster_precision_that_changes_the_answers(
+    tiny_llama, monkeypatch
+) -> None:
+    path, _ = tiny_llama
+    from prefixcache.model.loader import open_checkpoint
+
+    config = open_checkpoint(str(path)).config
+    options = [Precision("float32", "float32"), Precision("bfloat16", "bfloat16"),
+               Precision("float32", "bfloat16")]  # fmt: skip
+    score = {"float32": 3.0, "bfloat16": 1.0, "float32+bfloat16": 2.0}
+
+    def fake(config, options, form):  # noqa: ANN001, ANN202
+        return {p.label: {"prefill_tokens_per_s": 1.0, "decode_step_ms": 1.0,
+                          "score_s": score[p.label]} for p in options}  # fmt: skip
+
+    asked: list[str] = []
+
+    def fidelity(option: Precision) -> dict:
+        asked.append(option.label)
+        drift = option.label == "bfloat16"  # the fastest, but its answers drift
+        return {"tokens": 200, "mean_kl": 0.2 if drift else 0.001, "p99_kl": 0.5,
+                "max_kl": 1.0, "top1_agreement": 0.7 if drift else 0.99}  # fmt: skip
+
+    monkeypatch.setattr(precision, "_measure", fake)
+    monkeypatch.setattr(precision.machine, "measured_once", lambda path, measure: (measure(), True))
+    choice = precision.choose(config, options, fidelity=fidelity)
+    assert choice.precision.label == "float32+bfloat16"
+    assert asked == ["bfloat16", "float32+bfloat16"]  # in order of speed, until one keeps them
+    assert "bfloat16 faster but outside the fidelity bounds" in choice.reason
+    assert choice.figures["bfloat16"]["fidelity"]["eligible"] is False
+    assert "outside the bounds" in choice.describe()
+    score["float32"] = 0.5  # float32 first: nothing to check
+    asked.clear()
+    assert precision.choose(config, options, fidelity=fidelity).precision.label == "float32"
+    assert asked == []
+
+
+def test_fidelity_is_stated_as_llama_cpp_states_a_quantization() -> None:
+    gen = torch.Generator().manual_seed(0)
+    reference = torch.randn(50, 300, generator=gen) * 4
+    same = precision.fidelity_of(reference, reference.clone())
+    assert same["mean_kl"] == 0 and same["top1_agreement"] == 1 and same["tokens"] == 50
+    assert precision.within_bounds(same)
+    noisy = precision.fidelity_of(reference, reference + torch.randn(50, 300, generator=gen))
+    assert 0 < noisy["mean_kl"] <= noisy["p99_kl"] <= noisy["max_kl"]
+    assert not precision.within_bounds(noisy)  # logits off by a whole unit: answers drift
+    shuffled = precision.fidelity_of(reference, reference[torch.randperm(50, generator=gen)])
+    assert shuffled["top1_agreement"] < 0.2 and not precision.within_bounds(shuffled)
 
 
 def test_native_gguf_blocks_keep_the_builtin_models_perplexity() -> None:
@@ -271,6 +328,12 @@ def test_serve_shows_what_it_runs_in_on_v1_models() -> None:
         assert shown["precision"] in shown["dtype_auto"]["candidates"]
         assert shown["dtype_auto"]["chosen"] == shown["precision"]
         assert shown["dtype_auto"]["cpu"]
+        kernels = shown["kernels"]  # which GEMM and attention path, and batch invariance
+        assert kernels["gemm"] and kernels["attention"]
+        vector = all(panel_gemm.vectorised(d) for d in (torch.float32, torch.bfloat16))
+        if native_attention.available() and vector:  # the direct path and the panel GEMM
+            assert kernels["batch_invariant"] is True
+            assert kernels["attention"].startswith("direct")
         one = httpx.get(f"{running.base_url}/v1/models/tiny").json()
         assert one["precision"] == shown
     finally:

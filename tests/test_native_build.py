@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from native_support import require_native_attention, require_native_layers
-from test_attention_native import check_row_invariance
 from prefixcache import native
 from prefixcache.attention import native_attention
 from prefixcache.model import native_layers, panel_gemm
+from test_attention_native import check_row_invariance
 
 
 @pytest.fixture
@@ -55,16 +55,35 @@ def test_portable_vector_code_passes_the_probes() -> None:
     gate_up = torch.tensor([[-200.0, -20.0, 0.0, 30.0, 1.0, 2.0, 3.0, 4.0]])
     gate, up = gate_up.split(4, dim=-1)
     torch.testing.assert_close(native_layers.silu_mul(gate_up), F.silu(gate) * up)
-    # the panel GEMM's plain loops read the same packed layout (never chosen: not vectorised)
+    # the panel GEMM's AVX2 kernels (bfloat16 widened): right, and a row's result the same bits
+    # at any row count (so the model's projections take them, for batch invariance)
     for dtype in (torch.float32, torch.bfloat16):
-        assert panel_gemm.available(dtype) and not panel_gemm.vectorised(dtype)
+        assert panel_gemm.available(dtype) and panel_gemm.kernel_name(dtype) == "AVX2"
+        check_panel_rows_invariant(dtype)
 
 
-def test_without_avx512_bf16_the_bfloat16_panel_gemm_is_plain_loops(
+def check_panel_rows_invariant(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for out_features, in_features in ((100, 33), (200, 130)):
+        weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+        bias = torch.randn(out_features, generator=gen).to(dtype)
+        packed = panel_gemm.PanelWeight.pack(weight)
+        x = torch.randn(70, in_features, generator=gen).to(dtype)
+        every = packed.matmul(x, bias)
+        tol = 1e-4 if dtype == torch.float32 else 2**-6
+        torch.testing.assert_close(every.float(), F.linear(x, weight, bias).float(), rtol=tol,
+                                   atol=tol * in_features ** 0.5)
+        for rows in (1, 3, 4, 5, 9, 17):
+            for start in (0, 6):
+                part = packed.matmul(x[start : start + rows], bias)
+                assert torch.equal(part, every[start : start + rows])
+
+
+def test_without_avx512_bf16_the_bfloat16_panel_gemm_is_the_avx2_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # an AVX-512 CPU without AVX512_BF16 (Skylake-X, Ice Lake): float32 vectorised, bfloat16 the
-    # plain loops, both right; the model then multiplies bfloat16 through oneDNN
+    # an AVX-512 CPU without AVX512_BF16 (Skylake-X, Ice Lake): float32 on AVX-512F, bfloat16
+    # widened in the AVX2 kernel, both right and batch invariant
     if " avx512f" not in native.cpu_signature():
         pytest.skip("needs an AVX-512 CPU")
     require_native_layers()
@@ -76,9 +95,10 @@ def test_without_avx512_bf16_the_bfloat16_panel_gemm_is_plain_loops(
     for cached in caches:
         cached.cache_clear()
     try:
-        assert panel_gemm.vectorised(torch.float32) and not panel_gemm.vectorised(torch.bfloat16)
+        assert panel_gemm.kernel_name(torch.float32) == "AVX-512F"
+        assert panel_gemm.kernel_name(torch.bfloat16) == "AVX2"
         assert panel_gemm.available(torch.float32) and panel_gemm.available(torch.bfloat16)
-        assert not panel_gemm.prefer_panel(64, 128, torch.bfloat16, False)  # never the loops
+        check_panel_rows_invariant(torch.bfloat16)
     finally:
         monkeypatch.undo()
         for cached in caches:

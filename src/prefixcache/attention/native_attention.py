@@ -9,8 +9,10 @@ into a buffer that stays in L2, runs the softmax over each row's visible keys (n
 multiplies by V and normalises the output rows; the GEMMs are the sgemm of the MKL inside
 libtorch, single-threaded inside the kernel's OpenMP team (torch's own libgomp). After a cache
 hit (more context than new tokens), where each thread gets whole kv heads, each thread gathers
-the K/V of the head it works on, so its tiles read them from L2. With AVX-512 and head_dim 64
-or 128, the direct path skips the gather, with or without cached context: register-tiled loops
+the K/V of the head it works on, so its tiles read them from L2. With head_dim 16, 32, 64, 80,
+96 or 128 (AVX-512 or portable vector code), the direct path skips the gather, with or without
+cached context, and computes each row's keys in one order whatever the step (batch invariance,
+docs/model.md): register-tiled loops
 read K and V straight from the cache (`prefill_path` says which split a call takes), and decode
 steps read their shared prefix the same way. Figures: docs/performance.md.
 
@@ -47,6 +49,7 @@ __all__ = [
     "decode_split",
     "disabled_by_env",
     "enabled",
+    "kernel_name",
     "PreparedAttend",
     "PreparedDecode",
     "prefill_path",
@@ -108,6 +111,7 @@ class _Kernel:
         self.decode_scratch_floats = _bind(library, "pc_decode_scratch_floats", _I64, [_I] * 9)
         self.decode_direct = _bind(library, "pc_decode_direct", _I, [_I] * 4)
         self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 8)
+        self.isa = _bind(library, "pc_attention_isa", _I, [])()
         self.sgemm, self.set_threads = sgemm, set_threads
         self.attention_address = ctypes.cast(self.attention, _P).value
         self.decode_address = ctypes.cast(self.decode, _P).value
@@ -246,10 +250,11 @@ def prefill_path(
     kv_dtype: torch.dtype = torch.float32,
 ) -> str:
     """How `attend` splits a prefill of these sizes at the current thread count: one of
-    `PREFILL_PATHS`: reading the cache straight in key blocks where an AVX-512 build has
-    head_dim 64 or 128 and a tile's stacked query heads fit 256 rows (`tile_tokens`), cached
-    context or not; else all kv heads gathered once for the team, or after a cache hit each
-    thread gathering the head it works on where the threads divide the kv heads."""
+    `PREFILL_PATHS`: reading the cache straight in key blocks where the head_dim is one the
+    direct path is compiled for (16, 32, 64, 80, 96 or 128) and a tile's stacked query heads
+    fit 256 rows (`tile_tokens`), cached context or not; else all kv heads gathered once for
+    the team, or after a cache hit each thread gathering the head it works on where the threads
+    divide the kv heads."""
     kernel = _kernel_or_raise()
     path = kernel.attention_path(
         num_tokens, seq_len, num_heads, num_kv_heads, head_dim,
@@ -575,6 +580,21 @@ def decode_split(
             if best_cost < 0 or cost < best_cost * (1 - 1e-9):
                 best, best_cost = (chunk, splits), cost
     return best
+
+
+def kernel_name(head_dim: int, dtype: torch.dtype) -> str:
+    """Which path attends a model of this head_dim and dtype here: the direct path and its
+    vector code (``direct (AVX-512)``, with bfloat16 pairs ``direct (AVX512_BF16)``, or
+    ``direct (AVX2)``), the gather path (other head_dims: MKL's GEMMs over gathered K/V), or
+    ``torch`` where the kernel is off."""
+    kernel = _kernel()
+    if kernel is None or not enabled():
+        return "torch"
+    if not kernel.decode_direct(1, 1, head_dim, 1):
+        return "gather (MKL)"
+    if dtype == torch.bfloat16 and kernel.isa & 2:
+        return "direct (AVX512_BF16)"
+    return "direct (AVX-512)" if kernel.isa & 1 else "direct (AVX2)"
 
 
 @functools.cache

@@ -463,11 +463,14 @@ class LLMEngine:
     @property
     def precision(self) -> dict[str, Any]:
         """What the model runs in: activations and KV ``dtype``, how the projections keep their
-        ``weights``, and what ``--dtype auto`` measured where it chose them."""
+        ``weights``, which ``kernels`` run them (`CausalLM.kernels`: the GEMM, the attention
+        path, whether a row's result is batch invariant), and what ``--dtype auto`` measured
+        where it chose them."""
         loaded = self.loaded
         dtype = str(loaded.dtype).removeprefix("torch.")
         out: dict[str, Any] = {"dtype": dtype, "weights": loaded.weight_dtype or dtype,
-                               "precision": loaded.precision}  # fmt: skip
+                               "precision": loaded.precision,
+                               "kernels": loaded.model.kernels()}  # fmt: skip
         if loaded.choice is not None:
             out["dtype_auto"] = loaded.choice.as_dict()
         return out

@@ -15,14 +15,14 @@ With both, each layer runs as one or two compiled calls (`fused_layers`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from prefixcache.attention import AttentionMetadata, PagedKVCache
+from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention
 from prefixcache.attention.plan import build_plan
-from prefixcache.model import onednn_gemm, panel_gemm, quant_gemm
+from prefixcache.model import panel_gemm, quant_gemm
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.fused_layers import FusedLayers
 from prefixcache.model.layers import (
@@ -32,10 +32,12 @@ from prefixcache.model.layers import (
     LayerPartsList,
     Projection,
     RMSNorm,
+    choose_gemm,
 )
 from prefixcache.model.panel_gemm import PanelWeight
 from prefixcache.model.quant_gemm import QuantWeight
 from prefixcache.model.rope import RotaryEmbedding
+from prefixcache.native import invariance
 
 if TYPE_CHECKING:
     import numpy as np
@@ -101,6 +103,12 @@ class CausalLM(nn.Module):
             )
         ]
 
+    def kernels(self) -> dict[str, Any]:
+        """Which kernels run this model's steps here (`kernels_report`), from the packed copies
+        its projections hold."""
+        gemms = {_gemm_name(p) for p in [*self.projections(), self.lm_head]}
+        return kernels_report(gemms, self.config.head_dim, self.lm_head.weight.dtype)
+
     def prepare_cpu_projections(self, pack: bool = True) -> None:
         """CPU only: float32 weights laid out for MKL's sgemm, and with ``pack`` every
         projection's packed copy (`Projection.pack`; no-op elsewhere).
@@ -108,18 +116,16 @@ class CausalLM(nn.Module):
         Each float32 weight [out, in] becomes a view of its contiguous transpose [in, out], so
         that ``x @ W^T`` hands sgemm an untransposed right operand (same values, shapes and
         names); that is the layout ``F.linear`` uses where packed GEMM is off or unavailable.
-        With ``pack``, each also keeps a packed copy, which is faster still: the panel GEMM's
-        where a start-up timing on the model's MLP shape finds it no slower than the library
-        otherwise used (`panel_gemm.prefer_panel`), else for float32 MKL's or, where a timing
-        finds it faster, oneDNN's, for bfloat16 oneDNN's; so does the LM head (its weight left
-        as it is: it may be the embedding's).
+        With ``pack``, each also keeps a packed copy, which is faster still, of the GEMM
+        `choose_gemm` picks on the model's MLP shape (the panel GEMM's wherever it is vector
+        code, for batch invariance; else a timing's choice); so does the LM head (its weight
+        left as it is: it may be the embedding's).
         """
         mlp = self.model.layers[0].mlp.gate_up_proj if self.model.layers else None
-        cpu = pack and mlp is not None and mlp.weight.device.type == "cpu"
-        onednn = (cpu and mlp.weight.dtype == torch.float32
-                  and onednn_gemm.prefer_onednn(mlp.in_features, mlp.out_features))
-        panel = (cpu and mlp.weight.dtype in PACKED_DTYPES and panel_gemm.prefer_panel(
-            mlp.in_features, mlp.out_features, mlp.weight.dtype, onednn))
+        onednn = panel = False
+        if pack and mlp is not None and mlp.weight.device.type == "cpu":
+            if mlp.weight.dtype in PACKED_DTYPES:
+                onednn, panel = choose_gemm(mlp.in_features, mlp.out_features, mlp.weight.dtype)
         for linear in self.projections():
             weight = linear.weight
             if weight.device.type != "cpu":
@@ -189,6 +195,52 @@ class CausalLM(nn.Module):
         if delta is not None:
             last += delta.index_select(0, rows)
         return self.lm_head(self.model.norm(last))
+
+
+
+def kernels_report(gemms: set[str], head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The projections' GEMMs (`_gemm_name`'s names), the attention path for ``head_dim`` and
+    the activations' ``dtype``, and whether both keep a row's result independent of the rest of
+    its batch: the panel and quantized GEMMs and the compiled direct attention path do by
+    construction, the libraries' GEMMs and the other attention paths promise nothing;
+    ``batch_invariant`` is both, with `invariance` on."""
+    attention = native_attention.kernel_name(head_dim, dtype)
+    invariant_gemm = all(name.startswith(("panel", "quantized")) for name in gemms)
+    invariant = invariance.enabled() and invariant_gemm and attention.startswith("direct")
+    return {"gemm": ", ".join(sorted(gemms)), "attention": attention,
+            "batch_invariant": invariant}  # fmt: skip
+
+
+def expected_kernels(config: ModelConfig, dtype: torch.dtype, weights: str) -> dict[str, Any]:
+    """`CausalLM.kernels` of a model of ``config`` loaded in ``dtype`` with its projections kept
+    as ``weights`` (`WEIGHT_DTYPES`), without its weights: what `choose_gemm` picks for its MLP
+    shape, or the narrow forms' kernels."""
+    if weights in ("q8_0", "gguf"):
+        gemm = _quant_name()
+    elif dtype == torch.float32 and weights == "bfloat16":
+        gemm = f"panel GEMM ({panel_gemm.kernel_name(torch.float32)})"
+    else:
+        onednn, panel = choose_gemm(config.hidden_size, 2 * config.intermediate_size, dtype)
+        gemm = (f"panel GEMM ({panel_gemm.kernel_name(dtype)})" if panel
+                else "oneDNN" if onednn or dtype == torch.bfloat16 else "MKL")  # fmt: skip
+    return kernels_report({gemm}, config.head_dim, dtype)
+
+
+def _quant_name() -> str:
+    return f"quantized blocks ({'AVX512-VNNI' if quant_gemm.vectorised() else 'plain loops'})"
+
+
+def _gemm_name(linear: Projection) -> str:
+    """How one projection multiplies: ``panel GEMM (<instruction set>)``, ``quantized blocks
+    (...)``, ``oneDNN``, ``MKL`` or ``torch``."""
+    copy = linear.packed_copy
+    if isinstance(copy, PanelWeight):
+        return f"panel GEMM ({panel_gemm.kernel_name(copy.dtype)})"
+    if isinstance(copy, QuantWeight):
+        return _quant_name()
+    if linear.onednn is not None:
+        return "oneDNN"
+    return "MKL" if linear.packed is not None else "torch"
 
 
 def _check_inputs(

@@ -22,10 +22,11 @@ from prefixcache.model.onednn_gemm import OneDnnWeight
 from prefixcache.model.packed_gemm import PackedWeight
 from prefixcache.model.panel_gemm import PanelWeight
 from prefixcache.model.rope import apply_rotary
+from prefixcache.native import invariance
 
 __all__ = [
     "MLP", "PACKED_DTYPES", "Attention", "DecoderLayer", "LayerParts", "LayerPartsList",
-    "Projection", "RMSNorm",
+    "Projection", "RMSNorm", "choose_gemm",
 ]  # fmt: skip
 
 
@@ -78,6 +79,23 @@ class PackedCopy(Protocol):
     def dtype(self) -> torch.dtype: ...  # what it multiplies: x and the result
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def choose_gemm(in_features: int, out_features: int, dtype: torch.dtype) -> tuple[bool, bool]:
+    """``(onednn, panel)`` for `Projection.pack` of a model's CPU projections of this shape and
+    dtype. With batch invariance on (`prefixcache.native.invariance`, the default) the panel
+    GEMM wherever its kernel for ``dtype`` is vector code here: each of its sums is one chain
+    of multiply-adds in a fixed order for any row count and thread count, which no library
+    promises (oneDNN and MKL pick kernels by the row count). Otherwise, or where the
+    environment forces the choice (``PREFIXCACHE_PANEL_GEMM``, ``PREFIXCACHE_ONEDNN_LINEAR``),
+    the fastest by a start-up timing (`onednn_gemm.prefer_onednn`, `panel_gemm.prefer_panel`)."""
+    forced = [onednn_gemm.forced_by_env(v)
+              for v in ("PREFIXCACHE_PANEL_GEMM", "PREFIXCACHE_ONEDNN_LINEAR")]  # fmt: skip
+    if (invariance.enabled() and forced == [None, None] and panel_gemm.vectorised(dtype)
+            and panel_gemm.available(dtype)):  # fmt: skip
+        return False, True
+    onednn = dtype == torch.float32 and onednn_gemm.prefer_onednn(in_features, out_features)
+    return onednn, panel_gemm.prefer_panel(in_features, out_features, dtype, onednn)
 
 
 class Projection(nn.Linear):

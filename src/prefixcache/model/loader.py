@@ -8,9 +8,13 @@ same `ModelConfig`, `Tokenizer` and parameters.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,9 +34,10 @@ from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import WEIGHT_DTYPES, CausalLM
 from prefixcache.model.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from prefixcache.model.identity import model_identity
-from prefixcache.model.precision import Choice
+from prefixcache.model.precision import Choice, Precision
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.model.weights import load_weights, weight_files
+from prefixcache.native import machine
 
 __all__ = [
     "DTYPES",
@@ -209,7 +214,7 @@ def resolve_precision(
         options = precision.candidates(bool(kinds & set(quant_gemm.GGUF_NATIVE_TYPES)))
         form = (quant_gemm.NIBBLES if kinds & {"Q4_0", "Q4_1", "Q4_K"} else quant_gemm.BYTES_MIN
                 if "Q5_1" in kinds else quant_gemm.BYTES)  # fmt: skip
-        choice = precision.choose(checkpoint.config, options, form)
+        choice = precision.choose(checkpoint.config, options, form, _fidelity(checkpoint))
         log.info("%s", choice.describe())
         return choice.precision.dtype, choice.precision.weights, choice
     if dtype == "auto":
@@ -223,6 +228,39 @@ def resolve_precision(
         raise ModelLoadError("--weight-dtype gguf needs a GGUF model (a .gguf file or a "
                              "packaged GGUF model such as smollm2)")  # fmt: skip
     return dtype, weights, choice
+
+
+def _fidelity(checkpoint: Checkpoint) -> Callable[[Precision], dict[str, Any]]:
+    """`precision.fidelity_of` float32 for a precision, over `precision.FIDELITY_TEXT` with the
+    checkpoint's own weights: measured once per model, precision, CPU and kernel sources (the
+    bits a precision gives depend on the kernels) and kept beside the timings; float32's
+    logits computed at most once per call of `resolve_precision`."""
+    from prefixcache.native import cpu_signature, sources_digest
+
+    config, cpu = checkpoint.config, torch.device("cpu")
+    reference: list[torch.Tensor] = []
+
+    def logits(dtype: torch.dtype, weights: str) -> torch.Tensor:
+        ids = checkpoint.tokenizer().encode(precision.FIDELITY_TEXT)
+        model = _build(checkpoint, dtype, cpu, True, weights)
+        return precision.all_logits(model, config, ids, dtype)
+
+    def of(option: Precision) -> dict[str, Any]:
+        key = hashlib.sha256(json.dumps([
+            precision.CALIBRATION_VERSION, checkpoint.identity("float32"), option.label,
+            cpu_signature(), sources_digest(), torch.__version__, precision.FIDELITY_TEXT,
+        ]).encode()).hexdigest()[:20]  # fmt: skip
+
+        def measure() -> dict[str, Any]:
+            if not reference:
+                reference.append(logits(torch.float32, "float32"))
+            return precision.fidelity_of(reference[0], logits(DTYPES[option.dtype],
+                                                              option.weights))
+
+        path = cache_dir() / "calibration" / f"fidelity-{key}.json"
+        return machine.measured_once(path, measure)[0]
+
+    return of
 
 
 def resolve_dtype(checkpoint_dtype: str | None) -> str:

@@ -30,7 +30,9 @@ import torch.nn.functional as F
 
 from prefixcache.model import native_layers, onednn_gemm, packed_gemm
 
-__all__ = ["PanelWeight", "available", "compute_address", "prefer_panel", "vectorised"]
+__all__ = [
+    "PanelWeight", "available", "compute_address", "kernel_name", "prefer_panel", "vectorised",
+]
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -145,6 +147,18 @@ def vectorised(dtype: torch.dtype) -> bool:
     if library is None or dtype not in _DTYPES:
         return False
     return bool(library.pc_panel_isa() & (1 if dtype == torch.float32 else 2))
+
+
+def kernel_name(dtype: torch.dtype) -> str:
+    """The instruction set of this build's kernel for ``dtype``: ``AVX-512F``, ``AVX512_BF16``,
+    ``AVX2`` (bfloat16 widened to float32 there) or ``plain loops``."""
+    library = _library()
+    if library is None or not vectorised(dtype):
+        return "plain loops"
+    bf16 = dtype == torch.bfloat16
+    if library.pc_panel_isa() & (8 if bf16 else 4):
+        return "AVX2"
+    return "AVX512_BF16" if bf16 else "AVX-512F"
 
 
 @functools.cache

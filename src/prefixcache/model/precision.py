@@ -34,6 +34,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ from prefixcache.model.config import ModelConfig
 from prefixcache.native import machine
 from prefixcache.paths import cache_dir
 
-__all__ = ["Choice", "Precision", "candidates", "choose"]
+__all__ = ["Choice", "Precision", "all_logits", "candidates", "choose", "fidelity_of"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,28 @@ REPEATS = 3
 # memory, as in a step), scaled to the model's layers
 ATTENTION_CONTEXT = 1024
 ATTENTION_LAYERS = 4
+# Fidelity: a candidate other than float32 is chosen only if, over `FIDELITY_TEXT` with the
+# model's own weights, its next-token distributions stay this close to float32's (the
+# Kullback-Leibler divergence from float32's, mean over the text's tokens, in nats) and its most
+# likely token is float32's at this share of them: llama.cpp's perplexity --kl-divergence
+# figures. The bounds are those of llama.cpp's 5-bit K-quants on 7B models (mean KL about 0.01,
+# the same top token about 96% of the time), with room for a small model's many near-ties in
+# the top-1 share: they admit its Q8_0 (about 0.001) and reject a form whose answers drift.
+MAX_MEAN_KL = 0.01
+MIN_TOP1_AGREEMENT = 0.90
+FIDELITY_TEXT = (
+    "The printing press changed how ideas travelled. Before it, a book was copied by hand, one "
+    "page at a time, and a library of a few hundred volumes was a treasure. Around 1450 "
+    "Johannes Gutenberg combined movable metal type, an oil-based ink and a screw press, and "
+    "within fifty years presses were working in more than 250 European towns.\n\n"
+    "Three effects stand out:\n1. Prices fell: a printed Bible cost a fraction of a copied one."
+    "\n2. Texts became identical, so scholars could cite page 42 and mean the same words.\n"
+    "3. Ordinary people began to read pamphlets, news sheets and almanacs.\n\n"
+    "Q: What is 17 multiplied by 3?\nA: 17 x 3 = 51.\n\n"
+    "def word_count(text):\n    return len(text.split())\n\n"
+    "Today the same story repeats with software: copying is nearly free, and the question is "
+    "no longer how to make a copy but which copy to trust."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +119,8 @@ class Choice:
 
     def describe(self) -> str:
         parts = [f"{label}: prefill {f['prefill_tokens_per_s']:.0f} tok/s, decode step "
-                 f"{f['decode_step_ms']:.2f} ms" for label, f in self.figures.items()]  # fmt: skip
+                 f"{f['decode_step_ms']:.2f} ms{_fidelity_text(f.get('fidelity'))}"
+                 for label, f in self.figures.items()]  # fmt: skip
         head = f"--dtype auto chose {self.precision.label} ({self.reason}) on {self.cpu}"
         return head + ("; " + "; ".join(parts) if parts else "")
 
@@ -120,11 +144,17 @@ def candidates(has_gguf_blocks: bool) -> list[Precision]:
 
 
 def choose(
-    config: ModelConfig, options: list[Precision], blocks_form: int = quant_gemm.NIBBLES
+    config: ModelConfig,
+    options: list[Precision],
+    blocks_form: int = quant_gemm.NIBBLES,
+    fidelity: Callable[[Precision], dict[str, Any]] | None = None,
 ) -> Choice:
-    """The fastest of ``options`` for ``config``'s shape here: from the cache, else measured
-    (and cached). ``blocks_form``: how the GGUF file's blocks are kept (`quant_gemm.NIBBLES`
-    for its 4-bit types, `quant_gemm.BYTES` / ``BYTES_MIN`` for the others)."""
+    """The fastest of ``options`` for ``config``'s shape here that keeps the model's answers:
+    the timings from the cache, else measured (and cached). ``blocks_form``: how the GGUF
+    file's blocks are kept (`quant_gemm.NIBBLES` for its 4-bit types, `quant_gemm.BYTES` /
+    ``BYTES_MIN`` for the others). ``fidelity``: a candidate's `fidelity_of` float32 on the
+    model's own weights (cached by the caller), asked for in order of speed until one is within
+    the bounds (float32 needs none): a faster one outside them is passed over."""
     from prefixcache.native import cpu_signature, sources_digest
 
     cpu = _cpu_name()
@@ -153,7 +183,74 @@ def choose(
         data, _ = machine.measured_once(path, measure)
         choice = _from_dict(data, "measured")
     assert choice is not None
+    if fidelity is not None and choice.figures:
+        _keep_answers(choice, fitting, fidelity)
     return choice
+
+
+def _keep_answers(
+    choice: Choice, fitting: list[Precision], fidelity: Callable[[Precision], dict[str, Any]]
+) -> None:
+    """The fastest of ``fitting`` within the fidelity bounds becomes the choice; the figures of
+    those checked join the candidates'."""
+    passed_over = []
+    for option in sorted(fitting, key=lambda p: choice.figures[p.label]["score_s"]):
+        if option.label != "float32":
+            figures = fidelity(option)
+            choice.figures[option.label]["fidelity"] = figures | {
+                "eligible": within_bounds(figures)}  # fmt: skip
+            if not within_bounds(figures):
+                passed_over.append(option.label)
+                continue
+        if passed_over:
+            choice.reason += (f"; {', '.join(passed_over)} faster but outside the fidelity "
+                              f"bounds (mean KL <= {MAX_MEAN_KL}, top-1 >= "
+                              f"{MIN_TOP1_AGREEMENT:.0%})")  # fmt: skip
+        choice.precision = option
+        return
+
+
+def fidelity_of(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, Any]:
+    """How close ``logits`` [tokens, vocab] are to float32's ``reference`` over the same tokens,
+    as llama.cpp states a quantization's: the KL divergence of the next-token distribution from
+    float32's (mean, 99th percentile and maximum over the tokens, in nats) and the share of
+    tokens whose most likely next token is float32's."""
+    ref = torch.log_softmax(reference.double(), dim=-1)
+    own = torch.log_softmax(logits.double(), dim=-1)
+    kl = (ref.exp() * (ref - own)).sum(-1).clamp(min=0)
+    top1 = float((ref.argmax(-1) == own.argmax(-1)).double().mean())
+    mean_kl = float(kl.mean())
+    return {"tokens": int(kl.numel()), "mean_kl": mean_kl,
+            "p99_kl": float(torch.quantile(kl, 0.99)), "max_kl": float(kl.max()),
+            "top1_agreement": top1}  # fmt: skip
+
+
+def within_bounds(figures: dict[str, Any]) -> bool:
+    """Whether `fidelity_of`'s ``figures`` are within `MAX_MEAN_KL` and `MIN_TOP1_AGREEMENT`."""
+    return figures["mean_kl"] <= MAX_MEAN_KL and figures["top1_agreement"] >= MIN_TOP1_AGREEMENT
+
+
+def all_logits(model: Any, config: ModelConfig, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The logits [len(ids), vocab] (float32) at every position of one prefill of ``ids``
+    through ``model`` (a `CausalLM`) over a paged cache of its own dtype."""
+    from prefixcache.attention import AttentionMetadata, PagedKVCache
+
+    block = 16
+    num_blocks = -(-len(ids) // block)
+    cache = PagedKVCache(config.num_hidden_layers, num_blocks, block, config.num_key_value_heads,
+                         config.head_dim, dtype=dtype)  # fmt: skip
+    meta = AttentionMetadata.build([list(range(num_blocks))], [0], [len(ids)], block)
+    meta.logits_indices = torch.arange(len(ids))
+    with torch.inference_mode():
+        return model(torch.tensor(ids), meta.positions, cache, meta).float()
+
+
+def _fidelity_text(figures: dict[str, Any] | None) -> str:
+    if not figures:
+        return ""
+    verdict = "" if figures["eligible"] else ", outside the bounds"
+    return (f", KL {figures['mean_kl']:.4f}, top-1 {100 * figures['top1_agreement']:.1f}%"
+            f"{verdict}")
 
 
 def _shape(config: ModelConfig) -> list[int]:
@@ -353,11 +450,9 @@ class _Attention:
 
 
 def _pack_like_model(linear: Any, dtype: torch.dtype) -> None:
-    from prefixcache.model import onednn_gemm
+    from prefixcache.model.layers import choose_gemm
 
-    shape = (linear.in_features, linear.out_features)
-    onednn = dtype == torch.float32 and onednn_gemm.prefer_onednn(*shape)
-    panel = panel_gemm.prefer_panel(*shape, dtype, onednn)
+    onednn, panel = choose_gemm(linear.in_features, linear.out_features, dtype)
     if dtype == torch.float32:
         linear.weight.data = linear.weight.data.t().contiguous().t()
     linear.pack(True, onednn, panel)

@@ -146,7 +146,7 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
         }
 }
 
-/* ---- Straight from the paged cache (AVX-512, head_dim 64 or 128) -----------------------------
+/* ---- Straight from the paged cache (head_dims 16, 32, 64, 80, 96, 128) -----------------------
  *
  * The paths above gather a head's K and V into a buffer that MKL then copies again into its
  * packed panels (after a cache hit the gather is paid for few queries). Here register-tiled
@@ -172,14 +172,13 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
 #ifdef __AVX512F__
 #define QK_KEYS 8       /* keys per QK register tile ... */
 #define QK_VECS 3       /* ... times row vectors: 24 accumulators of 32 zmm registers */
-/* rows per PV register tile (PVR in direct_path.h): 6 at head_dim 64, 3 at 128 (24 vectors) */
-#define PVR_64 6
-#define PVR_128 3
-#else /* 8-lane vectors in 16 ymm registers: QK tiles of 8 accumulators, P V of one row */
+/* rows per PV register tile (PVR in direct_path.h): up to 24 accumulators, e.g. 6 rows x 4
+ * vectors at head_dim 64, 3 x 8 at 128 */
+#define PVR_FOR(hd) ((hd) == 16 ? 24 : (hd) == 32 ? 12 : (hd) == 64 ? 6 : (hd) <= 96 ? 4 : 3)
+#else /* 8-lane vectors in 16 ymm registers: QK tiles of 8 accumulators, P V of one to 4 rows */
 #define QK_KEYS 4
 #define QK_VECS 2
-#define PVR_64 1
-#define PVR_128 1
+#define PVR_FOR(hd) ((hd) == 16 ? 4 : (hd) == 32 ? 2 : 1)
 #endif
 #define PANEL (QK_VECS * LANES) /* Q^T panel width: the rows of one QK register tile */
 #define KEY_BLOCK 32    /* keys per online-softmax block */
@@ -187,50 +186,94 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
 #define PREFETCH_KEYS 64 /* how far ahead a key block's rows are prefetched */
 #define MAX_TILE_VECS (256 / LANES) /* rows per tile on this path: at most 256 */
 
-static inline int direct_applies(int D, int tile_rows) {
-    return (D == 64 || D == 128) && tile_rows <= MAX_TILE_VECS * LANES;
+/* The head_dims the direct path is compiled for (each a copy of direct_path.h's loops) */
+static inline int direct_head_dim(int D) {
+    return D == 16 || D == 32 || D == 64 || D == 80 || D == 96 || D == 128;
 }
 
-#define HD 64
-#define D_(name) name##_64
-#define PVR PVR_64
+static inline int direct_applies(int D, int tile_rows) {
+    return direct_head_dim(D) && tile_rows <= MAX_TILE_VECS * LANES;
+}
+
+#define HD 16
+#define D_(name) name##_16
+#define PVR PVR_FOR(16)
 #include "direct_path.h"
 #undef HD
 #undef D_
 #undef PVR
 #define DIRECT_COMMON
+#define HD 32
+#define D_(name) name##_32
+#define PVR PVR_FOR(32)
+#include "direct_path.h"
+#undef HD
+#undef D_
+#undef PVR
+#define HD 64
+#define D_(name) name##_64
+#define PVR PVR_FOR(64)
+#include "direct_path.h"
+#undef HD
+#undef D_
+#undef PVR
+#define HD 80
+#define D_(name) name##_80
+#define PVR PVR_FOR(80)
+#include "direct_path.h"
+#undef HD
+#undef D_
+#undef PVR
+#define HD 96
+#define D_(name) name##_96
+#define PVR PVR_FOR(96)
+#include "direct_path.h"
+#undef HD
+#undef D_
+#undef PVR
 #define HD 128
 #define D_(name) name##_128
-#define PVR PVR_128
+#define PVR PVR_FOR(128)
 #include "direct_path.h"
 #undef HD
 #undef D_
 #undef PVR
 
+/* `call` of the copy of `name` for head_dim D (one of `direct_head_dim`'s) */
+#define BY_HEAD_DIM(D, call, name, ...)                                                         \
+    switch (D) {                                                                                \
+    case 16: call(name##_16(__VA_ARGS__)); break;                                               \
+    case 32: call(name##_32(__VA_ARGS__)); break;                                               \
+    case 64: call(name##_64(__VA_ARGS__)); break;                                               \
+    case 80: call(name##_80(__VA_ARGS__)); break;                                               \
+    case 96: call(name##_96(__VA_ARGS__)); break;                                               \
+    default: call(name##_128(__VA_ARGS__)); break;                                              \
+    }
+#define RETURN(x) return x
+#define DO(x) x
+
 /* Floats of per-thread scratch the direct path needs for tiles of tile_rows rows. */
 static int64_t direct_floats(int D, int tile_rows) {
-    return D == 64 ? direct_floats_64(tile_rows) : direct_floats_128(tile_rows);
+    BY_HEAD_DIM(D, RETURN, direct_floats, tile_rows)
 }
 
-/* New tokens g0 .. g1 - 1 of kv head h (`direct_tiles_64` / `_128`) */
+/* New tokens g0 .. g1 - 1 of kv head h (`direct_tiles_64`, ...) */
 static void direct_tiles(int D, const float *q, int64_t q_row_stride, const void *k_cache,
                          const void *v_cache, int bf16, const int64_t *slots, float *out, int C,
                          int T, int g0_begin, int g1, int group, int tile_tokens, int h, int H,
                          int KV, int G, float scale, float *buf) {
-    (D == 64 ? direct_tiles_64 : direct_tiles_128)(q, q_row_stride, k_cache, v_cache, bf16,
-                                                   slots, out, C, T, g0_begin, g1, group,
-                                                   tile_tokens, h, H, KV, G, scale, buf);
+    BY_HEAD_DIM(D, DO, direct_tiles, q, q_row_stride, k_cache, v_cache, bf16, slots, out, C, T,
+                g0_begin, g1, group, tile_tokens, h, H, KV, G, scale, buf)
 }
 
 /* A decode work item's shared keys k0 .. k1 - 1, or its sequences' tails, into part p
- * (`decode_shared_64` / `decode_tails_64` / `_128`) */
+ * (`decode_shared_64`, `decode_tails_64`, ...) */
 static void direct_decode_shared(int D, const float *q, int64_t q_row_stride, const void *k_cache,
                                  const void *v_cache, int bf16, const int64_t *shared_slots,
                                  int k0, int k1, int b0, int nb, int h, int KV, int G, float scale,
                                  float *buf, struct decode_part p) {
-    (D == 64 ? decode_shared_64 : decode_shared_128)(q, q_row_stride, k_cache, v_cache, bf16,
-                                                     shared_slots, k0, k1, b0, nb, h, KV, G,
-                                                     scale, buf, p);
+    BY_HEAD_DIM(D, DO, decode_shared, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, k0,
+                k1, b0, nb, h, KV, G, scale, buf, p)
 }
 
 static void direct_decode_rows(int D, const float *q, int64_t q_row_stride, const void *k_cache,
@@ -238,19 +281,17 @@ static void direct_decode_rows(int D, const float *q, int64_t q_row_stride, cons
                                int shared, const int64_t *tail_slots, const int *tail_lens,
                                int max_tail, float *out, int b0, int nb, int h, int H, int KV,
                                int G, float scale, float *buf, int64_t *rest) {
-    (D == 64 ? decode_rows_64 : decode_rows_128)(q, q_row_stride, k_cache, v_cache, bf16,
-                                                 shared_slots, shared, tail_slots, tail_lens,
-                                                 max_tail, out, b0, nb, h, H, KV, G, scale, buf,
-                                                 rest);
+    BY_HEAD_DIM(D, DO, decode_rows, q, q_row_stride, k_cache, v_cache, bf16, shared_slots,
+                shared, tail_slots, tail_lens, max_tail, out, b0, nb, h, H, KV, G, scale, buf,
+                rest)
 }
 
 static void direct_decode_tails(int D, const float *q, int64_t q_row_stride, const void *k_cache,
                                 const void *v_cache, int bf16, const int64_t *tail_slots,
                                 const int *tail_lens, int max_tail, int b0, int nb, int h, int KV,
                                 int G, float scale, float *buf, struct decode_part p) {
-    (D == 64 ? decode_tails_64 : decode_tails_128)(q, q_row_stride, k_cache, v_cache, bf16,
-                                                   tail_slots, tail_lens, max_tail, b0, nb, h,
-                                                   KV, G, scale, buf, p);
+    BY_HEAD_DIM(D, DO, decode_tails, q, q_row_stride, k_cache, v_cache, bf16, tail_slots,
+                tail_lens, max_tail, b0, nb, h, KV, G, scale, buf, p)
 }
 
 /* Tiles per work item of the direct path: the most (up to GROUP_TILES, which share each key
@@ -285,12 +326,12 @@ int64_t pc_scratch_floats(int S, int H, int KV, int D, int tile_tokens, int nthr
 
 /* The prefill kernel; `bf16`: the caches hold bfloat16 (else float32).
  *
- * Where `direct_applies` (AVX-512, head_dim 64 or 128, at most 256 stacked rows per tile),
+ * Where `direct_applies` (a head_dim of `direct_head_dim`, at most 256 stacked rows per tile),
  * with or without cached context: work item = a run of one kv head's tiles (`direct_group`),
  * reading the cache directly: no gather and no second copy into MKL's panels (figures:
- * docs/performance.md). Otherwise two ways to split the work. In general the team gathers every head's K and V once, then work item = (kv head,
- * tile): many items of varying size (the causal triangle) for dynamic
- * scheduling. After a cache hit (C >= T) with whole heads per thread (KV a multiple of the
+ * docs/performance.md). Otherwise two ways to split the work. In general the team gathers
+ * every head's K and V once, then work item = (kv head, tile): many items of varying size (the
+ * causal triangle) for dynamic scheduling. After a cache hit (C >= T) with whole heads per thread (KV a multiple of the
  * thread count), work item = kv head instead, and the thread gathers that head's keys into its
  * own buffer, which its few tiles then read from L2 rather than from wherever a shared gather
  * left them (8% less time at 128 new tokens over 2,048 keys). With fewer heads than that (MQA),
@@ -375,6 +416,19 @@ void pc_attention_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_c
                        set_threads_fn set_threads, int products) {
     attention(q, q_row_stride, k_cache, v_cache, products ? KV_BF16_PRODUCTS : KV_BF16, slots,
               out, scratch, T, S, H, KV, D, scale, tile_tokens, nthreads, sgemm, set_threads);
+}
+
+/* The vector code of this build: bit 0 AVX-512F (else vectors of 8 lanes), bit 1 the bfloat16
+ * products of AVX512_BF16 */
+int pc_attention_isa(void) {
+    int isa = 0;
+#ifdef __AVX512F__
+    isa |= 1;
+#endif
+#if DOT16
+    isa |= 2;
+#endif
+    return isa;
 }
 
 /* Which split the prefill kernel uses for these sizes: 0 the shared gather, 1 a gather per kv
@@ -588,7 +642,7 @@ static void decode_item(const float *q, int64_t q_row_stride, const void *k_cach
  * max_tail ..]). q: [B, H, D] with rows q_row_stride floats apart; out: [B, H, D] contiguous.
  * Work item = (kv head, chunk of `chunk` sequences): their G query heads stacked, one GEMM over
  * the shared keys for all of them, small GEMMs per tail, one softmax per row over both parts.
- * Where `direct_applies` (AVX-512, head_dim 64 or 128) the shared keys and the tails are read
+ * Where `direct_applies` (`direct_head_dim`) the shared keys and the tails are read
  * straight from the cache by the direct path's key-block loops (`direct_decode`: no gather, and
  * the register tiles run near the GEMM's rate), in units of up to `splits` runs of shared keys
  * and one of the tails per item, merged after. Otherwise (`splits` unused), as in

@@ -492,9 +492,14 @@ static void D_(tile_begin)(struct tile_state *ts, const struct direct_buf *b, in
             uint32_t *dst = (uint32_t *)ts->qt + (int64_t)(r / PANEL) * (D / 2) * PANEL + r % PANEL;
             uint32_t pairs[D / 2] = {0}; /* padding rows: zero queries, scores unused */
             const float *src = q + (int64_t)(t0 + r % m) * q_row_stride + (int64_t)(h * G + r / m) * D;
-            for (int d = 0; r < ts->rows && d < D; d += 2 * LANES) { /* bfloat16-exact values */
+            int d = 0;
+            for (; r < ts->rows && d + 2 * LANES <= D; d += 2 * LANES) { /* bfloat16-exact */
                 const __m512i w = (__m512i)_mm512_cvtne2ps_pbh((__m512)load_vec(src + d + LANES),
                                                                (__m512)load_vec(src + d));
+                memcpy(pairs + d / 2, &w, sizeof w);
+            }
+            if (r < ts->rows && d < D) { /* a last 16 (head_dim 16, 80) */
+                const __m256i w = (__m256i)_mm512_cvtneps_pbh((__m512)load_vec(src + d));
                 memcpy(pairs + d / 2, &w, sizeof w);
             }
             for (int p = 0; p < D / 2; p++) dst[(int64_t)p * PANEL] = pairs[p];

@@ -12,17 +12,28 @@
  * the same sequence of operations whatever the row count or thread count: a row's result does
  * not depend on the batch it is in.
  *
- * AVX-512F (float32) and AVX512_BF16 (bfloat16) kernels where the compiler targets them; plain
- * loops otherwise (correct, slow: pc_panel_isa says which are fast, and the caller picks its
- * GEMM by timing). */
+ * AVX-512F (float32) and AVX512_BF16 (bfloat16) kernels where the compiler targets them, else
+ * AVX2 + FMA ones (ymm tiles; bfloat16 widened to float32), else plain loops (correct, slow:
+ * pc_panel_isa says which are fast, and the caller picks its GEMM by timing). */
 #ifndef PREFIXCACHE_PANEL_GEMM_H
 #define PREFIXCACHE_PANEL_GEMM_H
 
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+/* the ymm kernels (AVX2 and FMA): float32 where there is no AVX-512F, bfloat16 (widened) where
+ * there is no AVX512_BF16 */
+#if defined(__AVX2__) && defined(__FMA__)
+#define PANEL_AVX2 1
+#ifndef __AVX512F__
+#define PANEL_AVX2_F32 1
+#endif
+#ifndef __AVX512BF16__
+#define PANEL_AVX2_BF16 1
+#endif
 #endif
 
 #define PANEL_COLS 48
@@ -36,14 +47,21 @@ void pc_set_prefetch_bytes(int bytes) { prefetch_bytes = bytes; }
 
 typedef uint16_t panel_bf16_t;
 
-/* which kernels are vectorised: bit 0 float32, bit 1 bfloat16 */
+/* which kernels are vectorised: bit 0 float32, bit 1 bfloat16; bits 2 and 3: those are the
+ * AVX2 ones */
 int pc_panel_isa(void) {
     int isa = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(PANEL_AVX2_F32)
     isa |= 1;
 #endif
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(PANEL_AVX2_BF16)
     isa |= 2;
+#endif
+#ifdef PANEL_AVX2_F32
+    isa |= 4;
+#endif
+#ifdef PANEL_AVX2_BF16
+    isa |= 8;
 #endif
     return isa;
 }
@@ -188,6 +206,121 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(
 }
 #endif
 
+#ifdef PANEL_AVX2
+/* AVX2 tiles: 16 ymm registers hold 4 rows x 24 columns (half a panel) of float32 sums, or 4
+ * rows x 16 columns of bfloat16 products' sums; the panel's halves or thirds are taken in turn.
+ * Each sum is one chain of FMAs over k, as in every other tile shape, so a row's result does
+ * not depend on the tile it falls in. */
+#define AVX2_ROWS 4
+
+static inline __attribute__((always_inline)) __m256 avx2_weights(const void *wk, int j,
+                                                                 const int bf16w) {
+    if (!bf16w) return _mm256_loadu_ps((const float *)wk + 8 * j);
+    const __m128i half = _mm_loadu_si128((const __m128i *)((const panel_bf16_t *)wk + 8 * j));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+/* rows m0 .. m0 + mb (mb <= 4, constant after inlining) of x through columns 24 * part .. of
+ * the panel wp (float32, or bf16w: bfloat16 weights widened); out = acc (+ bias) (+ beta out) */
+static inline __attribute__((always_inline)) void panel_tile_avx2(
+    const float *x, int64_t ldx, const void *wp, int k, const int bf16w, const int mb,
+    int prefetch, int part, const float *bias, float beta, float *out, int64_t ldo, int cols) {
+    const int64_t row_bytes = (int64_t)PANEL_COLS * (bf16w ? 2 : 4);
+    const int c0 = 24 * part;
+    __m256 acc[AVX2_ROWS][3];
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < 3; j++) acc[m][j] = _mm256_setzero_ps();
+    for (int kk = 0; kk < k; kk++) {
+        const char *wk = (const char *)wp + kk * row_bytes + c0 * (bf16w ? 2 : 4);
+        if (prefetch) _mm_prefetch(wk + prefetch_bytes, _MM_HINT_T0);
+        __m256 wv[3];
+        for (int j = 0; j < 3; j++) wv[j] = avx2_weights(wk, j, bf16w);
+        for (int m = 0; m < mb; m++) {
+            const __m256 xv = _mm256_broadcast_ss(x + m * ldx + kk);
+            for (int j = 0; j < 3; j++) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        float sums[24];
+        for (int j = 0; j < 3; j++) _mm256_storeu_ps(sums + 8 * j, acc[m][j]);
+        float *o = out + m * ldo;
+        for (int c = c0; c < c0 + 24 && c < cols; c++) {
+            float v = sums[c - c0];
+            if (bias != NULL) v += bias[c];
+            o[c] = beta != 0.0f ? v + beta * o[c] : v;
+        }
+    }
+}
+
+static inline float avx2_widen(panel_bf16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline panel_bf16_t avx2_narrow(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (panel_bf16_t)((bits >> 16) | 0x40u);
+    return (panel_bf16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* the bfloat16 GEMM's tile: rows m0 .. m0 + mb (mb <= 4) through columns 16 * part .. of the
+ * pair-interleaved panel wp, each pair of k split into its two widened halves: two FMAs per
+ * pair, k's then k + 1's */
+static inline __attribute__((always_inline)) void panel_tile_bf16_avx2(
+    const panel_bf16_t *x, int64_t ldx, const panel_bf16_t *wp, int k, const int mb,
+    int prefetch, int part, const panel_bf16_t *bias, panel_bf16_t *out, int64_t ldo,
+    int cols) {
+    const int c0 = 16 * part;
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[AVX2_ROWS][2];
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < 2; j++) acc[m][j] = _mm256_setzero_ps();
+    for (int kk = 0; kk < k; kk += 2) {
+        const panel_bf16_t *wk = wp + (int64_t)kk * PANEL_COLS + 2 * c0;
+        if (prefetch) _mm_prefetch((const char *)wk + prefetch_bytes, _MM_HINT_T0);
+        __m256 even[2], odd[2];
+        for (int j = 0; j < 2; j++) {
+            const __m256i pairs = _mm256_loadu_si256((const __m256i *)(wk + 16 * j));
+            even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+            odd[j] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+        }
+        for (int m = 0; m < mb; m++) {
+            const __m256 x0 = _mm256_set1_ps(avx2_widen(x[m * ldx + kk]));
+            const __m256 x1 = _mm256_set1_ps(kk + 1 < k ? avx2_widen(x[m * ldx + kk + 1]) : 0.0f);
+            for (int j = 0; j < 2; j++) {
+                acc[m][j] = _mm256_fmadd_ps(x0, even[j], acc[m][j]);
+                acc[m][j] = _mm256_fmadd_ps(x1, odd[j], acc[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        float sums[16];
+        for (int j = 0; j < 2; j++) _mm256_storeu_ps(sums + 8 * j, acc[m][j]);
+        for (int c = c0; c < c0 + 16 && c < cols; c++)
+            out[m * ldo + c] = avx2_narrow(bias != NULL ? sums[c - c0] + avx2_widen(bias[c])
+                                                        : sums[c - c0]);
+    }
+}
+
+/* all mb (<= PANEL_ROWS) rows of a tile, AVX2_ROWS at a time, through the panel's parts */
+#define AVX2_TILES(tile, parts, ...)                                                            \
+    for (int r0 = 0; r0 < mb; r0 += AVX2_ROWS) {                                                \
+        const int nr = mb - r0 < AVX2_ROWS ? mb - r0 : AVX2_ROWS;                               \
+        for (int part = 0; part < (parts); part++) {                                            \
+            const int first = m0 == 0 && r0 == 0;                                               \
+            switch (nr) {                                                                       \
+            case 4: tile(__VA_ARGS__, 4, first, part, AVX2_TAIL); break;                         \
+            case 3: tile(__VA_ARGS__, 3, first, part, AVX2_TAIL); break;                         \
+            case 2: tile(__VA_ARGS__, 2, first, part, AVX2_TAIL); break;                         \
+            default: tile(__VA_ARGS__, 1, first, part, AVX2_TAIL); break;                        \
+            }                                                                                   \
+        }                                                                                       \
+    }
+#endif
+
 /* one panel, all rows, PANEL_ROWS at a time (the row count of the last tile a constant in
  * each case, so that the accumulators stay in registers) */
 #define PANEL_TILES(tile, ...)                                                                  \
@@ -202,7 +335,7 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(
     default: tile(__VA_ARGS__, 1, m0 == 0, TILE_TAIL); break;                                    \
     }
 
-#ifndef __AVX512F__
+#if !defined(__AVX512F__) && !defined(PANEL_AVX2_F32)
 static inline float panel_value(const void *wp, int64_t i, int bf16w) {
     if (!bf16w) return ((const float *)wp)[i];
     const uint32_t bits = (uint32_t)((const panel_bf16_t *)wp)[i] << 16;
@@ -238,6 +371,14 @@ static void panel_gemm_f32(const float *x, int64_t ldx, int rows, int k, const v
                     PANEL_TILES(panel_tile, xm, ldx, wp, k, 0)
                 }
 #undef TILE_TAIL
+#elif defined(PANEL_AVX2_F32)
+#define AVX2_TAIL b, beta, om + r0 * ldo, ldo, cols
+                if (bf16w) {
+                    AVX2_TILES(panel_tile_avx2, 2, xm + r0 * ldx, ldx, wp, k, 1)
+                } else {
+                    AVX2_TILES(panel_tile_avx2, 2, xm + r0 * ldx, ldx, wp, k, 0)
+                }
+#undef AVX2_TAIL
 #else
                 for (int m = 0; m < mb; m++)
                     for (int j = 0; j < cols; j++) {
@@ -266,7 +407,7 @@ void pc_panel_gemm_bf16w(const float *x, int64_t ldx, int rows, int k, const pan
     panel_gemm_f32(x, ldx, rows, k, w, 1, n, bias, beta, out, ldo, nthreads);
 }
 
-#ifndef __AVX512BF16__
+#if !defined(__AVX512BF16__) && !defined(PANEL_AVX2_BF16)
 static inline float panel_widen(panel_bf16_t x) {
     const uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -303,6 +444,10 @@ void pc_panel_gemm_bf16(const panel_bf16_t *x, int64_t ldx, int rows, int k,
 #define TILE_TAIL b, om, ldo, cols
                 PANEL_TILES(panel_tile_bf16, xm, ldx, wp, k)
 #undef TILE_TAIL
+#elif defined(PANEL_AVX2_BF16)
+#define AVX2_TAIL b, om + r0 * ldo, ldo, cols
+                AVX2_TILES(panel_tile_bf16_avx2, 3, xm + r0 * ldx, ldx, wp, k)
+#undef AVX2_TAIL
 #else
                 for (int m = 0; m < mb; m++)
                     for (int j = 0; j < cols; j++) {

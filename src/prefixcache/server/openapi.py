@@ -53,7 +53,9 @@ _USAGE = _object({"prompt_tokens": _INTEGER, "completion_tokens": _INTEGER,
 _MODEL = _object({"id": _STRING, "object": {"const": "model"}, "created": _INTEGER,
                   "owned_by": _STRING}, max_model_len=_INTEGER,
                  precision=_object({"dtype": _STRING, "weights": _STRING, "precision": _STRING},
-                                   dtype_auto={"type": "object"}))
+                                   dtype_auto={"type": "object"},
+                                   kernels=_object({"gemm": _STRING, "attention": _STRING,
+                                                    "batch_invariant": {"type": "boolean"}})))
 _PIN = _object({"id": _STRING, "num_tokens": _INTEGER, "ttl_s": _NUMBER,
                 "expires_in_s": _NUMBER, "last_block_digest": _STRING})
 

@@ -57,6 +57,15 @@ class ModelView:
     precision: str = "float32"  # dtype, or dtype+weights where the weights are kept otherwise
     choice: Any = None  # what --dtype auto measured (`prefixcache.model.precision.Choice`)
 
+    def kernels(self) -> dict[str, Any]:
+        """Which GEMM and attention path an engine would run this model with here, and whether
+        a row's result is batch invariant (`prefixcache.model.decoder.expected_kernels`)."""
+        from prefixcache.model.decoder import expected_kernels
+        from prefixcache.model.loader import DTYPES
+
+        weights = self.precision.partition("+")[2] or self.dtype
+        return expected_kernels(self.config, DTYPES[self.dtype], weights)
+
 
 @dataclass(slots=True)
 class Explanation:
@@ -355,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         chain = chain[: max(len(b.token_ids) - 1, 0) // args.block_size]
         tiers = tier_residence(view_b, chain, args.block_size, args.hash_algo,
                                args.kv_disk, args.kv_valkey)
-    precision = {"precision": view_b.precision}
+    precision: dict[str, Any] = {"precision": view_b.precision, "kernels": view_b.kernels()}
     if view_b.choice is not None:
         precision["dtype_auto"] = view_b.choice.as_dict()
     if args.json:
@@ -366,6 +375,10 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     print(f"model precision: {view_b.precision}"
           + (f" ({view_b.choice.describe()})" if view_b.choice is not None else ""))
+    kernels = precision["kernels"]
+    print(f"kernels: {kernels['gemm']}; {kernels['attention']} attention; a row's result "
+          + ("does not depend" if kernels["batch_invariant"] else "may depend")
+          + " on the rest of its batch")
     if tiers is not None:
         print(*tier_lines(ex, tiers), sep="\n")
     return 0
