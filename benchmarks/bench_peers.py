@@ -18,6 +18,10 @@ Shapes (random weights from a seed, written once under ``--models-dir`` as safet
 - ``smollm2``: SmolLM2-135M-Instruct (30 layers, hidden 576, 9 / 3 heads), float32 weights
 - ``qwen2``: Qwen2, hidden 1024, 8 layers, 8 query / 1 KV heads of head_dim 128, qkv bias
 
+``--invariance-cost`` also runs ours with batch invariance off (``PREFIXCACHE_BATCH_INVARIANT=0``:
+decode steps split a shared prefix's keys between threads, the projections take the fastest
+GEMM by timing) in each configuration, the runs alternating, and prints on / off.
+
 Also measured in the same run: this CPU's GEMM peak (a 4,096-cube product, the faster of
 ``torch.matmul`` and oneDNN's linear, per dtype) and the FLOP rate of one cold 2,048-token prefill
 through our engine, as a share of that peak.
@@ -318,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llamacpp", default=None, metavar="DIR",
                    help="a llama.cpp build folder (bin/llama-server, bin/llama-bench): also run "
                         "its workloads on the built-in SmolLM2 GGUF beside ours")
+    p.add_argument("--invariance-cost", action="store_true",
+                   help="also run ours with batch invariance off (PREFIXCACHE_BATCH_INVARIANT=0) "
+                        "in each configuration, alternating, and print on / off")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for file in args.shape_config:
@@ -337,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
            "HF_HUB_OFFLINE": "1"}
     engines = [("ours", sys.executable)] + ([("vllm", args.vllm_python)]
                                            if args.vllm_python else [])
+    if args.invariance_cost:  # ours again, each row's sums in the fastest order instead
+        engines.insert(1, ("ours_variant", sys.executable))
+    variant_env = {**env, "PREFIXCACHE_BATCH_INVARIANT": "0"}
     rows = []
     for shape in args.shapes.split(","):
         model = checkpoint(shape, Path(args.models_dir))
@@ -356,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
                     if name == "vllm" and dtype not in ("float32", "bfloat16"):
                         continue  # our own precisions: vLLM's rows are its dtypes
                     where = _path(model) if name == "vllm" else model
-                    row[name] = _run(python, [name, where, cache, dtype, str(args.repeats)], env)
+                    kind = "ours" if name == "ours_variant" else name
+                    row[name] = _run(python, [kind, where, cache, dtype, str(args.repeats)],
+                                     variant_env if name == "ours_variant" else env)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.llamacpp:
@@ -633,6 +645,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 print(f"{'':<26} {name:<4} first token {e['first_token_s']:.2f} s "
                       f"({rate / 1e9:.0f} GFLOP/s{share}), then {1e3 * _step_s(e):.1f} ms per "
                       f"decode step{measured}")
+    for row in rows:
+        if "ours_variant" in row:  # batch invariance on / off, the same run
+            on, off = row["ours"], row["ours_variant"]
+            same = "identical" if on["outputs_sha1"] == off["outputs_sha1"] else "differ"
+            print(f"{row['shape']:<10} {row['dtype']:<9} {row['cache']:<5} batch invariance on / "
+                  f"off {on['median_s']:.2f} / {off['median_s']:.2f} s = "
+                  f"{on['median_s'] / off['median_s']:.3f}; decode step "
+                  f"{1e3 * on.get('decode_step_s', float('nan')):.1f} / "
+                  f"{1e3 * off.get('decode_step_s', float('nan')):.1f} ms; outputs {same}")
     steps = {(row["shape"], row["dtype"]): row["ours"]["decode_step_s"] for row in rows
              if "ours" in row and "decode_step_s" in row["ours"]}
     for (shape, precision), step in steps.items():

@@ -131,9 +131,9 @@ def test_dtype_auto_offers_a_gguf_files_own_blocks_where_it_has_them(tmp_path, m
     offered: list[list[str]] = []
     choose = precision.choose
 
-    def record(config, options, form=0):  # noqa: ANN001, ANN202
+    def record(config, options, form=0, fidelity=None):  # noqa: ANN001, ANN202
         offered.append([p.label for p in options])
-        return choose(config, options, form)
+        return choose(config, options, form, fidelity)
 
     monkeypatch.setattr(precision, "choose", record)
     assert load_model(str(f32), dtype="auto").precision in offered[-1]
