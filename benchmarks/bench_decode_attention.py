@@ -10,9 +10,8 @@ attended once for all 16 queries)? Same cache contents, outputs checked equal.
 (b) and (c) run through the compiled kernel (`native_attention`, where it builds) and through
 the torch paths. Warm-up, then the median of interleaved repeats; prints a table and a final
 JSON line.
-Other shapes: ``--heads 9 --kv-heads 3`` (SmolLM2); ``--splits 1,2,3`` also times the compiled
-kernel with the shared keys forced into that many runs per work item; ``--layers 30`` runs each
-case over 30 layers' caches in turn (K and V from memory, as in a step; times per layer).
+Other shapes: ``--heads 9 --kv-heads 3`` (SmolLM2); ``--layers 30`` runs each case over 30
+layers' caches in turn (K and V from memory, as in a step; times per layer).
 Usage: python benchmarks/bench_decode_attention.py [--repeats 20] [--threads 2]
 """
 
@@ -69,18 +68,6 @@ def make_tables(args: argparse.Namespace, shared: bool) -> tuple[np.ndarray, np.
     return table, lens
 
 
-def _forced_splits(splits: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``fn`` with the direct path's shared keys in ``splits`` runs instead of the chosen number
-    (`native_attention.decode_split`) where its plan's kernel call is prepared (its first
-    call)."""
-    chosen = native_attention.decode_split
-    native_attention.decode_split = lambda *a: (chosen(*a)[0], splits)
-    try:
-        return fn()
-    finally:
-        native_attention.decode_split = chosen
-
-
 def time_ms(fn: Callable[[], torch.Tensor], repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
@@ -131,14 +118,6 @@ def run(args: argparse.Namespace) -> dict:
                 f"decode_attention, torch paths, {tag}",
                 lambda k, v, p=plan: _torch_paths(lambda: decode_attention(q, k, v, p, scale)),
             )
-        for splits in args.splits if shared and native_attention.available() else ():
-            own = DecodePlan.build(table, lens, bs)  # its kernel call prepared with `splits`
-            add(
-                f"compiled kernel, splits={splits}, {tag}",
-                lambda k, v, p=own, n=splits: _forced_splits(
-                    n, lambda: decode_attention(q, k, v, p, scale)
-                ),
-            )
     for name, fn in cases.items():
         outputs[name] = fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -182,13 +161,6 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument(
-        "--splits",
-        type=lambda v: [int(x) for x in v.split(",")],
-        default=[],
-        help="also time the compiled kernel with the shared keys in these "
-        "numbers of runs (e.g. 1,2,3) beside the number it chooses",
-    )
     summary = run(parser.parse_args())
     ref = summary["median_ms"]
     print(

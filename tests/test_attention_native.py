@@ -204,22 +204,6 @@ def test_decode_work_items_spread_evenly_over_the_threads() -> None:
     assert native_attention.decode_chunk(16, 1, 1, group=300) == 1
 
 
-def test_decode_splits_the_shared_keys_where_few_items_would_leave_a_thread_idle() -> None:
-    # (chunk, runs of shared keys): units are runs of shared keys and one per chunk's tails
-    # SmolLM2 (3 kv heads of 3) on 2 threads: 3 items; the keys in runs give each thread half
-    chunk, splits = native_attention.decode_split(16, 3, 2, group=3, shared=1920, tail=130)
-    assert chunk == 16 and splits > 1
-    # one sequence, 2 kv heads of 5 on 2 threads: the heads alone balance, no runs needed
-    assert native_attention.decode_split(1, 2, 2, group=5, shared=1920, tail=130) == (16, 1)
-    # one kv head on 2 threads: two runs at least
-    assert native_attention.decode_split(1, 1, 2, group=8, shared=2048, tail=1)[1] >= 2
-    # no shared keys, or too few to split: one unit per chunk's tails
-    assert native_attention.decode_split(16, 1, 2, group=8, shared=0, tail=300)[1] == 1
-    assert native_attention.decode_split(16, 1, 2, group=8, shared=100, tail=30)[1] == 1
-    # many items already spread evenly: no runs
-    assert native_attention.decode_split(256, 8, 2, group=4, shared=1920, tail=130)[1] == 1
-
-
 def test_large_scores_do_not_overflow() -> None:
     # logits in the hundreds (exp would overflow float32): the softmax must subtract each row's
     # max first; float32 scores of that size carry ~1e-5 absolute rounding
@@ -269,10 +253,10 @@ def test_rejects_input_it_would_misread() -> None:
 def test_decode_equals_reference(
     kv_heads, group, head_dim, num_seqs, shared, max_tail, threads, dtypes, seed
 ) -> None:  # noqa: ANN001
-    # head_dim 64 or 128 on an AVX-512 build: the shared keys (if any) by the direct path's key
-    # blocks (no gather), in runs where few items would leave threads idle (`decode_split`),
-    # each tail the same way as a tile of its sequence's G rows (more than one vector at G =
-    # 20), the parts merged by their running max and sums
+    # a head_dim of the direct path (16, 64, 128): every item's keys in segments of 256, one
+    # unit each, the shared keys of a segment (if any) by one tile of all its rows, each
+    # sequence's own keys by a tile of its G rows (more than one vector at G = 20), the
+    # segments merged in key order; head_dim 16 past 256 rows (G = 20): the gather path
     gen = torch.Generator().manual_seed(seed)
     heads, num_slots = kv_heads * group, shared + num_seqs * max_tail + 11
     k_flat = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtypes[1])
@@ -303,7 +287,7 @@ def test_decode_equals_reference(
     kv_heads=st.sampled_from([1, 3]),
     group=st.sampled_from([1, 3, 8]),
     head_dim=st.sampled_from([16, 32, 64, 80, 96, 128]),
-    shared=st.integers(0, 300),
+    shared=st.integers(0, 300) | st.integers(500, 800),  # 256-key segments: up to 4
     tails=st.lists(st.integers(1, 90), min_size=1, max_size=6),
     chunk=st.integers(1, 120),
     threads=st.sampled_from([1, 2, 3]),
@@ -315,8 +299,9 @@ def test_a_row_is_the_same_bits_in_any_decode_step_and_any_prefill(
 ) -> None:  # noqa: ANN001
     # batch invariance (docs/model.md): a query row's output does not depend on the sequences
     # beside it in a decode step, on how many keys they share (split anywhere, block-aligned or
-    # not), on the thread count, or on whether it is computed as a decode step or as the last
-    # token of a prefill chunk of any length over the same keys
+    # not), on the thread count, or on whether it is computed as a decode step (its segments of
+    # keys spread over the threads) or as the last token of a prefill chunk of any length over
+    # the same keys (its segments in turn)
     check_row_invariance(kv_heads, group, head_dim, shared, tails, chunk, threads, dtypes, seed)
 
 

@@ -39,14 +39,13 @@ import os
 
 import torch
 
-from prefixcache.native import Switch, invariance, load_library, machine
+from prefixcache.native import Switch, load_library, machine
 
 __all__ = [
     "applies",
     "attend",
     "available",
     "decode",
-    "decode_split",
     "disabled_by_env",
     "enabled",
     "kernel_name",
@@ -68,14 +67,7 @@ MAX_DECODE_CHUNK = 16
 # A decode work item's fixed cost in stacked query rows (measured over the benchmark shapes:
 # docs/performance.md)
 _ITEM_ROWS = 32
-# decode_split's cost model, in key x 16-row-vector steps: reading a key's K and V rows, and a
-# unit's fixed cost; runs of shared keys are multiples of the kernel's key block, at least
-# _MIN_SPAN long, at most _MAX_SPLITS (MAX_SPLITS in attention.c) per item
-_KEY_READ = 1.0
-_UNIT_COST = 64.0
 _KEY_BLOCK = 32  # KEY_BLOCK in attention.c
-_MIN_SPAN = 128
-_MAX_SPLITS = 32
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -100,7 +92,7 @@ class _Kernel:
     def __init__(self, library: ctypes.CDLL, sgemm: int, set_threads: int) -> None:
         attention = [_P, _I64] + [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I, _I, _P, _P]
         decode = [_P, _I64, _P, _P, _P, _I, _P, _P, _I, _P, _P] + [_I] * 4
-        decode += [ctypes.c_float, _I, _I, _I, _P, _P]
+        decode += [ctypes.c_float, _I, _I, _P, _P]
         # by the caches' dtype: float32, or bfloat16
         self.attention = _bind(library, "pc_attention", None, attention)
         self.decode = _bind(library, "pc_decode", None, decode)
@@ -108,7 +100,7 @@ class _Kernel:
         self.attention_kv16 = _bind(library, "pc_attention_kv16", None, [*attention, _I])
         self.decode_kv16 = _bind(library, "pc_decode_kv16", None, [*decode, _I])
         self.scratch_floats = _bind(library, "pc_scratch_floats", _I64, [_I] * 6)
-        self.decode_scratch_floats = _bind(library, "pc_decode_scratch_floats", _I64, [_I] * 9)
+        self.decode_scratch_floats = _bind(library, "pc_decode_scratch_floats", _I64, [_I] * 8)
         self.decode_direct = _bind(library, "pc_decode_direct", _I, [_I] * 4)
         self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 8)
         self.isa = _bind(library, "pc_attention_isa", _I, [])()
@@ -418,10 +410,6 @@ class PreparedDecode:
         threads = self._threads = torch.get_num_threads()
         shared, group = shared_slots.shape[0], num_heads // num_kv_heads
         chunk = decode_chunk(num_seqs, num_kv_heads, threads, group)
-        splits = 1  # each row's keys in a prefill row's order: batch invariant
-        direct = kernel.decode_direct(num_heads, num_kv_heads, head_dim, _largest_chunk(group))
-        if direct and not invariance.enabled():
-            chunk, splits = decode_split(num_seqs, num_kv_heads, threads, group, shared, max_tail)
         _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], chunk, "decode")
         if not (
             tail_lens.dtype == torch.int32
@@ -434,14 +422,13 @@ class PreparedDecode:
             raise ValueError("native decode: tail lengths out of range")
         self._scratch = torch.empty(
             kernel.decode_scratch_floats(
-                shared, max_tail, num_seqs, num_heads, num_kv_heads, head_dim, chunk, splits,
-                threads,
+                shared, max_tail, num_seqs, num_heads, num_kv_heads, head_dim, chunk, threads,
             ),
             dtype=torch.float32,
         )
         self._slots = (shared_slots, tail_slots, tail_lens)
         self._sizes = (shared, max_tail, num_seqs, num_heads, num_kv_heads, head_dim)
-        self._chunk, self.splits = chunk, splits
+        self._chunk = chunk
         self._signature = PreparedAttend.signature(q, k_flat, v_flat, out)
         # bfloat16 queries: widened before each call, the float32 outputs rounded back after
         wide = q.dtype == torch.bfloat16
@@ -465,7 +452,7 @@ class PreparedDecode:
             "shared_slots": shared_slots.data_ptr(), "shared": self._sizes[0],
             "tail_slots": tail_slots.data_ptr(), "tail_lens": tail_lens.data_ptr(),
             "max_tail": self._sizes[1], "scratch": self._scratch.data_ptr(),
-            "decode_chunk": self._chunk, "splits": self.splits, "sgemm": kernel.sgemm,
+            "decode_chunk": self._chunk, "sgemm": kernel.sgemm,
             "set_threads": kernel.set_threads,
         }  # fmt: skip
         if self._function is kernel.decode and self._q32 is None:
@@ -497,7 +484,7 @@ class PreparedDecode:
             q.data_ptr(), q.stride(0), k_flat.data_ptr(), v_flat.data_ptr(),
             shared_slots.data_ptr(), shared, tail_slots.data_ptr(), tail_lens.data_ptr(), max_tail,
             (out if out32 is None else out32).data_ptr(), self._scratch.data_ptr(), num_seqs,
-            num_heads, num_kv_heads, head_dim, scale, self._chunk, self.splits, self._threads,
+            num_heads, num_kv_heads, head_dim, scale, self._chunk, self._threads,
             kernel.sgemm, kernel.set_threads, *self._extra,
         )  # fmt: skip
         if out32 is not None:
@@ -505,14 +492,15 @@ class PreparedDecode:
 
 
 def decode_chunk(num_seqs: int, num_kv_heads: int, threads: int, group: int = 1) -> int:
-    """Sequences per decode work item on the gather paths (the direct path's come with its key
-    splits from `decode_split`), the three largest of 16, 8, 4, 2, 1 whose ``group`` stacked
-    query heads fit a direct-path tile: the work items are kv heads x chunks of
-    sequences, and the busiest thread's work should be least, counted as its items' stacked rows
-    plus `_ITEM_ROWS` per item (each item reads, and in bfloat16 pairs, the shared keys' K and V
-    again). E.g. 16 sequences over 3 kv heads of 3 query heads on 2 threads: chunks of 16 (3
-    items of 48 rows, 2 on one thread) rather than 8 (6 items of 24, 3 per thread); one kv head
-    of 8: chunks of 8 (one item per thread). Ties go to the larger chunk (larger GEMMs)."""
+    """Sequences per decode work item, the three largest of 16, 8, 4, 2, 1 whose ``group``
+    stacked query heads fit a direct-path tile: the work items are kv heads x chunks of
+    sequences (on the direct path each item's keys in segments of 256, one unit each, which
+    balance long contexts over the threads), and the busiest thread's work should be least,
+    counted as its items' stacked rows plus `_ITEM_ROWS` per item (each item reads, and in
+    bfloat16 pairs, the shared keys' K and V again). E.g. 16 sequences over 3 kv heads of 3
+    query heads on 2 threads: chunks of 16 (3 items of 48 rows, 2 on one thread) rather than 8
+    (6 items of 24, 3 per thread); one kv head of 8: chunks of 8 (one item per thread). Ties
+    go to the larger chunk (larger GEMMs)."""
     best, best_cost = 1, -1
     for chunk in _chunk_sizes(group):
         items = num_kv_heads * -(-num_seqs // chunk)
@@ -527,59 +515,6 @@ def _chunk_sizes(group: int) -> list[int]:
     stacked query heads fit a direct-path tile (at least 1)."""
     sizes = [c for c in (16, 8, 4, 2, 1) if c <= MAX_DECODE_CHUNK and group * c <= _DIRECT_ROWS]
     return sizes[:3] or [1]
-
-
-def _largest_chunk(group: int) -> int:
-    return _chunk_sizes(group)[0]
-
-
-def _busiest_thread(costs: list[float], threads: int) -> float:
-    """The busiest thread's total when ``threads`` take the units in order, each the next unit
-    as it finishes one (OpenMP's dynamic schedule)."""
-    loads = [0.0] * threads
-    for cost in costs:
-        loads[loads.index(min(loads))] += cost
-    return max(loads)
-
-
-@functools.lru_cache(maxsize=1024)  # the tails' length changes once per block of steps
-def decode_split(
-    num_seqs: int, num_kv_heads: int, threads: int, group: int, shared: int, tail: int
-) -> tuple[int, int]:
-    """(sequences per chunk, runs of shared keys per item) for the direct path's decode.
-
-    Each (kv head, chunk) item becomes units: ``splits`` runs of the ``shared`` keys (rounded to
-    key blocks of `_KEY_BLOCK`) and one for the chunk's tails (up to ``tail`` keys each),
-    shared runs first; their partial results are merged after. A unit costs, in key x
-    16-row-vector steps, its keys times (its rows' vectors + `_KEY_READ`, the reading of each
-    key's K and V rows) plus `_UNIT_COST` (its query panels, its part written and merged). The
-    choice is the one whose busiest thread costs least, the fewest splits and the largest chunk
-    on a tie: e.g. SmolLM2's 3 kv heads of 3 query heads, 16 sequences over 1,920 shared keys,
-    on 2 threads: chunks of 16, the shared keys in 2 runs (9 units)."""
-    best, best_cost = (1, 1), -1.0
-    for chunk in _chunk_sizes(group):
-        chunks = [min(chunk, num_seqs - b0) for b0 in range(0, num_seqs, chunk)]
-        items = num_kv_heads * len(chunks)  # at most 8 units per thread are tried
-        for splits in range(1, max(1, min(_MAX_SPLITS, 8 * threads // items)) + 1):
-            span = -(-shared // splits)
-            span = -(-span // _KEY_BLOCK) * _KEY_BLOCK
-            if splits > 1 and (span < _MIN_SPAN or -(-shared // span) < splits):
-                break
-            costs = [
-                min(span, shared - k0) * (-(-group * nb // 16) + _KEY_READ) + _UNIT_COST
-                for _ in range(num_kv_heads)
-                for nb in chunks
-                for k0 in range(0, shared, span or 1)
-            ]
-            costs += [
-                nb * tail * (-(-group // 16) + _KEY_READ) + _UNIT_COST
-                for _ in range(num_kv_heads)
-                for nb in chunks
-            ]
-            cost = _busiest_thread(costs, threads)
-            if best_cost < 0 or cost < best_cost * (1 - 1e-9):
-                best, best_cost = (chunk, splits), cost
-    return best
 
 
 def kernel_name(head_dim: int, dtype: torch.dtype) -> str:

@@ -67,7 +67,7 @@ class LayerArgs(ctypes.Structure):
         ("scale", _F),
         *[(name, _P) for name in ("attn", "scratch", "sgemm", "set_threads")],
         *[(name, _P) for name in ("decode", "shared_slots", "tail_slots", "tail_lens")],
-        *[(name, _I) for name in ("shared", "max_tail", "decode_chunk", "splits", "products")],
+        *[(name, _I) for name in ("shared", "max_tail", "decode_chunk", "products")],
         *[(name, _P) for name in ("q32", "out32")],
     ]
 

@@ -182,6 +182,13 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_h, 
 #endif
 #define PANEL (QK_VECS * LANES) /* Q^T panel width: the rows of one QK register tile */
 #define KEY_BLOCK 32    /* keys per online-softmax block */
+/* keys per segment: a row's keys are reduced segment by segment, from key 0, and the segments
+ * merged in order (`merge_segment`), in a prefill and in a decode step alike; a decode step
+ * spreads a long context's segments over the threads. A multiple of KEY_BLOCK, fixed: where a
+ * row's sums restart must not depend on the step. */
+#ifndef SEGMENT_KEYS
+#define SEGMENT_KEYS 256
+#endif
 #define GROUP_TILES 4   /* tiles of one kv head that share each key block */
 #define PREFETCH_KEYS 64 /* how far ahead a key block's rows are prefetched */
 #define MAX_TILE_VECS (256 / LANES) /* rows per tile on this path: at most 256 */
@@ -266,32 +273,15 @@ static void direct_tiles(int D, const float *q, int64_t q_row_stride, const void
                 g0_begin, g1, group, tile_tokens, h, H, KV, G, scale, buf)
 }
 
-/* A decode work item's shared keys k0 .. k1 - 1, or its sequences' tails, into part p
- * (`decode_shared_64`, `decode_tails_64`, ...) */
-static void direct_decode_shared(int D, const float *q, int64_t q_row_stride, const void *k_cache,
-                                 const void *v_cache, int bf16, const int64_t *shared_slots,
-                                 int k0, int k1, int b0, int nb, int h, int KV, int G, float scale,
-                                 float *buf, struct decode_part p) {
-    BY_HEAD_DIM(D, DO, decode_shared, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, k0,
-                k1, b0, nb, h, KV, G, scale, buf, p)
-}
-
-static void direct_decode_rows(int D, const float *q, int64_t q_row_stride, const void *k_cache,
-                               const void *v_cache, int bf16, const int64_t *shared_slots,
-                               int shared, const int64_t *tail_slots, const int *tail_lens,
-                               int max_tail, float *out, int b0, int nb, int h, int H, int KV,
-                               int G, float scale, float *buf, int64_t *rest) {
-    BY_HEAD_DIM(D, DO, decode_rows, q, q_row_stride, k_cache, v_cache, bf16, shared_slots,
-                shared, tail_slots, tail_lens, max_tail, out, b0, nb, h, H, KV, G, scale, buf,
-                rest)
-}
-
-static void direct_decode_tails(int D, const float *q, int64_t q_row_stride, const void *k_cache,
-                                const void *v_cache, int bf16, const int64_t *tail_slots,
-                                const int *tail_lens, int max_tail, int b0, int nb, int h, int KV,
-                                int G, float scale, float *buf, struct decode_part p) {
-    BY_HEAD_DIM(D, DO, decode_tails, q, q_row_stride, k_cache, v_cache, bf16, tail_slots,
-                tail_lens, max_tail, b0, nb, h, KV, G, scale, buf, p)
+/* Segment s of a decode work item's keys into part p (`decode_segment_64`, ...) */
+static void direct_decode_segment(int D, const float *q, int64_t q_row_stride,
+                                  const void *k_cache, const void *v_cache, int bf16,
+                                  const int64_t *shared_slots, int shared,
+                                  const int64_t *tail_slots, const int *tail_lens, int max_tail,
+                                  int b0, int nb, int h, int KV, int G, float scale, int s,
+                                  float *buf, int64_t *rest, struct decode_part p) {
+    BY_HEAD_DIM(D, DO, decode_segment, q, q_row_stride, k_cache, v_cache, bf16, shared_slots,
+                shared, tail_slots, tail_lens, max_tail, b0, nb, h, KV, G, scale, s, buf, rest, p)
 }
 
 /* Tiles per work item of the direct path: the most (up to GROUP_TILES, which share each key
@@ -440,54 +430,39 @@ int pc_attention_path(int T, int S, int H, int KV, int D, int tile_tokens, int n
     return S - T >= T && local_heads(KV, nthreads);
 }
 
-/* Floats of scratch `pc_decode` needs: on the direct path each thread's tiles, then the work
- * items' partial results (`decode_parts`); otherwise shared K and V per kv head (or per thread,
- * whichever is more), then per thread the stacked queries and outputs of one chunk, its
- * scores, and one tail's K and V. */
+/* Floats of scratch `pc_decode` needs: on the direct path each thread's tiles and slot list,
+ * then the work items' results per segment (`decode_part`s); otherwise shared K and V per kv
+ * head (or per thread, whichever is more), then per thread the stacked queries and outputs of
+ * one chunk, its scores, and one tail's K and V. */
 static inline int decode_direct(int G, int D, int chunk) { return direct_applies(D, G * chunk); }
 
 static int64_t decode_thread_floats(int shared, int max_tail, int G, int D, int chunk) {
     const int64_t rows = (int64_t)G * chunk;
-    if (decode_direct(G, D, chunk)) /* its tiles, and one sequence's slots past the shared tile */
-        return direct_floats(D, (int)rows) + 2 * ((int64_t)KEY_BLOCK + max_tail);
+    if (decode_direct(G, D, chunk)) /* its tiles, and one sequence's slots in a segment */
+        return direct_floats(D, (int)rows) + 2 * (int64_t)SEGMENT_KEYS;
     return rows * (2 * (int64_t)D + shared + max_tail) + 2 * (int64_t)max_tail * D;
-}
-
-/* How the direct path splits each (kv head, chunk) item's keys where `splits` > 1:
- * `shared_units` runs of `span` shared keys (a multiple of the key block; `splits` asked for,
- * fewer where the keys run out), then one unit for all the chunk's tails: parts = shared_units
- * + 1 partial results to merge. With `splits` <= 1 (batch invariance) no split: parts = 0. */
-#define MAX_SPLITS 32 /* runs of shared keys per decode item */
-struct decode_split {
-    int span, shared_units, parts;
-};
-
-static struct decode_split split_keys(int shared, int splits) {
-    struct decode_split sp = {0, 0, 0};
-    if (splits <= 1) return sp;
-    sp.parts = 1;
-    if (shared <= 0) return sp;
-    splits = splits < 1 ? 1 : splits > MAX_SPLITS ? MAX_SPLITS : splits;
-    sp.span = ((shared + splits - 1) / splits + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-    sp.shared_units = (shared + sp.span - 1) / sp.span;
-    sp.parts = sp.shared_units + 1;
-    return sp;
 }
 
 static int64_t decode_part_floats(int G, int D, int chunk) {
     return (int64_t)G * chunk * (D + 2);
 }
 
-/* Whether `pc_decode` takes the direct path (and so `splits`) for these sizes */
+/* Segments of the longest sequence: shared keys, then up to max_tail of its own */
+static int decode_segments(int shared, int max_tail) {
+    return (shared + max_tail + SEGMENT_KEYS - 1) / SEGMENT_KEYS;
+}
+
+/* Whether `pc_decode` takes the direct path for these sizes */
 int pc_decode_direct(int H, int KV, int D, int chunk) { return decode_direct(H / KV, D, chunk); }
 
 int64_t pc_decode_scratch_floats(int shared, int max_tail, int B, int H, int KV, int D,
-                                 int chunk, int splits, int nthreads) {
+                                 int chunk, int nthreads) {
     const int G = H / KV;
     const int64_t threads = (int64_t)nthreads * decode_thread_floats(shared, max_tail, G, D, chunk);
     if (decode_direct(G, D, chunk)) {
         const int64_t items = (int64_t)KV * ((B + chunk - 1) / chunk);
-        return threads + items * split_keys(shared, splits).parts * decode_part_floats(G, D, chunk);
+        return threads + items * decode_segments(shared, max_tail) *
+                             decode_part_floats(G, D, chunk);
     }
     return 2 * kv_copies(KV, nthreads) * (int64_t)shared * D + threads;
 }
@@ -500,84 +475,47 @@ static struct decode_part part_at(float *parts, int64_t index, int G, int D, int
     return p;
 }
 
-/* The normalised output rows of one work item from its n parts: per row r = g * nb + b, the
- * parts' sums rescaled to their common max (as the online softmax rescales between key
- * blocks), summed, divided by the summed weights; into out [B, H, D]. */
-static void merge_parts(const struct decode_part *parts, int n, int nb, int h, int H, int G,
-                        int D, int b0, float scale, float *out) {
+/* One work item's rows from its segments' parts, merged in key order as a prefill tile merges
+ * them (`merge_segment`, then `normalised`), into out [B, H, D]; row r = g * nb + b. */
+static void merge_segments(float *parts, int64_t first, int segments, int nb, int h, int H,
+                           int G, int D, int chunk, int b0, float scale, float *out) {
     for (int r = 0; r < G * nb; r++) {
-        float mx = -INFINITY;
-        for (int i = 0; i < n; i++) mx = parts[i].max[r] > mx ? parts[i].max[r] : mx;
         float *dst = out + ((int64_t)(b0 + r % nb) * H + h * G + r / nb) * D;
-        float sum = 0.0f;
-        for (int i = 0; i < n; i++) {
-            const float w = expf((parts[i].max[r] - mx) * scale);
-            const float *o = parts[i].o + (int64_t)r * D;
-            sum += w * parts[i].sum[r];
-            if (i == 0)
-                for (int d = 0; d < D; d++) dst[d] = w * o[d];
-            else
-                for (int d = 0; d < D; d++) dst[d] += w * o[d];
+        float max = -INFINITY, sum = 0.0f;
+        for (int s = 0; s < segments; s++) {
+            const struct decode_part p = part_at(parts, first + s, G, D, chunk);
+            if (p.max[r] == -INFINITY) break; /* the row's keys ended in the segment before */
+            merge_segment(dst, &max, &sum, p.o + (int64_t)r * D, p.max[r], p.sum[r], D, scale);
         }
-        const float inv = 1.0f / sum;
-        for (int d = 0; d < D; d++) dst[d] *= inv;
+        normalised(dst, dst, sum, D);
     }
 }
 
-/* The direct path's decode without splits, inside the team: work item = (kv head, chunk of
- * sequences), each row's keys in a prefill row's order (`decode_rows`). */
-static void direct_decode_in_order(const float *q, int64_t q_row_stride, const void *k_cache,
-                                   const void *v_cache, int bf16, const int64_t *shared_slots,
-                                   int shared, const int64_t *tail_slots, const int *tail_lens,
-                                   int max_tail, float *out, int B, int H, int KV, int D,
-                                   float scale, int chunk, float *tile, int64_t *rest) {
-    const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
-#pragma omp for schedule(dynamic, 1)
-    for (int item = 0; item < KV * num_chunks; item++) {
-        const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
-        direct_decode_rows(D, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
-                           tail_slots, tail_lens, max_tail, out, b0,
-                           B - b0 < chunk ? B - b0 : chunk, h, H, KV, G, scale, tile, rest);
-    }
-}
-
-/* The direct path's decode, inside the team: every (kv head h, chunk c) item split into
- * `split_keys` units, the shared-key units of every item first, then the tail units (largest
- * first for the dynamic schedule); each writes its part; after the team's barrier the items'
- * parts are merged. Separate units for the tails and for runs of the shared keys are what
- * balance few kv heads over the threads (SmolLM2's 3 on 2 threads, one chunk each). */
+/* The direct path's decode, inside the team: every (kv head h, chunk c) item's keys in
+ * segments (`decode_segment`), one unit each, spread over the threads; after the team's barrier
+ * each item's segments are merged. The segments are a prefill's, so are the sums. */
 static void direct_decode(const float *q, int64_t q_row_stride, const void *k_cache,
                           const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
                           const int64_t *tail_slots, const int *tail_lens, int max_tail,
                           float *out, int B, int H, int KV, int D, float scale, int chunk,
-                          struct decode_split sp, float *tile, float *parts) {
+                          float *tile, int64_t *rest, float *parts) {
     const int G = H / KV, num_chunks = (B + chunk - 1) / chunk, items = KV * num_chunks;
-    const int shared_total = items * sp.shared_units;
+    const int segments = decode_segments(shared, max_tail);
 #pragma omp for schedule(dynamic, 1)
-    for (int unit = 0; unit < items * sp.parts; unit++) {
-        const int tails = unit >= shared_total;
-        const int item = tails ? unit - shared_total : unit / sp.shared_units;
-        const int s = tails ? sp.parts - 1 : unit % sp.shared_units;
+    for (int unit = 0; unit < items * segments; unit++) {
+        const int item = unit / segments, s = unit % segments;
         const int h = item / num_chunks, b0 = (item % num_chunks) * chunk;
-        const int nb = B - b0 < chunk ? B - b0 : chunk;
-        const struct decode_part p = part_at(parts, (int64_t)item * sp.parts + s, G, D, chunk);
-        if (tails)
-            direct_decode_tails(D, q, q_row_stride, k_cache, v_cache, bf16, tail_slots,
-                                tail_lens, max_tail, b0, nb, h, KV, G, scale, tile, p);
-        else {
-            const int k0 = s * sp.span, k1 = shared - k0 < sp.span ? shared : k0 + sp.span;
-            direct_decode_shared(D, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, k0,
-                                 k1, b0, nb, h, KV, G, scale, tile, p);
-        }
+        const struct decode_part p = part_at(parts, (int64_t)unit, G, D, chunk);
+        direct_decode_segment(D, q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
+                              tail_slots, tail_lens, max_tail, b0,
+                              B - b0 < chunk ? B - b0 : chunk, h, KV, G, scale, s, tile, rest, p);
     }
 #pragma omp for schedule(static)
     for (int item = 0; item < items; item++) {
-        struct decode_part item_parts[MAX_SPLITS + 1];
-        for (int i = 0; i < sp.parts; i++)
-            item_parts[i] = part_at(parts, (int64_t)item * sp.parts + i, G, D, chunk);
         const int b0 = (item % num_chunks) * chunk;
-        merge_parts(item_parts, sp.parts, B - b0 < chunk ? B - b0 : chunk, item / num_chunks, H,
-                    G, D, b0, scale, out);
+        merge_segments(parts, (int64_t)item * segments, segments,
+                       B - b0 < chunk ? B - b0 : chunk, item / num_chunks, H, G, D, chunk, b0,
+                       scale, out);
     }
 }
 
@@ -644,18 +582,17 @@ static void decode_item(const float *q, int64_t q_row_stride, const void *k_cach
  * the shared keys for all of them, small GEMMs per tail, one softmax per row over both parts.
  * Where `direct_applies` (`direct_head_dim`) the shared keys and the tails are read
  * straight from the cache by the direct path's key-block loops (`direct_decode`: no gather, and
- * the register tiles run near the GEMM's rate), in units of up to `splits` runs of shared keys
- * and one of the tails per item, merged after. Otherwise (`splits` unused), as in
- * pc_attention, where each thread gets whole kv heads, the thread gathers the shared keys of
- * the head it works on into its own buffer (read from L2 by that head's chunks), or the team
- * gathers every head's once. */
+ * the register tiles run near the GEMM's rate), one unit per segment of each item's keys,
+ * merged after in key order, as a prefill merges them: a row's result is the same bits in any
+ * step. Otherwise, as in pc_attention, where each thread gets whole kv heads, the thread
+ * gathers the shared keys of the head it works on into its own buffer (read from L2 by that
+ * head's chunks), or the team gathers every head's once. */
 static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
                    const void *v_cache, int bf16, const int64_t *shared_slots, int shared,
                    const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
                    float *scratch, int B, int H, int KV, int D, float scale, int chunk,
-                   int splits, int nthreads, sgemm_fn sgemm, set_threads_fn set_threads) {
+                   int nthreads, sgemm_fn sgemm, set_threads_fn set_threads) {
     const int G = H / KV, num_chunks = (B + chunk - 1) / chunk;
-    const struct decode_split sp = split_keys(shared, splits);
     const int64_t head_floats = (int64_t)shared * D, chunk_rows = (int64_t)G * chunk;
     const int width = shared + max_tail;
     const int direct = decode_direct(G, D, chunk);
@@ -672,16 +609,11 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
         float *stacked_out = stacked_q + chunk_rows * D;
         float *scores = stacked_out + chunk_rows * D;
         float *k_tail = scores + chunk_rows * width, *v_tail = k_tail + (int64_t)max_tail * D;
-        if (direct && sp.parts == 0) {
+        if (direct) {
             float *tile = per_thread + thread * thread_floats;
-            direct_decode_in_order(q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
-                                   tail_slots, tail_lens, max_tail, out, B, H, KV, D, scale,
-                                   chunk, tile,
-                                   (int64_t *)(tile + direct_floats(D, (int)chunk_rows)));
-        } else if (direct) {
             direct_decode(q, q_row_stride, k_cache, v_cache, bf16, shared_slots, shared,
-                          tail_slots, tail_lens, max_tail, out, B, H, KV, D, scale, chunk, sp,
-                          per_thread + thread * thread_floats,
+                          tail_slots, tail_lens, max_tail, out, B, H, KV, D, scale, chunk, tile,
+                          (int64_t *)(tile + direct_floats(D, (int)chunk_rows)),
                           per_thread + nthreads * thread_floats);
         } else if (local) {
             float *k_h = kv_buffers + 2 * thread * head_floats, *v_h = k_h + head_floats;
@@ -713,11 +645,10 @@ static void decode(const float *q, int64_t q_row_stride, const void *k_cache,
 void pc_decode(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                const int64_t *shared_slots, int shared, const int64_t *tail_slots,
                const int *tail_lens, int max_tail, float *out, float *scratch, int B, int H,
-               int KV, int D, float scale, int chunk, int splits, int nthreads, sgemm_fn sgemm,
+               int KV, int D, float scale, int chunk, int nthreads, sgemm_fn sgemm,
                set_threads_fn set_threads) {
     decode(q, q_row_stride, k_cache, v_cache, 0, shared_slots, shared, tail_slots, tail_lens,
-           max_tail, out, scratch, B, H, KV, D, scale, chunk, splits, nthreads, sgemm,
-           set_threads);
+           max_tail, out, scratch, B, H, KV, D, scale, chunk, nthreads, sgemm, set_threads);
 }
 
 /* pc_decode over bfloat16 caches (queries and outputs float32; `products` as for
@@ -726,9 +657,8 @@ void pc_decode_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_cach
                     const uint16_t *v_cache, const int64_t *shared_slots, int shared,
                     const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
                     float *scratch, int B, int H, int KV, int D, float scale, int chunk,
-                    int splits, int nthreads, sgemm_fn sgemm, set_threads_fn set_threads,
-                    int products) {
+                    int nthreads, sgemm_fn sgemm, set_threads_fn set_threads, int products) {
     decode(q, q_row_stride, k_cache, v_cache, products ? KV_BF16_PRODUCTS : KV_BF16,
            shared_slots, shared, tail_slots, tail_lens, max_tail, out, scratch, B, H, KV, D,
-           scale, chunk, splits, nthreads, sgemm, set_threads);
+           scale, chunk, nthreads, sgemm, set_threads);
 }

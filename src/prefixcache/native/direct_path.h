@@ -12,7 +12,7 @@ static inline int64_t D_(panel_floats)(int rows) {
  * rows. */
 static int64_t D_(direct_floats)(int tile_rows) {
     const int64_t ld = (tile_rows + LANES - 1) / LANES * LANES;
-    return KEY_BLOCK * ld + GROUP_TILES * (D_(panel_floats)(tile_rows) + ld * HD) +
+    return KEY_BLOCK * ld + GROUP_TILES * (D_(panel_floats)(tile_rows) + 2 * ld * HD) +
            2 * KEY_BLOCK * HD /* a bfloat16 cache's key block, widened */
            + KEY_BLOCK / 2 * (ld + HD); /* or its probabilities and V, paired */
 }
@@ -164,15 +164,39 @@ static __attribute__((noinline)) void D_(qk_block)(const struct head_rows *hr, i
 }
 
 #ifndef DIRECT_COMMON
-/* A tile's softmax state: per row vector the running max and sum, and the last key each row
- * sees (its own token: keys `open` .. are the tile's own tokens, seen causally). Keys are
- * counted from the tile's rows (`head_rows`), which begin at key `start` of the sequence: 0,
- * or a multiple of KEY_BLOCK where a decode row continues the state its shared keys left. */
+/* A tile's softmax state: per row vector the running max and sum of the current segment (its
+ * keys since the last multiple of SEGMENT_KEYS), and the last key each row sees (its own token:
+ * keys `open` .. are the tile's own tokens, seen causally); per row the segments before it,
+ * merged (`merge_segment`: acc_max is -inf before the first). Keys are counted from the tile's
+ * rows (`head_rows`), which begin at key `start` of the sequence: 0, or where a decode row
+ * continues the state its shared keys left. */
 struct tile_state {
     int rows, ld, m, t0, open, keys, start;
-    float *qt, *o; /* Q^T panels; output sums [rows, D] */
+    float *qt, *o, *acc_o; /* Q^T panels; output sums [rows, D], and the earlier segments' */
     vfloat max[MAX_TILE_VECS], sum[MAX_TILE_VECS], last[MAX_TILE_VECS];
+    float acc_max[MAX_TILE_VECS * LANES], acc_sum[MAX_TILE_VECS * LANES];
 };
+
+/* e^x of one x <= 0, by the vector exp (the same bits as a lane of it) */
+static inline float exp_one(float x) { return exp_nonpositive(vsplat(x))[0]; }
+
+/* One row's result so far (o_acc [D] unnormalised, *max_acc, *sum_acc) merged with the next
+ * segment's (o, max, sum), both rescaled to the larger max: the one way every path combines a
+ * row's segments, in key order, so that a decode step computing them apart and a prefill
+ * computing them in turn give the same bits. The first segment is copied (*max_acc -inf). */
+static void merge_segment(float *o_acc, float *max_acc, float *sum_acc, const float *o,
+                          float max, float sum, int D, float scale) {
+    if (*max_acc == -INFINITY) {
+        memcpy(o_acc, o, (size_t)D * sizeof(float));
+        *max_acc = max, *sum_acc = sum;
+        return;
+    }
+    const float top = *max_acc > max ? *max_acc : max;
+    const float before = exp_one((*max_acc - top) * scale), after = exp_one((max - top) * scale);
+    *sum_acc = before * *sum_acc + after * sum;
+    for (int d = 0; d < D; d++) o_acc[d] = before * o_acc[d] + after * o[d];
+    *max_acc = top;
+}
 #endif
 
 #ifndef DIRECT_COMMON
@@ -198,7 +222,8 @@ static __attribute__((noinline)) void D_(softmax_block)(float *st, int b0, int n
                 mx = max_inside(mx, lanes_seeing(b0 + j, ts->last[v]), s);
             else mx = max_vec(mx, s);
         }
-        const lanes grew = ts->start + b0 ? lanes_greater(mx, ts->max[v]) : no_lanes();
+        const int first = (ts->start + b0) % SEGMENT_KEYS == 0; /* max -inf: nothing to rescale */
+        const lanes grew = first ? no_lanes() : lanes_greater(mx, ts->max[v]);
         if (any_lane(grew)) {
             const vfloat alpha = exp_nonpositive((ts->max[v] - mx) * scale);
             ts->sum[v] *= alpha;
@@ -453,9 +478,10 @@ static const int64_t BLOCK_ROWS[KEY_BLOCK] = {
 
 #ifndef DIRECT_COMMON
 /* Where a work item's tiles live in its buffer (direct_floats): the scores of one key block,
- * GROUP_TILES Q^T panels and output sums, and a bfloat16 cache's key block, widened. */
+ * GROUP_TILES Q^T panels, output sums and earlier segments' sums, and a bfloat16 cache's key
+ * block, widened. */
 struct direct_buf {
-    float *st, *qts, *os, *k_wide, *v_wide;
+    float *st, *qts, *os, *acc_os, *k_wide, *v_wide;
     uint32_t *p_pairs, *v_pairs; /* bfloat16 products: P and V two keys per lane */
     int tile_ld;
 };
@@ -466,7 +492,8 @@ static struct direct_buf D_(direct_layout)(float *buf, int tile_rows) {
     b.tile_ld = (tile_rows + LANES - 1) / LANES * LANES;
     b.st = buf, b.qts = b.st + (int64_t)KEY_BLOCK * b.tile_ld;
     b.os = b.qts + GROUP_TILES * D_(panel_floats)(tile_rows);
-    b.k_wide = b.os + (int64_t)GROUP_TILES * b.tile_ld * HD;
+    b.acc_os = b.os + (int64_t)GROUP_TILES * b.tile_ld * HD;
+    b.k_wide = b.acc_os + (int64_t)GROUP_TILES * b.tile_ld * HD;
     b.v_wide = b.k_wide + KEY_BLOCK * HD;
     b.p_pairs = (uint32_t *)(b.v_wide + KEY_BLOCK * HD);
     b.v_pairs = b.p_pairs + (int64_t)KEY_BLOCK / 2 * b.tile_ld;
@@ -485,6 +512,8 @@ static void D_(tile_begin)(struct tile_state *ts, const struct direct_buf *b, in
     ts->m = m, ts->t0 = t0, ts->rows = G * m, ts->ld = (ts->rows + LANES - 1) / LANES * LANES;
     ts->open = open, ts->keys = keys, ts->start = 0;
     ts->qt = b->qts + slot * D_(panel_floats)(tile_rows), ts->o = b->os + (int64_t)slot * b->tile_ld * D;
+    ts->acc_o = b->acc_os + (int64_t)slot * b->tile_ld * D;
+    for (int r = 0; r < ts->rows; r++) ts->acc_max[r] = -INFINITY;
     const int packed = pad ? ts->ld : ts->rows;
 #if DOT16
     if (dot16) /* Q^T panels of bfloat16 pairs: [D/2][PANEL] lanes per panel */
@@ -540,7 +569,20 @@ static inline __attribute__((always_inline)) void D_(prefetch_block)(const struc
     }
 }
 
-/* Every key block of kv head h (rows through hr) in turn through the nt tiles. */
+/* At a segment's end: each row that saw keys in it merges them into its earlier segments, and
+ * the running max and sum start again (the output sums do at the next block: `first`). */
+static void D_(close_segment)(struct tile_state *ts, float scale) {
+    for (int r = 0; r < ts->rows; r++) {
+        const float max = ts->max[r / LANES][r % LANES];
+        if (max == -INFINITY) continue; /* a causal row whose keys ended before this segment */
+        merge_segment(ts->acc_o + (int64_t)r * HD, &ts->acc_max[r], &ts->acc_sum[r],
+                      ts->o + (int64_t)r * HD, max, ts->sum[r / LANES][r % LANES], HD, scale);
+    }
+    for (int v = 0; v < ts->ld / LANES; v++) ts->max[v] = splat(-INFINITY), ts->sum[v] = (vfloat){0};
+}
+
+/* Every key block of kv head h (rows through hr) in turn through the nt tiles; a tile's rows
+ * start a new segment at every multiple of SEGMENT_KEYS (`close_segment`). */
 static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct head_rows *hr,
                             const struct direct_buf *b, const void *k_cache,
                             const void *v_cache, int bf16, int KV, int h, float scale) {
@@ -557,11 +599,13 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
             for (int t = 0; t < nt; t++) {
                 struct tile_state *ts = &tiles[t];
                 if (b0 >= ts->keys) continue;
+                const int first = (ts->start + b0) % SEGMENT_KEYS == 0;
+                if (first && b0 > 0) D_(close_segment)(ts, scale);
                 const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
                 D_(qk_block16)(hr, b0, nk, ts->keys, (const uint32_t *)ts->qt, ts->ld, b->st);
                 D_(softmax_block)(b->st, b0, nk, ts, scale);
                 pair_probabilities(b->st, ts->ld, nk, b->p_pairs);
-                D_(pv_block16)(b->p_pairs, ts->ld, ts->rows, nk, b->v_pairs, ts->o, ts->start + b0 == 0);
+                D_(pv_block16)(b->p_pairs, ts->ld, ts->rows, nk, b->v_pairs, ts->o, first);
             }
         }
         return;
@@ -582,6 +626,8 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
         for (int t = 0; t < nt; t++) {
             struct tile_state *ts = &tiles[t];
             if (b0 >= ts->keys) continue;
+            const int first = (ts->start + b0) % SEGMENT_KEYS == 0;
+            if (first && b0 > 0) D_(close_segment)(ts, scale);
             const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
             const int next = b0 + KEY_BLOCK, next_n = t == 0 && next < keys ? (keys - next < KEY_BLOCK ? keys - next : KEY_BLOCK) : 0;
             if (bf16)
@@ -590,20 +636,28 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
                 D_(qk_block)(hr, b0, nk, ts->keys, ts->qt, ts->ld, b->st);
             D_(softmax_block)(b->st, b0, nk, ts, scale);
             if (bf16)
-                D_(pv_block)(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, ts->start + b0 == 0, &wide, 0, 0);
+                D_(pv_block)(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, first, &wide, 0, 0);
             else
-                D_(pv_block)(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, ts->start + b0 == 0, hr, next, next_n);
+                D_(pv_block)(b->st, ts->ld, ts->rows, nk, v_rows, ts->o, first, hr, next, next_n);
         }
     }
 }
 
-/* The tile's normalised rows into out [tokens, H, D] */
-static void D_(tile_end)(const struct tile_state *ts, float *out, int h, int H, int G) {
+#ifndef DIRECT_COMMON
+/* Output sums o [D] over their weights' sum, into dst: every path's last step */
+static inline void normalised(float *dst, const float *o, float sum, int D) {
+    const float f = 1.0f / sum;
+    for (int d = 0; d < D; d++) dst[d] = o[d] * f;
+}
+#endif
+
+/* The tile's rows, their last segment merged, normalised into out [tokens, H, D] */
+static void D_(tile_end)(struct tile_state *ts, float *out, int h, int H, int G, float scale) {
     enum { D = HD };
+    D_(close_segment)(ts, scale);
     for (int r = 0; r < ts->rows; r++) {
-        const float f = 1.0f / ts->sum[r / LANES][r % LANES];
         float *dst = out + ((int64_t)(ts->t0 + r % ts->m) * H + h * G + r / ts->m) * D;
-        for (int d = 0; d < D; d++) dst[d] = ts->o[(int64_t)r * D + d] * f;
+        normalised(dst, ts->acc_o + (int64_t)r * D, ts->acc_sum[r], D);
     }
 }
 
@@ -628,14 +682,15 @@ static void D_(direct_tiles)(const float *q, int64_t q_row_stride, const void *k
                        h, G, bf16 == KV_BF16_PRODUCTS, 1);
         }
         D_(tiles_over_keys)(tiles, nt, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
-        for (int t = 0; t < nt; t++) D_(tile_end)(&tiles[t], out, h, H, G);
+        for (int t = 0; t < nt; t++) D_(tile_end)(&tiles[t], out, h, H, G, scale);
     }
 }
 
 #ifndef DIRECT_COMMON
-/* A decode work item's partial result (attention.c's `decode`): for its rows r = g * nb + b
- * (query head h * G + g of sequence b0 + b), the output sums o [rows, D] over the keys it saw,
- * not normalised, their running max (raw scores) and sum; merged by `merge_parts`. */
+/* A decode work item's result over one segment of keys (attention.c's `decode`): for its rows
+ * r = g * nb + b (query head h * G + g of sequence b0 + b), the output sums o [rows, D] over the
+ * segment's keys, not normalised, their max (raw scores; -inf: the row has no keys there) and
+ * sum; merged in key order by `merge_segment`. */
 struct decode_part {
     float *o, *max, *sum;
 };
@@ -646,86 +701,61 @@ static inline void keep_row_state(const struct tile_state *ts, int r, struct dec
 }
 #endif
 
-/* Sequences b0 .. b0 + nb - 1 of kv head h as one tile (rows g * nb + b) over the shared keys
- * k0 .. k1 - 1 (shared_slots), straight from the cache in key blocks as above, into part p.
- * buf: D_(direct_floats)(G * nb). */
-static void D_(decode_shared)(const float *q, int64_t q_row_stride, const void *k_cache,
-                              const void *v_cache, int bf16, const int64_t *shared_slots, int k0,
-                              int k1, int b0, int nb, int h, int KV, int G, float scale,
-                              float *buf, struct decode_part p) {
-    const struct head_rows hr = D_(head_of)(k_cache, v_cache, bf16, shared_slots + k0, h, KV);
-    const struct direct_buf b = D_(direct_layout)(buf, G * nb);
-    const int keys = k1 - k0;
-    struct tile_state ts;
-    D_(tile_begin)(&ts, &b, 0, G * nb, q, q_row_stride, b0, nb, keys, keys, h, G,
-                   bf16 == KV_BF16_PRODUCTS, 1);
-    ts.o = p.o; /* the output sums go straight to the part */
-    D_(tiles_over_keys)(&ts, 1, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
-    for (int r = 0; r < ts.rows; r++) keep_row_state(&ts, r, p, r);
-}
-
-/* The same sequences over each one's own tail keys (tail_lens[b] of them at tail_slots[b *
- * max_tail ..]): a tile of its G rows per sequence, into part p's rows g * nb + b. */
-static void D_(decode_tails)(const float *q, int64_t q_row_stride, const void *k_cache,
-                             const void *v_cache, int bf16, const int64_t *tail_slots,
-                             const int *tail_lens, int max_tail, int b0, int nb, int h, int KV,
-                             int G, float scale, float *buf, struct decode_part p) {
-    enum { D = HD };
-    const struct direct_buf b = D_(direct_layout)(buf, G * nb);
-    struct tile_state tail;
-    for (int t = 0; t < nb; t++) {
-        const int len = tail_lens[b0 + t];
-        const struct head_rows tr = D_(head_of)(k_cache, v_cache, bf16,
-                                                tail_slots + (int64_t)(b0 + t) * max_tail, h, KV);
-        D_(tile_begin)(&tail, &b, 0, G * nb, q, q_row_stride, b0 + t, 1, len, len, h, G,
-                       bf16 == KV_BF16_PRODUCTS, t == 0);
-        D_(tiles_over_keys)(&tail, 1, &tr, &b, k_cache, v_cache, bf16, KV, h, scale);
-        for (int g = 0; g < G; g++) {
-            memcpy(p.o + (int64_t)(g * nb + t) * D, tail.o + (int64_t)g * D, D * sizeof(float));
-            keep_row_state(&tail, g, p, g * nb + t);
-        }
-    }
-}
-
-/* Sequences b0 .. b0 + nb - 1 of kv head h, each row's keys taken exactly as a prefill row
- * takes them (`tiles_over_keys`: key blocks of KEY_BLOCK from key 0, one online-softmax state
- * carried through), so a decode row's result is the same bits as the prefill of that token
- * and does not depend on the other sequences of the step. The shared keys, down to a whole
- * number of key blocks (`aligned`), are read once for all the item's rows as one tile; each
- * sequence's tile then takes over its rows' state and continues over the rest of the shared
- * keys and its own tail, whose slots it lists in `rest` (KEY_BLOCK + max_tail of them). */
-static void D_(decode_rows)(const float *q, int64_t q_row_stride, const void *k_cache,
-                            const void *v_cache, int bf16, const int64_t *shared_slots,
-                            int shared, const int64_t *tail_slots, const int *tail_lens,
-                            int max_tail, float *out, int b0, int nb, int h, int H, int KV,
-                            int G, float scale, float *buf, int64_t *rest) {
+/* Sequences b0 .. b0 + nb - 1 of kv head h over segment s of their keys (keys s * SEGMENT_KEYS
+ * up to the next multiple), each row's keys in the order a prefill row takes them (key blocks
+ * from the segment's start, one online-softmax state), into part p: a decode row's segments are
+ * the prefill row's, so its result is the same bits and does not depend on the step. The
+ * segment's shared keys, down to a whole number of key blocks (`aligned`), are read once for all
+ * the item's rows as one tile; each sequence's tile then takes over its rows' state and
+ * continues over the rest of the shared keys and its own, whose slots it lists in `rest`
+ * (SEGMENT_KEYS of them at most). buf: D_(direct_floats)(G * nb). */
+static void D_(decode_segment)(const float *q, int64_t q_row_stride, const void *k_cache,
+                               const void *v_cache, int bf16, const int64_t *shared_slots,
+                               int shared, const int64_t *tail_slots, const int *tail_lens,
+                               int max_tail, int b0, int nb, int h, int KV, int G, float scale,
+                               int s, float *buf, int64_t *rest, struct decode_part p) {
     enum { D = HD };
     const struct direct_buf b = D_(direct_layout)(buf, G * nb);
     const int aligned = shared / KEY_BLOCK * KEY_BLOCK, dot16 = bf16 == KV_BF16_PRODUCTS;
+    const int k0 = s * SEGMENT_KEYS, k1 = k0 + SEGMENT_KEYS;
+    const int common = (k1 < aligned ? k1 : aligned) - k0; /* <= 0: none */
     struct tile_state all, seq;
-    if (aligned > 0) {
-        const struct head_rows hr = D_(head_of)(k_cache, v_cache, bf16, shared_slots, h, KV);
-        D_(tile_begin)(&all, &b, 0, G * nb, q, q_row_stride, b0, nb, aligned, aligned, h, G,
+    if (common > 0) {
+        const struct head_rows hr = D_(head_of)(k_cache, v_cache, bf16, shared_slots + k0, h, KV);
+        D_(tile_begin)(&all, &b, 0, G * nb, q, q_row_stride, b0, nb, common, common, h, G,
                        dot16, 1);
+        all.start = k0;
+        if (k0 + common == k1) all.o = p.o; /* the whole segment: the sums go to the part */
         D_(tiles_over_keys)(&all, 1, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
+        if (k0 + common == k1) {
+            for (int r = 0; r < all.rows; r++) keep_row_state(&all, r, p, r);
+            return;
+        }
     }
+    const int from = common > 0 ? k0 + common : k0;
     for (int t = 0; t < nb; t++) {
-        const int before = shared - aligned, own = tail_lens[b0 + t], len = before + own;
-        memcpy(rest, shared_slots + aligned, (size_t)before * sizeof *rest);
-        memcpy(rest + before, tail_slots + (int64_t)(b0 + t) * max_tail, (size_t)own * sizeof *rest);
+        const int own = tail_lens[b0 + t], len = shared + own, to = k1 < len ? k1 : len;
+        if (from >= to) { /* no keys of this sequence in the segment */
+            for (int g = 0; g < G; g++) p.max[g * nb + t] = -INFINITY, p.sum[g * nb + t] = 0.0f;
+            continue;
+        }
+        for (int j = from; j < to; j++)
+            rest[j - from] = j < shared ? shared_slots[j] : tail_slots[(int64_t)(b0 + t) * max_tail + j - shared];
         const struct head_rows tr = D_(head_of)(k_cache, v_cache, bf16, rest, h, KV);
-        D_(tile_begin)(&seq, &b, 1, G * nb, q, q_row_stride, b0 + t, 1, len, len, h, G, dot16,
-                       t == 0);
-        if (aligned > 0) { /* row g of this tile is row g * nb + t of the shared one */
-            seq.start = aligned;
+        D_(tile_begin)(&seq, &b, 1, G * nb, q, q_row_stride, b0 + t, 1, to - from, to - from,
+                       h, G, dot16, t == 0);
+        seq.start = from;
+        if (common > 0) /* row g of this tile is row g * nb + t of the shared one */
             for (int g = 0; g < G; g++) {
                 const int r = g * nb + t;
                 seq.max[g / LANES][g % LANES] = all.max[r / LANES][r % LANES];
                 seq.sum[g / LANES][g % LANES] = all.sum[r / LANES][r % LANES];
                 memcpy(seq.o + (int64_t)g * D, all.o + (int64_t)r * D, D * sizeof(float));
             }
-        }
         D_(tiles_over_keys)(&seq, 1, &tr, &b, k_cache, v_cache, bf16, KV, h, scale);
-        D_(tile_end)(&seq, out, h, H, G);
+        for (int g = 0; g < G; g++) {
+            memcpy(p.o + (int64_t)(g * nb + t) * D, seq.o + (int64_t)g * D, D * sizeof(float));
+            keep_row_state(&seq, g, p, g * nb + t);
+        }
     }
 }

@@ -1,11 +1,13 @@
 """Batch invariance: whether the kernels must give a row of a step the same bits whatever else
 the step holds (its batch, its chunk, where its cached part ends).
 
-On (the default), attention reads every row's keys in the order a prefill row reads them and the
-projections multiply through GEMMs whose per-row sums run in one order for any row count
-(docs/model.md, "Batch invariance"). ``PREFIXCACHE_BATCH_INVARIANT=0`` or ``set_enabled(False)``
-lets decode steps split a shared prefix's keys between threads and the projections take whichever
-library GEMM a start-up timing finds fastest, for side-by-side measurements of what the rule costs.
+The compiled attention kernel is invariant whatever this says: a row's keys are reduced in
+fixed segments, in the same order in a prefill and a decode step (docs/model.md, "Batch
+invariance"). On (the default), the projections also multiply through GEMMs whose per-row sums
+run in one order for any row count (the panel GEMM, where it is vector code). With
+``PREFIXCACHE_BATCH_INVARIANT=0`` or ``set_enabled(False)`` they take whichever GEMM a start-up
+timing finds fastest (oneDNN's and MKL's pick kernels by the row count), for side-by-side
+measurements of what the rule costs.
 """
 
 from __future__ import annotations

@@ -285,14 +285,14 @@ typedef void (*decode_fn)(const float *q, int64_t q_row_stride, const float *k_c
                           const float *v_cache, const int64_t *shared_slots, int shared,
                           const int64_t *tail_slots, const int *tail_lens, int max_tail,
                           float *out, float *scratch, int B, int H, int KV, int D, float scale,
-                          int chunk, int splits, int nthreads, void *sgemm, void *set_threads);
+                          int chunk, int nthreads, void *sgemm, void *set_threads);
 
 /* pc_decode_kv16: the same over bfloat16 caches; products: bfloat16 products */
 typedef void (*decode_kv16_fn)(const float *q, int64_t q_row_stride, const uint16_t *k_cache,
                                const uint16_t *v_cache, const int64_t *shared_slots, int shared,
                                const int64_t *tail_slots, const int *tail_lens, int max_tail,
                                float *out, float *scratch, int B, int H, int KV, int D,
-                               float scale, int chunk, int splits, int nthreads, void *sgemm,
+                               float scale, int chunk, int nthreads, void *sgemm,
                                void *set_threads, int products);
 
 /* One layer of one step: prefixcache.model.fused_layers.LayerArgs mirrors this layout. */
@@ -322,7 +322,7 @@ struct layer_args {
     void *decode;
     const int64_t *shared_slots, *tail_slots;
     const int *tail_lens;
-    int shared, max_tail, decode_chunk, splits, products;
+    int shared, max_tail, decode_chunk, products;
     float *q32, *out32;
 };
 
@@ -348,7 +348,7 @@ void pc_layer(const struct layer_args *a) {
     if (a->decode != NULL)
         ((decode_fn)a->decode)(a->qkv, q_stride, a->k_cache, a->v_cache, a->shared_slots, a->shared,
                   a->tail_slots, a->tail_lens, a->max_tail, a->attn, a->scratch, a->rows, a->H,
-                  a->KV, a->D, a->scale, a->decode_chunk, a->splits, a->nthreads, a->sgemm,
+                  a->KV, a->D, a->scale, a->decode_chunk, a->nthreads, a->sgemm,
                   a->set_threads);
     else
         a->attention(a->qkv, q_stride, a->k_cache, a->v_cache, a->seq_slots, a->attn,
@@ -417,7 +417,7 @@ void pc_layer_bf16(const struct layer_args *a) {
     ((decode_kv16_fn)a->decode)(a->q32, n, (const uint16_t *)a->k_cache,
                                 (const uint16_t *)a->v_cache, a->shared_slots, a->shared,
                                 a->tail_slots, a->tail_lens, a->max_tail, a->out32, a->scratch,
-                                rows, a->H, a->KV, a->D, a->scale, a->decode_chunk, a->splits,
+                                rows, a->H, a->KV, a->D, a->scale, a->decode_chunk,
                                 a->nthreads, a->sgemm, a->set_threads, a->products);
     for (int64_t i = 0; i < (int64_t)rows * n; i++) attn[i] = narrow(a->out32[i]);
     pc_layer_outputs_bf16(a, attn);
