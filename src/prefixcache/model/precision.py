@@ -183,8 +183,8 @@ def choose(
         data, _ = machine.measured_once(path, measure)
         choice = _from_dict(data, "measured")
     assert choice is not None
-    if fidelity is not None and choice.figures:
-        _keep_answers(choice, fitting, fidelity)
+    if fidelity is not None and choice.figures and Precision("float32", "float32") in fitting:
+        _keep_answers(choice, fitting, fidelity)  # (float32's logits are the reference)
     return choice
 
 

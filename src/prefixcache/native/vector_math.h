@@ -33,25 +33,26 @@ static inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
 #endif
 }
 
-/* max(x, lo) per lane: one vmaxps where the CPU has AVX-512, else compare and select */
+/* max(x, lo) per lane (lo where x is NaN): one vmaxps where the CPU has AVX-512, else compare
+ * and select */
 static inline vfloat max_lanes(vfloat x, float lo) {
 #ifdef __AVX512F__
     return (vfloat)_mm512_max_ps((__m512)x, _mm512_set1_ps(lo));
 #else
-    const vfloat low = x * 0.0f + lo;
-    const vint below = x < low;
-    return (vfloat)((below & (vint)low) | (~below & (vint)x));
+    const vfloat low = vsplat(lo);
+    const vint keep = x >= low;
+    return (vfloat)((keep & (vint)x) | (~keep & (vint)low));
 #endif
 }
 
-/* min(x, hi) per lane */
+/* min(x, hi) per lane (hi where x is NaN) */
 static inline vfloat min_lanes(vfloat x, float hi) {
 #ifdef __AVX512F__
     return (vfloat)_mm512_min_ps((__m512)x, _mm512_set1_ps(hi));
 #else
-    const vfloat high = x * 0.0f + hi;
-    const vint above = x > high;
-    return (vfloat)((above & (vint)high) | (~above & (vint)x));
+    const vfloat high = vsplat(hi);
+    const vint keep = x <= high;
+    return (vfloat)((keep & (vint)x) | (~keep & (vint)high));
 #endif
 }
 
