@@ -245,8 +245,8 @@ def test_bfloat16_stays_within_bfloat16s_own_distance_of_transformers(ours):
     # our logits are no farther from transformers' bfloat16 ones than those are from its own
     # float32 ones (bfloat16 keeps 8 bits: about 2.5% of the largest logit here). What two right
     # bfloat16 implementations agree on is the top of the distribution, not a near-tie's
-    # winner: at every position our most likely token is within that distance of the best in
-    # transformers' bfloat16 logits, and theirs of the best in ours.
+    # winner: at every position our most likely token is among transformers' bfloat16 top 5,
+    # and theirs among ours.
     ours16 = load_model("smollm2", dtype="bfloat16")
     assert ours16.model.lm_head.weight.dtype == torch.bfloat16
     auto = transformers.AutoModelForCausalLM
@@ -262,10 +262,9 @@ def test_bfloat16_stays_within_bfloat16s_own_distance_of_transformers(ours):
         own_distance = float((expected16 - expected32).abs().max())
         got = _logits16(ours16, ids)
         assert float((got - expected16).abs().max()) <= 1.25 * own_distance
-        rows = torch.arange(len(ids))
-        ours_top, theirs_top = got.argmax(-1), expected16.argmax(-1)
-        assert bool((expected16.max(-1).values - expected16[rows, ours_top] <= own_distance).all())
-        assert bool((got.max(-1).values - got[rows, theirs_top] <= own_distance).all())
+        ours_top5, theirs_top5 = got.topk(5, -1).indices, expected16.topk(5, -1).indices
+        assert bool((ours_top5[:, :1] == theirs_top5).any(-1).all())
+        assert bool((theirs_top5[:, :1] == ours_top5).any(-1).all())
 
 
 def _chat_ids(loaded, question: str) -> list[int]:  # noqa: ANN001
