@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from native_support import require_native_attention, require_native_layers
 from prefixcache import native
 from prefixcache.attention import native_attention
-from prefixcache.model import native_layers, panel_gemm
+from prefixcache.model import native_layers, panel_gemm, quant_gemm
 from test_attention_native import check_row_invariance
 
 
@@ -33,6 +33,7 @@ def without_avx512(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(native, "compile_flags", lambda: [*flags, "-mno-avx512f"])
     caches = [native_layers._library, native_layers.available, native_attention._kernel]
     caches += [native_attention.available, panel_gemm._library, panel_gemm.available]
+    caches += [quant_gemm._library, quant_gemm.available]
     for cached in caches:
         cached.cache_clear()
     yield
@@ -60,6 +61,25 @@ def test_portable_vector_code_passes_the_probes() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         assert panel_gemm.available(dtype) and panel_gemm.kernel_name(dtype) == "AVX2"
         check_panel_rows_invariant(dtype)
+    # the quantized blocks' AVX2 kernel (vpmaddubsw): its probe, and row invariance in every form
+    assert quant_gemm.kernel_name() == "AVX2" and quant_gemm.available()
+    check_quant_rows_invariant()
+
+
+def check_quant_rows_invariant() -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(100, 96, generator=gen).numpy()
+    q, d, _ = quant_gemm.quantize_q8_0(weight)
+    nibbles = (q.astype("int16") // 16 + 8).clip(0, 15).astype("int8")
+    minimums = (d.astype("float32") * -8).astype("float16")
+    x = torch.randn(23, 96, generator=gen)
+    for packed in (quant_gemm.QuantWeight.pack(q, d, None), quant_gemm.QuantWeight.pack(
+            nibbles, d, minimums, "q4_0")):  # fmt: skip
+        every = packed.matmul(x)
+        for rows in (1, 3, 4, 5, 9):
+            for start in (0, 6):
+                part = packed.matmul(x[start : start + rows])
+                assert torch.equal(part, every[start : start + rows])
 
 
 def check_panel_rows_invariant(dtype: torch.dtype) -> None:

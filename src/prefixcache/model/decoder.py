@@ -227,7 +227,7 @@ def expected_kernels(config: ModelConfig, dtype: torch.dtype, weights: str) -> d
 
 
 def _quant_name() -> str:
-    return f"quantized blocks ({'AVX512-VNNI' if quant_gemm.vectorised() else 'plain loops'})"
+    return f"quantized blocks ({quant_gemm.kernel_name()})"
 
 
 def _gemm_name(linear: Projection) -> str:

@@ -10,7 +10,8 @@ weights the way llama.cpp's Q8_0 does.
 
 `prefixcache/native/quant_gemm.h` (in the layers library) multiplies through it as llama.cpp's
 CPU backend does for these types: each activation row quantized to 8 bits per 32-value block,
-integer dot products (AVX512-VNNI ``vpdpbusd``), one float scaling per block. A decode step then
+integer dot products (AVX512-VNNI ``vpdpbusd``, or AVX2's ``vpmaddubsw`` as llama.cpp's AVX2 path
+does), one float scaling per block. A decode step then
 streams about 1.2 bytes per weight instead of 4 (0.7 for the 4-bit types, kept as nibbles).
 `QuantWeight.matmul` equals ``F.linear`` over the dequantized weight up to the activations' 8-bit
 rounding (what llama.cpp's own results carry), whatever the row count: a row's result does not
@@ -35,6 +36,7 @@ __all__ = [
     "available",
     "compute_address",
     "gguf_blocks",
+    "kernel_name",
     "quantize_q8_0",
     "vectorised",
 ]
@@ -267,9 +269,18 @@ def gguf_blocks(
 
 
 def vectorised() -> bool:
-    """Whether this build's quantized kernel is the AVX512-VNNI one, not the plain loops."""
+    """Whether this build's quantized kernel is vector code (AVX512-VNNI or AVX2), not the
+    plain loops."""
     library = _library()
     return library is not None and bool(library.pc_quant_isa())
+
+
+def kernel_name() -> str:
+    """The instruction set of this build's quantized kernel: ``AVX512-VNNI``, ``AVX2`` or
+    ``plain loops``."""
+    library = _library()
+    isa = library.pc_quant_isa() if library is not None else 0
+    return {1: "AVX512-VNNI", 2: "AVX2"}.get(isa, "plain loops")
 
 
 @functools.cache

@@ -22,8 +22,8 @@
  * QUANT_BYTES_MIN, QUANT_NIBBLES (with minimum). A panel's records stay in L2 while every QUANT_ROWS-row tile of
  * x goes through them; the first tile streams them and prefetches ahead.
  *
- * AVX512_VNNI kernels where the compiler targets them; plain loops otherwise (correct, slow:
- * pc_quant_isa says which). */
+ * AVX512_VNNI kernels where the compiler targets them, else AVX2 ones (llama.cpp's vpmaddubsw
+ * dot products), else plain loops (correct, slow): pc_quant_isa says which. */
 #ifndef PREFIXCACHE_QUANT_GEMM_H
 #define PREFIXCACHE_QUANT_GEMM_H
 
@@ -45,9 +45,19 @@
 #define QUANT_GROUPS (QUANT_BLOCK / 4)
 enum { QUANT_BYTES = 0, QUANT_BYTES_MIN = 1, QUANT_NIBBLES = 2 };
 
-int pc_quant_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+#define QUANT_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_AVX2 1
+#include <immintrin.h>
+#endif
+
+/* which kernel this build has: 1 AVX512-VNNI, 2 AVX2, 0 the plain loops */
+int pc_quant_isa(void) {
+#if defined(QUANT_VNNI)
     return 1;
+#elif defined(QUANT_AVX2)
+    return 2;
 #else
     return 0;
 #endif
@@ -136,7 +146,7 @@ static void quant_row(const float *x, int k, uint8_t *xu, float *dx, float *sx) 
     }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+#ifdef QUANT_VNNI
 /* mb (constant after inlining) rows of quantized x through one panel */
 static inline __attribute__((always_inline)) void quant_tile(
     const uint8_t *xu, int64_t ldu, const float *dx, const float *sx, int64_t ldd,
@@ -193,6 +203,74 @@ static inline __attribute__((always_inline)) void quant_tile(
         }
     }
     for (int m = 0; m < mb; m++) panel_store(acc[m], QUANT_VECS, bias, beta, out + m * ldo, cols);
+}
+#endif
+
+#ifdef QUANT_AVX2
+/* The AVX2 tile: mb (<= 4) rows through columns 16 * part .. of one panel, 8 columns a ymm.
+ * Each group of 4 k is llama.cpp's AVX2 dot product: |w| (unsigned) times x with w's sign
+ * (vpmaddubsw: pairs of products as 16 bits, at most 2 x 128 x 127, no saturation), pairs
+ * summed into 32 bits (vpmaddwd); the block's integer sum is exact, the same as the VNNI
+ * kernel's, and so are the float steps after it. */
+static inline __attribute__((always_inline)) void quant_tile_avx2(
+    const uint8_t *xu, int64_t ldu, const float *dx, const float *sx, int64_t ldd,
+    const uint8_t *wp, int nb, const int form, const int mb, int prefetch, int part,
+    const float *bias, float beta, float *out, int64_t ldo, int cols) {
+    const int64_t record = quant_record(form);
+    const int has_min = form != QUANT_BYTES, nib = form == QUANT_NIBBLES, c0 = 16 * part;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[QUANT_ROWS][2];
+    for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = wp + b * record;
+        if (prefetch && part == 0) /* the first tile streams the panel's records */
+            for (int line = 0; line < (int)(record / 64); line++)
+                _mm_prefetch((const char *)rec + 64 * line + prefetch_bytes, _MM_HINT_T0);
+        __m256i isum[QUANT_ROWS][2];
+        for (int m = 0; m < mb; m++) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+        for (int g = 0; g < QUANT_GROUPS; g++) {
+            const uint8_t *wg = rec + ((nib ? g / 2 : g) * QUANT_COLS + c0) * 4;
+            __m256i wabs[2], wv[2];
+            for (int j = 0; j < 2; j++) {
+                wv[j] = _mm256_loadu_si256((const __m256i *)(wg + 32 * j));
+                if (nib) wv[j] = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(wv[j], 4) : wv[j], low);
+                wabs[j] = _mm256_abs_epi8(wv[j]);
+            }
+            for (int m = 0; m < mb; m++) {
+                int32_t four;
+                memcpy(&four, xu + m * ldu + b * QUANT_BLOCK + 4 * g, sizeof four);
+                const __m256i xv = _mm256_xor_si256(_mm256_set1_epi32(four), flip); /* x - 128 */
+                for (int j = 0; j < 2; j++) {
+                    const __m256i pairs = _mm256_maddubs_epi16(wabs[j], _mm256_sign_epi8(xv, wv[j]));
+                    isum[m][j] = _mm256_add_epi32(isum[m][j], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        const uint16_t *rd = (const uint16_t *)(rec + quant_q_bytes(form));
+        const uint16_t *rm = rd + 2 * QUANT_COLS;
+        for (int j = 0; j < 2; j++) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rd + c0 + 8 * j)));
+            const __m256 mw = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rm + c0 + 8 * j)))
+                                      : _mm256_setzero_ps();
+            for (int m = 0; m < mb; m++) {
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[m * ldd + b]));
+                acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][j]), scale, acc[m][j]);
+                if (has_min) acc[m][j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[m * ldd + b]), acc[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        float sums[16];
+        _mm256_storeu_ps(sums, acc[m][0]);
+        _mm256_storeu_ps(sums + 8, acc[m][1]);
+        float *o = out + m * ldo;
+        for (int c = c0; c < c0 + 16 && c < cols; c++) {
+            float v = sums[c - c0];
+            if (bias != NULL) v += bias[c];
+            o[c] = beta != 0.0f ? v + beta * o[c] : v;
+        }
+    }
 }
 #endif
 
@@ -273,9 +351,30 @@ int pc_quant_gemm(const float *x, int64_t ldx, int rows, int k, const uint8_t *w
                 const uint8_t *xm = xu + m0 * ldu;
                 const float *dm = dx + m0 * ldd, *sm = sx + m0 * ldd;
                 float *om = out + m0 * ldo + c0;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+#if defined(QUANT_VNNI)
 #define QUANT_TILE(FORM, MB) \
     quant_tile(xm, ldu, dm, sm, ldd, wp, nb, FORM, MB, m0 == 0, b, beta, om, ldo, cols)
+#define QUANT_TILES(FORM)                        \
+    switch (mb) {                                \
+    case 4: QUANT_TILE(FORM, 4); break;          \
+    case 3: QUANT_TILE(FORM, 3); break;          \
+    case 2: QUANT_TILE(FORM, 2); break;          \
+    default: QUANT_TILE(FORM, 1); break;         \
+    }
+                if (form == QUANT_NIBBLES) {
+                    QUANT_TILES(QUANT_NIBBLES)
+                } else if (form == QUANT_BYTES_MIN) {
+                    QUANT_TILES(QUANT_BYTES_MIN)
+                } else {
+                    QUANT_TILES(QUANT_BYTES)
+                }
+#undef QUANT_TILES
+#undef QUANT_TILE
+#elif defined(QUANT_AVX2)
+#define QUANT_TILE(FORM, MB)                                                                    \
+    for (int part = 0; part < QUANT_COLS / 16; part++)                                          \
+        quant_tile_avx2(xm, ldu, dm, sm, ldd, wp, nb, FORM, MB, m0 == 0, part, b, beta, om, ldo, \
+                        cols)
 #define QUANT_TILES(FORM)                        \
     switch (mb) {                                \
     case 4: QUANT_TILE(FORM, 4); break;          \
