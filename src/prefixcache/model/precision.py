@@ -161,6 +161,9 @@ def choose(
     fitting = [p for p in options if _weight_bytes(config, p) <= _free_memory()]
     if not fitting:
         fitting = [min(options, key=lambda p: _weight_bytes(config, p))]
+    if len(options) == 1:
+        return Choice(options[0], {}, cpu, "the only candidate: no bfloat16 or quantized kernel "
+                      "is vector code on this CPU")  # fmt: skip
     if len(fitting) == 1:
         return Choice(fitting[0], {}, cpu, "the only one that fits in memory")
     key = hashlib.sha256(json.dumps([
