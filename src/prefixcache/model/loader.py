@@ -235,7 +235,7 @@ def _fidelity(checkpoint: Checkpoint) -> Callable[[Precision], dict[str, Any]]:
     checkpoint's own weights: measured once per model, precision, CPU and kernel sources (the
     bits a precision gives depend on the kernels) and kept beside the timings; float32's
     logits computed at most once per call of `resolve_precision`."""
-    from prefixcache.native import cpu_signature, sources_digest
+    from prefixcache.native import compile_flags, cpu_signature, sources_digest
 
     config, cpu = checkpoint.config, torch.device("cpu")
     reference: list[torch.Tensor] = []
@@ -248,7 +248,8 @@ def _fidelity(checkpoint: Checkpoint) -> Callable[[Precision], dict[str, Any]]:
     def of(option: Precision) -> dict[str, Any]:
         key = hashlib.sha256(json.dumps([
             precision.CALIBRATION_VERSION, checkpoint.identity("float32"), option.label,
-            cpu_signature(), sources_digest(), torch.__version__, precision.FIDELITY_TEXT,
+            cpu_signature(), sources_digest(), compile_flags(), torch.__version__,
+            precision.FIDELITY_TEXT,
         ]).encode()).hexdigest()[:20]  # fmt: skip
 
         def measure() -> dict[str, Any]:

@@ -155,7 +155,7 @@ def choose(
     ``BYTES_MIN`` for the others). ``fidelity``: a candidate's `fidelity_of` float32 on the
     model's own weights (cached by the caller), asked for in order of speed until one is within
     the bounds (float32 needs none): a faster one outside them is passed over."""
-    from prefixcache.native import cpu_signature, sources_digest
+    from prefixcache.native import compile_flags, cpu_signature, sources_digest
 
     cpu = _cpu_name()
     fitting = [p for p in options if _weight_bytes(config, p) <= _free_memory()]
@@ -168,7 +168,8 @@ def choose(
         return Choice(fitting[0], {}, cpu, "the only one that fits in memory")
     key = hashlib.sha256(json.dumps([
         CALIBRATION_VERSION, cpu_signature(), torch.get_num_threads(), _shape(config),
-        [p.label for p in fitting], blocks_form, sources_digest(), torch.__version__,
+        [p.label for p in fitting], blocks_form, sources_digest(), compile_flags(),
+        torch.__version__,
     ]).encode()).hexdigest()[:20]  # fmt: skip
     path = cache_dir() / "calibration" / f"{key}.json"
 

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -57,12 +58,15 @@ class Switch:
 
 
 def compile_flags() -> list[str]:
+    """The kernels' compiler flags: this CPU's instruction sets, then any the user adds in
+    ``PREFIXCACHE_NATIVE_CFLAGS`` (e.g. ``-mno-avx512f``: the AVX2 kernels, to measure or test
+    what an AVX2-only CPU runs; part of the build's cache key like every flag)."""
     # -ffp-contract=off: a multiply and an add are fused only where the source says so
     # (vector_math.h's fmadd), never by the compiler's choice in one context and not another
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-mprefer-vector-width=512")  # zmm registers where the CPU has AVX-512
-    return flags
+    return flags + shlex.split(os.environ.get("PREFIXCACHE_NATIVE_CFLAGS", ""))
 
 
 def cpu_signature() -> str:
