@@ -207,11 +207,12 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(
 #endif
 
 #ifdef PANEL_AVX2
-/* AVX2 tiles: 16 ymm registers hold 4 rows x 24 columns (half a panel) of float32 sums, or 4
- * rows x 16 columns of bfloat16 products' sums; the panel's halves or thirds are taken in turn.
- * Each sum is one chain of FMAs over k, as in every other tile shape, so a row's result does
- * not depend on the tile it falls in. */
-#define AVX2_ROWS 4
+/* AVX2 tiles: 16 ymm registers hold 6 rows x 16 columns (a third of a panel) of float32 sums
+ * beside the two weight vectors and a broadcast, or 4 rows x 16 columns of bfloat16 products'
+ * sums; the panel's thirds are taken in turn. Each sum is one chain of FMAs over k, as in every
+ * other tile shape, so a row's result does not depend on the tile it falls in. */
+#define AVX2_ROWS 6
+#define AVX2_BF16_ROWS 4
 
 static inline __attribute__((always_inline)) __m256 avx2_weights(const void *wk, int j,
                                                                  const int bf16w) {
@@ -220,31 +221,34 @@ static inline __attribute__((always_inline)) __m256 avx2_weights(const void *wk,
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-/* rows m0 .. m0 + mb (mb <= 4, constant after inlining) of x through columns 24 * part .. of
+/* rows m0 .. m0 + mb (mb <= 6, constant after inlining) of x through columns 16 * part .. of
  * the panel wp (float32, or bf16w: bfloat16 weights widened); out = acc (+ bias) (+ beta out) */
 static inline __attribute__((always_inline)) void panel_tile_avx2(
     const float *x, int64_t ldx, const void *wp, int k, const int bf16w, const int mb,
     int prefetch, int part, const float *bias, float beta, float *out, int64_t ldo, int cols) {
     const int64_t row_bytes = (int64_t)PANEL_COLS * (bf16w ? 2 : 4);
-    const int c0 = 24 * part;
-    __m256 acc[AVX2_ROWS][3];
-    for (int m = 0; m < mb; m++)
-        for (int j = 0; j < 3; j++) acc[m][j] = _mm256_setzero_ps();
+    const int c0 = 16 * part;
+    __m256 acc[AVX2_ROWS][2];
+#pragma GCC unroll 8
+    for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int kk = 0; kk < k; kk++) {
         const char *wk = (const char *)wp + kk * row_bytes + c0 * (bf16w ? 2 : 4);
         if (prefetch) _mm_prefetch(wk + prefetch_bytes, _MM_HINT_T0);
-        __m256 wv[3];
-        for (int j = 0; j < 3; j++) wv[j] = avx2_weights(wk, j, bf16w);
+        const __m256 w0 = avx2_weights(wk, 0, bf16w), w1 = avx2_weights(wk, 1, bf16w);
+#pragma GCC unroll 8
         for (int m = 0; m < mb; m++) {
             const __m256 xv = _mm256_broadcast_ss(x + m * ldx + kk);
-            for (int j = 0; j < 3; j++) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+            acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
         }
     }
+#pragma GCC unroll 8
     for (int m = 0; m < mb; m++) {
-        float sums[24];
-        for (int j = 0; j < 3; j++) _mm256_storeu_ps(sums + 8 * j, acc[m][j]);
+        float sums[16];
+        _mm256_storeu_ps(sums, acc[m][0]);
+        _mm256_storeu_ps(sums + 8, acc[m][1]);
         float *o = out + m * ldo;
-        for (int c = c0; c < c0 + 24 && c < cols; c++) {
+        for (int c = c0; c < c0 + 16 && c < cols; c++) {
             float v = sums[c - c0];
             if (bias != NULL) v += bias[c];
             o[c] = beta != 0.0f ? v + beta * o[c] : v;
@@ -266,7 +270,8 @@ static inline panel_bf16_t avx2_narrow(float f) { /* round to nearest even; NaN 
     return (panel_bf16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* the bfloat16 GEMM's tile: rows m0 .. m0 + mb (mb <= 4) through columns 16 * part .. of the
+/* the bfloat16 GEMM's tile: rows m0 .. m0 + mb (mb <= 4: with its even and odd weights, 4 rows
+ * fill the registers) through columns 16 * part .. of the
  * pair-interleaved panel wp, each pair of k split into its two widened halves: two FMAs per
  * pair, k's then k + 1's */
 static inline __attribute__((always_inline)) void panel_tile_bf16_avx2(
@@ -275,7 +280,8 @@ static inline __attribute__((always_inline)) void panel_tile_bf16_avx2(
     int cols) {
     const int c0 = 16 * part;
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-    __m256 acc[AVX2_ROWS][2];
+    __m256 acc[AVX2_ROWS][2]; /* (mb <= AVX2_BF16_ROWS) */
+#pragma GCC unroll 8
     for (int m = 0; m < mb; m++)
         for (int j = 0; j < 2; j++) acc[m][j] = _mm256_setzero_ps();
     for (int kk = 0; kk < k; kk += 2) {
@@ -287,6 +293,7 @@ static inline __attribute__((always_inline)) void panel_tile_bf16_avx2(
             even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
             odd[j] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
         }
+#pragma GCC unroll 8
         for (int m = 0; m < mb; m++) {
             const __m256 x0 = _mm256_set1_ps(avx2_widen(x[m * ldx + kk]));
             const __m256 x1 = _mm256_set1_ps(kk + 1 < k ? avx2_widen(x[m * ldx + kk + 1]) : 0.0f);
@@ -296,6 +303,7 @@ static inline __attribute__((always_inline)) void panel_tile_bf16_avx2(
             }
         }
     }
+#pragma GCC unroll 8
     for (int m = 0; m < mb; m++) {
         float sums[16];
         for (int j = 0; j < 2; j++) _mm256_storeu_ps(sums + 8 * j, acc[m][j]);
@@ -305,13 +313,16 @@ static inline __attribute__((always_inline)) void panel_tile_bf16_avx2(
     }
 }
 
-/* all mb (<= PANEL_ROWS) rows of a tile, AVX2_ROWS at a time, through the panel's parts */
-#define AVX2_TILES(tile, parts, ...)                                                            \
-    for (int r0 = 0; r0 < mb; r0 += AVX2_ROWS) {                                                \
-        const int nr = mb - r0 < AVX2_ROWS ? mb - r0 : AVX2_ROWS;                               \
-        for (int part = 0; part < (parts); part++) {                                            \
+/* all mb (<= PANEL_ROWS) rows of a tile, `rows` (6 or 4) at a time, through the panel's
+ * thirds */
+#define AVX2_TILES(tile, rows, ...)                                                             \
+    for (int r0 = 0; r0 < mb; r0 += (rows)) {                                                   \
+        const int nr = mb - r0 < (rows) ? mb - r0 : (rows);                                     \
+        for (int part = 0; part < PANEL_COLS / 16; part++) {                                    \
             const int first = m0 == 0 && r0 == 0;                                               \
             switch (nr) {                                                                       \
+            case 6: tile(__VA_ARGS__, 6, first, part, AVX2_TAIL); break;                         \
+            case 5: tile(__VA_ARGS__, 5, first, part, AVX2_TAIL); break;                         \
             case 4: tile(__VA_ARGS__, 4, first, part, AVX2_TAIL); break;                         \
             case 3: tile(__VA_ARGS__, 3, first, part, AVX2_TAIL); break;                         \
             case 2: tile(__VA_ARGS__, 2, first, part, AVX2_TAIL); break;                         \
@@ -374,9 +385,9 @@ static void panel_gemm_f32(const float *x, int64_t ldx, int rows, int k, const v
 #elif defined(PANEL_AVX2_F32)
 #define AVX2_TAIL b, beta, om + r0 * ldo, ldo, cols
                 if (bf16w) {
-                    AVX2_TILES(panel_tile_avx2, 2, xm + r0 * ldx, ldx, wp, k, 1)
+                    AVX2_TILES(panel_tile_avx2, AVX2_ROWS, xm + r0 * ldx, ldx, wp, k, 1)
                 } else {
-                    AVX2_TILES(panel_tile_avx2, 2, xm + r0 * ldx, ldx, wp, k, 0)
+                    AVX2_TILES(panel_tile_avx2, AVX2_ROWS, xm + r0 * ldx, ldx, wp, k, 0)
                 }
 #undef AVX2_TAIL
 #else
@@ -446,7 +457,7 @@ void pc_panel_gemm_bf16(const panel_bf16_t *x, int64_t ldx, int rows, int k,
 #undef TILE_TAIL
 #elif defined(PANEL_AVX2_BF16)
 #define AVX2_TAIL b, om + r0 * ldo, ldo, cols
-                AVX2_TILES(panel_tile_bf16_avx2, 3, xm + r0 * ldx, ldx, wp, k)
+                AVX2_TILES(panel_tile_bf16_avx2, AVX2_BF16_ROWS, xm + r0 * ldx, ldx, wp, k)
 #undef AVX2_TAIL
 #else
                 for (int m = 0; m < mb; m++)
