@@ -231,18 +231,21 @@ static inline __attribute__((always_inline)) void quant_tile_avx2(
         for (int m = 0; m < mb; m++) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
         for (int g = 0; g < QUANT_GROUPS; g++) {
             const uint8_t *wg = rec + ((nib ? g / 2 : g) * QUANT_COLS + c0) * 4;
+            /* 4-bit values are unsigned (0 .. 15): they are vpmaddubsw's unsigned operand as
+             * they are; bytes may be signed: |w|, and x takes w's sign */
             __m256i wabs[2], wv[2];
             for (int j = 0; j < 2; j++) {
                 wv[j] = _mm256_loadu_si256((const __m256i *)(wg + 32 * j));
                 if (nib) wv[j] = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(wv[j], 4) : wv[j], low);
-                wabs[j] = _mm256_abs_epi8(wv[j]);
+                wabs[j] = nib ? wv[j] : _mm256_abs_epi8(wv[j]);
             }
             for (int m = 0; m < mb; m++) {
                 int32_t four;
                 memcpy(&four, xu + m * ldu + b * QUANT_BLOCK + 4 * g, sizeof four);
                 const __m256i xv = _mm256_xor_si256(_mm256_set1_epi32(four), flip); /* x - 128 */
                 for (int j = 0; j < 2; j++) {
-                    const __m256i pairs = _mm256_maddubs_epi16(wabs[j], _mm256_sign_epi8(xv, wv[j]));
+                    const __m256i xs = nib ? xv : _mm256_sign_epi8(xv, wv[j]);
+                    const __m256i pairs = _mm256_maddubs_epi16(wabs[j], xs);
                     isum[m][j] = _mm256_add_epi32(isum[m][j], _mm256_madd_epi16(pairs, ones));
                 }
             }
