@@ -76,6 +76,8 @@ class LLMEngine:
         self.loaded: LoadedModel = _load(config.model, config.dtype, config.weight_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Tokenizer = self.loaded.tokenizer
+        # which kernels run the model: fixed once it is loaded and packed (`CausalLM.kernels`)
+        self.kernels: dict[str, Any] = self.loaded.model.kernels()
         self.max_model_len: int = self.model_config.max_model_len
         self.block_size = config.block_size
         self.kv_layout = self.loaded.kv_layout
@@ -470,7 +472,7 @@ class LLMEngine:
         dtype = str(loaded.dtype).removeprefix("torch.")
         out: dict[str, Any] = {"dtype": dtype, "weights": loaded.weight_dtype or dtype,
                                "precision": loaded.precision,
-                               "kernels": loaded.model.kernels()}  # fmt: skip
+                               "kernels": dict(self.kernels)}  # fmt: skip
         if loaded.choice is not None:
             out["dtype_auto"] = loaded.choice.as_dict()
         return out

@@ -214,6 +214,20 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(
 #define AVX2_ROWS 6
 #define AVX2_BF16_ROWS 4
 
+/* one row's 16 sums of an AVX2 tile (columns c0 ..) (+ bias) (+ beta * out) stored to out's
+ * real columns */
+static inline void avx2_store16(__m256 low, __m256 high, int c0, const float *bias, float beta,
+                                float *out, int cols) {
+    float sums[16];
+    _mm256_storeu_ps(sums, low);
+    _mm256_storeu_ps(sums + 8, high);
+    for (int c = c0; c < c0 + 16 && c < cols; c++) {
+        float v = sums[c - c0];
+        if (bias != NULL) v += bias[c];
+        out[c] = beta != 0.0f ? v + beta * out[c] : v;
+    }
+}
+
 static inline __attribute__((always_inline)) __m256 avx2_weights(const void *wk, int j,
                                                                  const int bf16w) {
     if (!bf16w) return _mm256_loadu_ps((const float *)wk + 8 * j);
@@ -243,17 +257,8 @@ static inline __attribute__((always_inline)) void panel_tile_avx2(
         }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < mb; m++) {
-        float sums[16];
-        _mm256_storeu_ps(sums, acc[m][0]);
-        _mm256_storeu_ps(sums + 8, acc[m][1]);
-        float *o = out + m * ldo;
-        for (int c = c0; c < c0 + 16 && c < cols; c++) {
-            float v = sums[c - c0];
-            if (bias != NULL) v += bias[c];
-            o[c] = beta != 0.0f ? v + beta * o[c] : v;
-        }
-    }
+    for (int m = 0; m < mb; m++)
+        avx2_store16(acc[m][0], acc[m][1], c0, bias, beta, out + m * ldo, cols);
 }
 
 static inline float avx2_widen(panel_bf16_t x) {

@@ -263,17 +263,8 @@ static inline __attribute__((always_inline)) void quant_tile_avx2(
             }
         }
     }
-    for (int m = 0; m < mb; m++) {
-        float sums[16];
-        _mm256_storeu_ps(sums, acc[m][0]);
-        _mm256_storeu_ps(sums + 8, acc[m][1]);
-        float *o = out + m * ldo;
-        for (int c = c0; c < c0 + 16 && c < cols; c++) {
-            float v = sums[c - c0];
-            if (bias != NULL) v += bias[c];
-            o[c] = beta != 0.0f ? v + beta * o[c] : v;
-        }
-    }
+    for (int m = 0; m < mb; m++)
+        avx2_store16(acc[m][0], acc[m][1], c0, bias, beta, out + m * ldo, cols);
 }
 #endif
 
@@ -354,30 +345,16 @@ int pc_quant_gemm(const float *x, int64_t ldx, int rows, int k, const uint8_t *w
                 const uint8_t *xm = xu + m0 * ldu;
                 const float *dm = dx + m0 * ldd, *sm = sx + m0 * ldd;
                 float *om = out + m0 * ldo + c0;
-#if defined(QUANT_VNNI)
+#if defined(QUANT_VNNI) || defined(QUANT_AVX2)
+#ifdef QUANT_VNNI
 #define QUANT_TILE(FORM, MB) \
     quant_tile(xm, ldu, dm, sm, ldd, wp, nb, FORM, MB, m0 == 0, b, beta, om, ldo, cols)
-#define QUANT_TILES(FORM)                        \
-    switch (mb) {                                \
-    case 4: QUANT_TILE(FORM, 4); break;          \
-    case 3: QUANT_TILE(FORM, 3); break;          \
-    case 2: QUANT_TILE(FORM, 2); break;          \
-    default: QUANT_TILE(FORM, 1); break;         \
-    }
-                if (form == QUANT_NIBBLES) {
-                    QUANT_TILES(QUANT_NIBBLES)
-                } else if (form == QUANT_BYTES_MIN) {
-                    QUANT_TILES(QUANT_BYTES_MIN)
-                } else {
-                    QUANT_TILES(QUANT_BYTES)
-                }
-#undef QUANT_TILES
-#undef QUANT_TILE
-#elif defined(QUANT_AVX2)
+#else /* the AVX2 tile takes a panel's 48 columns 16 at a time */
 #define QUANT_TILE(FORM, MB)                                                                    \
     for (int part = 0; part < QUANT_COLS / 16; part++)                                          \
         quant_tile_avx2(xm, ldu, dm, sm, ldd, wp, nb, FORM, MB, m0 == 0, part, b, beta, om, ldo, \
                         cols)
+#endif
 #define QUANT_TILES(FORM)                        \
     switch (mb) {                                \
     case 4: QUANT_TILE(FORM, 4); break;          \
