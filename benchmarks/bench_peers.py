@@ -33,6 +33,14 @@ run with ``VLLM_TARGET_DEVICE=cpu``, ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and
 ``VLLM_CPU_KVCACHE_SPACE=4``, and our engine with the same 4 GiB of KV cache (its default,
 256 MiB, holds only two of these 2,064-token sequences at once in float32 SmolLM2 with the
 cache off). Without ``--vllm-python`` only our engine runs.
+
+``--llamacpp DIR`` also runs the built-in SmolLM2 GGUF through llama.cpp (``llama-bench`` pp512 /
+tg128, and ``llama-server`` for the shared-prefix batch and the single-stream first tokens), in
+each server configuration of ``--llamacpp-slots``: ``16`` is a slot per prompt (``-np 16 -kvu``,
+the 16 prompts at once, each slot computing the shared prefix for itself); ``1`` is one slot with
+its prompt cache (``-np 1 --cache-reuse 256``, the prompts served one after another, each reusing
+the prefix the previous one left in the slot): llama-server's best configuration for this
+workload, the one to compare the batch with.
 """
 
 from __future__ import annotations
@@ -322,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llamacpp", default=None, metavar="DIR",
                    help="a llama.cpp build folder (bin/llama-server, bin/llama-bench): also run "
                         "its workloads on the built-in SmolLM2 GGUF beside ours")
+    p.add_argument("--llamacpp-slots", default="16,1", metavar="N,...",
+                   help="llama-server configurations for --llamacpp: 16 = a slot per prompt "
+                        "(-np 16 -kvu), 1 = one slot reusing the previous request's prefix "
+                        "(-np 1 --cache-reuse 256); default both")
     p.add_argument("--invariance-cost", action="store_true",
                    help="also run ours with batch invariance off (PREFIXCACHE_BATCH_INVARIANT=0) "
                         "in each configuration, alternating, and print on / off")
@@ -372,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.llamacpp:
-        rows += llamacpp_rows(Path(args.llamacpp), args.dtypes.split(","), args.repeats, env)
+        slots = [int(n) for n in args.llamacpp_slots.split(",")]
+        rows += llamacpp_rows(Path(args.llamacpp), args.dtypes.split(","), args.repeats, env,
+                              slots)
     print_table(rows)
     Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0
@@ -473,8 +487,10 @@ def _time(call: Any, *args: Any) -> float:
 
 
 def llamacpp_rows(
-    build: Path, precisions: list[str], repeats: int, env: dict[str, str]
+    build: Path, precisions: list[str], repeats: int, env: dict[str, str], server_slots: list[int]
 ) -> list[dict[str, Any]]:
+    """Ours in each precision, then one llama.cpp row per llama-server configuration (its
+    ``-np``), each with llama-bench's pp512 / tg128."""
     from prefixcache.model.builtin import locate_packaged
 
     gguf = locate_packaged("smollm2")
@@ -490,15 +506,18 @@ def llamacpp_rows(
          "-t", "2", "-r", str(max(repeats, 3)), "-o", "json"],
         capture_output=True, text=True, timeout=1800, check=True)  # fmt: skip
     tests = json.loads(bench.stdout)
-    row: dict[str, Any] = {"llamacpp_peer": "llama.cpp", "precision": gguf.name}
-    for test in tests:
-        name = "pp512_tok_s" if test["n_prompt"] else "tg128_tok_s"
-        row[name] = test["avg_ts"]
-    row.update(_llama_server(build, gguf, repeats))
-    rows.append(row)
-    for ours in rows[:-1]:  # the next-token distributions against llama.cpp's
-        ours["vs_llamacpp"] = _compare(ours["top_probabilities"], row["top_probabilities"])
-    print(json.dumps(row), flush=True)
+    llama_bench = {("pp512_tok_s" if test["n_prompt"] else "tg128_tok_s"): test["avg_ts"]
+                   for test in tests}
+    ours_rows = list(rows)
+    for slots in server_slots:
+        row: dict[str, Any] = {"llamacpp_peer": "llama.cpp", "precision": gguf.name,
+                               "slots": slots, **llama_bench,
+                               **_llama_server(build, gguf, repeats, slots)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for ours in ours_rows:  # the next-token distributions against llama.cpp's
+        ours["vs_llamacpp"] = _compare(ours["top_probabilities"],
+                                       rows[len(ours_rows)]["top_probabilities"])
     return rows
 
 
@@ -514,9 +533,11 @@ def _compare(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> di
     return {"max_probability_difference": worst, "same_top_token": same / len(ours)}
 
 
-def _llama_server(build: Path, gguf: Path, repeats: int) -> dict[str, Any]:
-    """llama-server with a slot per prompt and its prompt cache on: the shared-prefix batch
-    (all 16 at once) and the single-stream workloads, medians."""
+def _llama_server(build: Path, gguf: Path, repeats: int, slots: int) -> dict[str, Any]:
+    """llama-server with ``slots`` slots and its prompt cache on: the shared-prefix batch (all 16
+    posted at once) and the single-stream workloads, medians. A slot reuses only the prompt it
+    last held: with a slot per prompt each computes the shared prefix; with one slot the prompts
+    queue and each reuses the prefix the previous one left."""
     import math
     import socket
     import urllib.request
@@ -525,11 +546,12 @@ def _llama_server(build: Path, gguf: Path, repeats: int) -> dict[str, Any]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context = N_PROMPTS * (PREFIX + SUFFIX + MAX_TOKENS) + 2048
+    context = slots * (PREFIX + SUFFIX + MAX_TOKENS) + 2048
+    sharing = ["-kvu"] if slots > 1 else ["--cache-reuse", "256"]
     proc = subprocess.Popen(
-        [str(build / "bin" / "llama-server"), "-m", str(gguf), "-t", "2", "-np", str(N_PROMPTS),
+        [str(build / "bin" / "llama-server"), "-m", str(gguf), "-t", "2", "-np", str(slots),
          "-c", str(context), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
-         "--cache-prompt", "-kvu"],
+         "--cache-prompt", *sharing],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
@@ -552,7 +574,8 @@ def _llama_server(build: Path, gguf: Path, repeats: int) -> dict[str, Any]:
         post(warmup_prompt(), 1)
         times, outputs = [], []
         with ThreadPoolExecutor(N_PROMPTS) as pool:
-            for r in range(1):  # minutes per batch: recomputes every prompt's prefix
+            # a slot per prompt takes minutes per batch (every slot computes the prefix): once
+            for r in range(1 if slots > 1 else repeats):
                 start = time.perf_counter()
                 answers = list(pool.map(lambda p: post(p, MAX_TOKENS), prompts(r)))
                 times.append(time.perf_counter() - start)
@@ -586,16 +609,17 @@ def _llama_server(build: Path, gguf: Path, repeats: int) -> dict[str, Any]:
 
 
 def print_llamacpp(rows: list[dict[str, Any]]) -> None:
-    peer = next((r for r in rows if r.get("llamacpp_peer") == "llama.cpp"), None)
-    if peer is None:
+    peers = [r for r in rows if r.get("llamacpp_peer") == "llama.cpp"]
+    if not peers:
         return
-    print(f"\nSmolLM2 GGUF ({peer['precision']}), ours beside llama.cpp:")
+    print(f"\nSmolLM2 GGUF ({peers[0]['precision']}), ours beside llama.cpp:")
     print(f"{'engine':<24} {'batch s':>8} {'TTFT cold':>10} {'TTFT hit':>9} {'pp512 t/s':>10} "
           f"{'tg128 t/s':>10}")
     for r in rows:
         if "llamacpp_peer" not in r:
             continue
-        name = "llama.cpp" if r["llamacpp_peer"] == "llama.cpp" else f"ours {r['precision']}"
+        name = (f"llama.cpp -np {r['slots']}" if r["llamacpp_peer"] == "llama.cpp"
+                else f"ours {r['precision']}")
         print(f"{name:<24} {r['batch']['median_s']:>8.2f} {r['ttft_cold_s']:>10.3f} "
               f"{r['ttft_cached_s']:>9.3f} {r['pp512_tok_s']:>10.0f} {r['tg128_tok_s']:>10.1f}")
     for r in rows:
@@ -606,9 +630,10 @@ def print_llamacpp(rows: list[dict[str, Any]]) -> None:
                   f"{100 * c['same_top_token']:.0f}% of {len(LOGIT_PROMPTS)} prompts")
     for r in rows:
         if r.get("llamacpp_peer") == "ours":
-            speedup = peer["batch"]["median_s"] / r["batch"]["median_s"]
-            print(f"ours {r['precision']}: batch {speedup:.2f}x faster than llama-server; "
-                  f"tg128 {peer['tg128_tok_s'] / r['tg128_tok_s']:.2f}x llama.cpp's time per "
+            speedups = ", ".join(f"{p['batch']['median_s'] / r['batch']['median_s']:.2f}x "
+                                 f"llama-server -np {p['slots']}'s" for p in peers)
+            print(f"ours {r['precision']}: batch time {speedups}; tg128 "
+                  f"{peers[0]['tg128_tok_s'] / r['tg128_tok_s']:.2f}x llama.cpp's time per "
                   "token")
 
 
