@@ -55,9 +55,12 @@ class KVLayout:
 
 
 class ModelShape(Protocol):
-    num_hidden_layers: int
-    num_key_value_heads: int
-    head_dim: int
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 def bytes_per_block(
@@ -152,7 +155,7 @@ class PagedKVCache:
         num_kv_heads, head_dim], per block layer 0's K, layer 0's V, layer 1's K, ... (the
         payload order of a tier record)."""
         index = self._check_ids(list(block_ids))
-        parts = []
+        parts: list[torch.Tensor] = []
         for k, v in zip(self.k_caches, self.v_caches, strict=True):
             parts += (k.index_select(0, index), v.index_select(0, index))
         return torch.stack(parts, dim=1)

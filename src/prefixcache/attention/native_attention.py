@@ -36,6 +36,8 @@ import ctypes
 import functools
 import logging
 import os
+from _ctypes import CFuncPtr
+from typing import Any
 
 import torch
 
@@ -72,20 +74,33 @@ _KEY_BLOCK = 32  # KEY_BLOCK in attention.c
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
-_switch = Switch("PREFIXCACHE_NATIVE_ATTENTION", lambda: available())
+
+
+def _available() -> bool:
+    return available()  # looked up at each call, so tests may replace it
+
+
+_switch = Switch("PREFIXCACHE_NATIVE_ATTENTION", _available)
 disabled_by_env = _switch.disabled_by_env
 set_enabled = _switch.set_enabled  # False: the torch paths, e.g. for side-by-side benchmarks
 enabled = _switch.enabled
 
 
 def _bind(
-    library: ctypes.CDLL, name: str, restype: type | None, argtypes: list
-) -> ctypes._CFuncPtr:
+    library: ctypes.CDLL, name: str, restype: type[Any] | None, argtypes: list[type[Any]]
+) -> CFuncPtr:
     """Library function `name` with its C signature set (ctypes checks the arguments)."""
     function = library[name]
     function.restype = restype
     function.argtypes = argtypes
     return function
+
+
+def _address(function: CFuncPtr) -> int:
+    """A bound function's address, for compiled callers (`kernel_arguments`)."""
+    address = ctypes.cast(function, _P).value
+    assert address is not None  # a symbol the library exports
+    return address
 
 
 class _Kernel:
@@ -105,14 +120,15 @@ class _Kernel:
         self.attention_path = _bind(library, "pc_attention_path", _I, [_I] * 8)
         self.isa = _bind(library, "pc_attention_isa", _I, [])()
         self.sgemm, self.set_threads = sgemm, set_threads
-        self.attention_address = ctypes.cast(self.attention, _P).value
-        self.decode_address = ctypes.cast(self.decode, _P).value
-        self.decode_kv16_address = ctypes.cast(self.decode_kv16, _P).value
+        self.attention_address = _address(self.attention)
+        self.decode_address = _address(self.decode)
+        self.decode_kv16_address = _address(self.decode_kv16)
 
 
 @functools.cache
 def _kernel() -> _Kernel | None:
-    if disabled_by_env() or not torch.backends.mkl.is_available():
+    has_mkl: bool = torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]  # unhinted
+    if disabled_by_env() or not has_mkl:
         return None
     library = load_library("attention")
     if library is None:
@@ -325,7 +341,7 @@ class PreparedAttend:
     @staticmethod
     def signature(
         q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor
-    ) -> tuple:
+    ) -> tuple[object, ...]:
         return tuple((t.shape, t.stride(), t.dtype, t.is_cpu) for t in (q, k_flat, v_flat, out))
 
     def kernel_arguments(self, out: torch.Tensor) -> dict[str, int]:
@@ -434,7 +450,7 @@ class PreparedDecode:
         wide = q.dtype == torch.bfloat16
         self._q32 = torch.empty(q.shape) if wide else None
         self._out32 = torch.empty(q.shape) if wide else None
-        self._function, self._extra = kernel.decode, ()
+        self._function, self._extra = kernel.decode, tuple[int, ...]()
         if k_flat.dtype == torch.bfloat16:
             self._function, self._extra = kernel.decode_kv16, (int(wide),)
 

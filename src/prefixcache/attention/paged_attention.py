@@ -107,7 +107,8 @@ def _attend_native(
     (`native_attention.PreparedAttend`); the step's sequences share one scratch buffer."""
 
     def prepare() -> native_attention.PreparedAttend:
-        pool = metadata.derived(("native_scratch",), dict)  # grows to the largest need
+        # the step's one scratch buffer, grown to the largest need
+        pool = metadata.derived(("native_scratch",), dict[str, torch.Tensor])
         prepared = native_attention.PreparedAttend(
             q, k_flat, v_flat, slots, out, min_max(slots), pool.get("buffer")
         )

@@ -87,6 +87,13 @@ def build_byte_tokenizer() -> Tokenizer:
     return tokenizer
 
 
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    index = tokenizer.token_to_id(token)
+    if index is None:
+        raise KeyError(f"{token!r} is not in the byte tokenizer")
+    return index
+
+
 def write_byte_tokenizer(path: Path) -> ByteVocab:
     """Write tokenizer.json and tokenizer_config.json into ``path``."""
     tokenizer = build_byte_tokenizer()
@@ -101,7 +108,7 @@ def write_byte_tokenizer(path: Path) -> ByteVocab:
         "chat_template": BYTE_CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    ids = {t: int(tokenizer.token_to_id(t)) for t in SPECIAL_TOKENS}
+    ids = {t: _token_id(tokenizer, t) for t in SPECIAL_TOKENS}
     return ByteVocab(
         size=tokenizer.get_vocab_size(with_added_tokens=True),
         bos_id=ids["<|begin_of_text|>"],

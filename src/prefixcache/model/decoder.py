@@ -15,7 +15,7 @@ With both, each layer runs as one or two compiled calls (`fused_layers`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,12 +35,9 @@ from prefixcache.model.layers import (
     choose_gemm,
 )
 from prefixcache.model.panel_gemm import PanelWeight
-from prefixcache.model.quant_gemm import QuantWeight
+from prefixcache.model.quant_gemm import QuantBlocks, QuantWeight
 from prefixcache.model.rope import RotaryEmbedding
 from prefixcache.native import invariance
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = ["WEIGHT_DTYPES", "BlockSource", "CausalLM", "DecoderLayer", "Projection", "RMSNorm"]
 
@@ -51,7 +48,7 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "q8_0", "gguf")
 
 # a projection's module name ("model.layers.3.mlp.gate_up_proj", "lm_head") -> its quantized
 # blocks (q, d, m, kind: `quant_gemm.gguf_blocks` and the GGUF type) or None where it has none
-BlockSource = Callable[[str], "tuple[np.ndarray, np.ndarray, np.ndarray | None, str] | None"]
+BlockSource = Callable[[str], QuantBlocks | None]
 
 
 
@@ -65,6 +62,14 @@ class DecoderModel(nn.Module):
         layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers`` as their type (an ``nn.ModuleList`` yields ``nn.Module``)."""
+        layers: list[DecoderLayer] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layers.append(layer)
+        return layers
 
 
 class CausalLM(nn.Module):
@@ -83,18 +88,18 @@ class CausalLM(nn.Module):
         """What the compiled layer calls read from each layer: looked up once (the same list
         every step, which `FusedLayers` keys its checked step-independent part on) and again
         only where a layer module was replaced."""
-        layers = list(self.model.layers)
-        cached = self.__dict__.get("_layer_parts")
+        layers = self.model.decoder_layers()
+        cached: tuple[list[int], LayerPartsList] | None = self.__dict__.get("_layer_parts")
         if cached is None or cached[0] != [id(m) for m in layers]:
             cached = ([id(m) for m in layers], LayerPartsList([layer.parts() for layer in layers]))
             self.__dict__["_layer_parts"] = cached
-        return cached[1]  # type: ignore[no-any-return]
+        return cached[1]
 
     def projections(self) -> list[Projection]:
         """The 4 projections of every layer: qkv, o, gate/up, down."""
         return [
             linear
-            for layer in self.model.layers
+            for layer in self.model.decoder_layers()
             for linear in (
                 layer.self_attn.qkv_proj,
                 layer.self_attn.o_proj,
@@ -121,7 +126,8 @@ class CausalLM(nn.Module):
         code, for batch invariance; else a timing's choice); so does the LM head (its weight
         left as it is: it may be the embedding's).
         """
-        mlp = self.model.layers[0].mlp.gate_up_proj if self.model.layers else None
+        layers = self.model.decoder_layers()
+        mlp = layers[0].mlp.gate_up_proj if layers else None
         onednn = panel = False
         if pack and mlp is not None and mlp.weight.device.type == "cpu":
             if mlp.weight.dtype in PACKED_DTYPES:
@@ -194,7 +200,8 @@ class CausalLM(nn.Module):
         last = h.index_select(0, rows)  # [B, hidden]: only these rows need the last add
         if delta is not None:
             last += delta.index_select(0, rows)
-        return self.lm_head(self.model.norm(last))
+        logits: torch.Tensor = self.lm_head(self.model.norm(last))
+        return logits
 
 
 

@@ -260,19 +260,22 @@ def _static_parts(
         if static.current():
             return static
         del store[key]  # type: ignore[union-attr]
-    parts = [_layer_parts(layer, dtype) for layer in layers]
-    if any(p is None for p in parts):
-        return None
-    gemm = _gemm_address(parts)  # type: ignore[arg-type]
+    parts: list[_Parts] = []
+    for layer in layers:
+        part = _layer_parts(layer, dtype)
+        if part is None:
+            return None
+        parts.append(part)
+    gemm = _gemm_address(parts)
     if gemm is None:
         return None
-    _check_static(config, dtype, kv_cache, parts)  # type: ignore[arg-type]
+    _check_static(config, dtype, kv_cache, parts)
     fields = [
         (part.norm.weight.data_ptr(), part.post_norm.weight.data_ptr(),
          *(w.operand for w in part.packed),
          None if part.qkv_bias is None else part.qkv_bias.data_ptr(),
          *(t.data_ptr() for t in kv_cache.layer(i)), part.scale)
-        for i, part in enumerate(parts)  # type: ignore[union-attr]
+        for i, part in enumerate(parts)
     ]  # fmt: skip
     copies = [(p, p.current_copy(), p.weight, *p.packed_from)
               for layer in layers for p in layer.projections]  # fmt: skip

@@ -21,6 +21,7 @@ import torch
 from prefixcache.model.config import ConfigError, ModelConfig
 from prefixcache.model.decoder import CausalLM
 from prefixcache.model.gguf_layout import GGUFError, check_gguf_layout
+from prefixcache.model.quant_gemm import QuantBlocks
 from prefixcache.model.tokenizer import Tokenizer, TokenizerError
 from prefixcache.model.weights import load_tensors
 
@@ -288,7 +289,7 @@ class GGUFCheckpoint:
 
     def projection_blocks(
         self, config: ModelConfig
-    ) -> Callable[[str], tuple[np.ndarray, np.ndarray, np.ndarray | None, str] | None]:
+    ) -> Callable[[str], QuantBlocks | None]:
         """A `prefixcache.model.decoder.BlockSource`: a projection's quantized blocks read
         straight from the file (`quant_gemm.gguf_blocks`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K),
         fused parts stacked, q/k rows un-permuted; None where a part has another type."""
@@ -299,7 +300,7 @@ class GGUFCheckpoint:
                  "self_attn.o_proj": ("attn_output",), "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
                  "mlp.down_proj": ("ffn_down",)}  # fmt: skip
 
-        def blocks(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, str] | None:
+        def blocks(name: str) -> QuantBlocks | None:
             if name == "lm_head":
                 tied = "output.weight" not in self.tensors
                 tensors = ["token_embd.weight" if tied else "output.weight"]
@@ -401,6 +402,14 @@ def _unpermute_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(rows, *rest))
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge, ``"left right"``, as BPE's pair."""
+    left, space, right = merge.partition(" ")
+    if not space:
+        raise TokenizerError(f"invalid GGUF merge {merge!r}: no space between the pair")
+    return left, right
+
+
 def build_bpe_tokenizer(
     tokens: list[str],
     merges: list[str],
@@ -419,7 +428,7 @@ def build_bpe_tokenizer(
     from tokenizers import Tokenizer as Backend
 
     vocab = {token: index for index, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [_merge_pair(m) for m in merges]
     try:
         bpe = models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES)
     except Exception as exc:  # the Rust error type is not importable

@@ -53,7 +53,8 @@ class RMSNorm(nn.Module):
         if self._native(h) and delta.is_contiguous() and delta.shape == h.shape:
             return native_layers.add_rms_norm(h, delta, self.weight, self.eps)
         h += delta
-        return self(h)
+        normed: torch.Tensor = self(h)
+        return normed
 
     def _native(self, x: torch.Tensor) -> bool:
         return (
@@ -239,7 +240,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache.layer(self.layer_index)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, plan)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
@@ -266,11 +268,14 @@ class MLP(nn.Module):
         return out
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up: torch.Tensor = self.gate_up_proj(x)
         if gate_up.is_contiguous() and native_layers.applies(gate_up):
-            return self.down_proj(native_layers.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            activated = native_layers.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+        out: torch.Tensor = self.down_proj(activated)
+        return out
 
 
 class LayerParts(NamedTuple):
@@ -323,7 +328,8 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         x = norm(h) if delta is None else norm.add_forward(h, delta)
         attended = self.self_attn(x, cos_sin, kv_cache, metadata, plan)
-        return self.mlp(self.post_attention_layernorm.add_forward(h, attended))
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm.add_forward(h, attended))
+        return out
 
 
 def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -294,15 +294,18 @@ def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     ``to_empty(device=device).to(dtype)`` does, without a float32 copy first and without the
     meta device's reference implementations, which import sympy (resident memory and start-up
     time for nothing; figures in docs/performance.md)."""
+    def empty_like(t: torch.Tensor) -> torch.Tensor:
+        kind = dtype if t.is_floating_point() else t.dtype
+        return torch.empty(t.shape, dtype=kind, device=device)
+
     for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for name, t in store.items():
-                if t is None or not t.is_meta:
-                    continue
-                kind = dtype if t.is_floating_point() else t.dtype
-                empty = torch.empty(t.shape, dtype=kind, device=device)
-                store[name] = torch.nn.Parameter(empty, False) if store is module._parameters \
-                    else empty
+        parameters, buffers = module._parameters, module._buffers
+        for name, p in parameters.items():
+            if p is not None and p.is_meta:
+                parameters[name] = torch.nn.Parameter(empty_like(p), False)
+        for name, b in buffers.items():
+            if b is not None and b.is_meta:
+                buffers[name] = empty_like(b)
 
 
 def _build(

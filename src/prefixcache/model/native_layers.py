@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from _ctypes import CFuncPtr
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_switch = Switch("PREFIXCACHE_NATIVE_LAYERS", lambda: available())
+
+
+def _available() -> bool:
+    return available()  # looked up at each call, so tests may replace it
+
+
+_switch = Switch("PREFIXCACHE_NATIVE_LAYERS", _available)
 disabled_by_env = _switch.disabled_by_env
 set_enabled = _switch.set_enabled  # False: the torch paths, e.g. for side-by-side benchmarks
 enabled = _switch.enabled
@@ -107,9 +114,9 @@ def _one_cpu_dtype(*tensors: torch.Tensor) -> bool:
     return dtype in _DTYPES and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
 
-def _function(library: ctypes.CDLL, name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+def _function(library: ctypes.CDLL, name: str, dtype: torch.dtype) -> CFuncPtr:
     suffix = "_bf16" if dtype == torch.bfloat16 else ""
-    function: ctypes._CFuncPtr = getattr(library, name + suffix)
+    function: CFuncPtr = getattr(library, name + suffix)
     return function
 
 
@@ -203,7 +210,7 @@ def available() -> bool:
         rtol=1e-5, atol=1e-5,
     ) and torch.equal(h, expected_h)  # fmt: skip
     gate_up = torch.randn(3, 2 * 40, generator=gen) * 4
-    gate, up = gate_up.split(40, dim=-1)
+    gate, up = gate_up.chunk(2, dim=-1)
     ok = ok and torch.allclose(silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
     x = torch.randn(4, 3, 16, generator=gen)
     angles = torch.randn(4, 1, 8, generator=gen)

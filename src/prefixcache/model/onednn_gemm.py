@@ -61,15 +61,17 @@ class OneDnnWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"expected x [rows, {self.in_features}], got {tuple(x.shape)}")
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [],
-                                                  "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed, bias, "none", [], ""
+        )
+        return out
 
 
 @functools.cache
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """True when oneDNN's prepacked linear runs here for ``dtype`` and matches ``F.linear``
     (probed once per dtype)."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]  # torch: unhinted
         return False
     # bfloat16: the same products as F.linear; the tolerance covers a rounding step of 2^-8
     tol = 1e-4 if dtype == torch.float32 else 2**-7

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from _ctypes import CFuncPtr
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,15 +43,15 @@ PACK_ROWS_HINT = 128
 
 @dataclass(slots=True, frozen=True)
 class _Cblas:
-    pack_get_size: ctypes._CFuncPtr
-    pack: ctypes._CFuncPtr
-    compute: ctypes._CFuncPtr
+    pack_get_size: CFuncPtr
+    pack: CFuncPtr
+    compute: CFuncPtr
 
 
 @functools.cache
 def _cblas() -> _Cblas | None:
     """The packed-GEMM entry points of the MKL inside libtorch_cpu, or None."""
-    if not torch.backends.mkl.is_available():
+    if not torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]  # torch: unhinted
         return None
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     try:

@@ -36,7 +36,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,11 @@ from prefixcache.model import native_layers, panel_gemm, quant_gemm
 from prefixcache.model.config import ModelConfig
 from prefixcache.native import machine
 from prefixcache.paths import cache_dir
+
+if TYPE_CHECKING:
+    from prefixcache.model.decoder import CausalLM
+    from prefixcache.model.layers import Projection
+    from prefixcache.model.quant_gemm import QuantBlocks
 
 __all__ = ["Choice", "Precision", "all_logits", "candidates", "choose", "fidelity_of"]
 
@@ -231,12 +236,15 @@ def fidelity_of(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, Any]
 
 def within_bounds(figures: dict[str, Any]) -> bool:
     """Whether `fidelity_of`'s ``figures`` are within `MAX_MEAN_KL` and `MIN_TOP1_AGREEMENT`."""
-    return figures["mean_kl"] <= MAX_MEAN_KL and figures["top1_agreement"] >= MIN_TOP1_AGREEMENT
+    mean_kl, top1 = float(figures["mean_kl"]), float(figures["top1_agreement"])
+    return mean_kl <= MAX_MEAN_KL and top1 >= MIN_TOP1_AGREEMENT
 
 
-def all_logits(model: Any, config: ModelConfig, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+def all_logits(
+    model: CausalLM, config: ModelConfig, ids: list[int], dtype: torch.dtype
+) -> torch.Tensor:
     """The logits [len(ids), vocab] (float32) at every position of one prefill of ``ids``
-    through ``model`` (a `CausalLM`) over a paged cache of its own dtype."""
+    through ``model`` over a paged cache of its own dtype."""
     from prefixcache.attention import AttentionMetadata, PagedKVCache
 
     block = 16
@@ -246,7 +254,8 @@ def all_logits(model: Any, config: ModelConfig, ids: list[int], dtype: torch.dty
     meta = AttentionMetadata.build([list(range(num_blocks))], [0], [len(ids)], block)
     meta.logits_indices = torch.arange(len(ids))
     with torch.inference_mode():
-        return model(torch.tensor(ids), meta.positions, cache, meta).float()
+        logits: torch.Tensor = model(torch.tensor(ids), meta.positions, cache, meta)
+    return logits.float()
 
 
 def _fidelity_text(figures: dict[str, Any] | None) -> str:
@@ -308,44 +317,96 @@ def _cpu_name() -> str:
 def _measure(
     config: ModelConfig, options: list[Precision], blocks_form: int
 ) -> dict[str, dict[str, Any]]:
-    from prefixcache.model.decoder import _stored_copy  # the model's own choice of copy
-    from prefixcache.model.layers import Projection
-
-    shapes = _layer_shapes(config)
-    layer_bytes = 4 * sum(i * o for i, o in shapes)
-    layers = max(1, min(config.num_hidden_layers, SAMPLE_BYTES // max(layer_bytes, 1)))
+    """Each candidate's figures over sample weights of the model's shapes (the module
+    docstring's method)."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=gen) * i**-0.5 for _ in range(layers) for i, o in shapes]
-    head = torch.randn(config.vocab_size, config.hidden_size, generator=gen) * 0.05
+    sample = _SampleWeights.draw(config, gen)
+    runs = {
+        p.label: (sample.projections(p, blocks_form), getattr(torch, p.dtype)) for p in options
+    }
+    attention = {dtype: _Attention(config, dtype, gen) for dtype in {d for _, d in runs.values()}}
+    times: dict[str, dict[int, list[float]]] = {
+        label: {PREFILL_ROWS: [], DECODE_ROWS: []} for label in runs
+    }
+    with torch.inference_mode():
+        for repeat in range(REPEATS + 1):
+            for label, (projections, dtype) in runs.items():
+                for rows in (PREFILL_ROWS, DECODE_ROWS):
+                    seconds = sample.time_step(projections, dtype, rows, gen)
+                    if repeat:  # the first round warms up
+                        times[label][rows].append(seconds)
+            for each in attention.values():
+                each.run(keep=repeat > 0)
+    scale = config.num_hidden_layers / sample.num_layers
+    return {
+        label: _figures(by_rows, scale, attention[runs[label][1]])
+        for label, by_rows in times.items()
+    }
 
-    def blocks(weight: torch.Tensor) -> Any:
-        """Stand-in blocks of the file's form: 4-bit values, or 8-bit without / with minimums."""
-        q, d, _ = quant_gemm.quantize_q8_0(weight.numpy())
-        m = (d.astype("float32") * -8).astype("float16")
-        if blocks_form == quant_gemm.NIBBLES:
-            q = (q.astype("int16") // 16 + 8).clip(0, 15).astype("int8")
-        return q, d, None if blocks_form == quant_gemm.BYTES else m, "sample"
 
-    runs: dict[str, Any] = {}
-    for precision in options:
+def _figures(
+    by_rows: dict[int, list[float]], scale: float, attention: _Attention
+) -> dict[str, Any]:
+    """One candidate's figures: its projections' median step times over the sample's layers,
+    scaled to the model's, plus its attention's."""
+    attend_prefill, attend_decode = attention.per_model()
+    prefill = statistics.median(by_rows[PREFILL_ROWS]) * scale + attend_prefill
+    decode = statistics.median(by_rows[DECODE_ROWS]) * scale + attend_decode
+    return {
+        "prefill_tokens_per_s": PREFILL_ROWS / prefill,
+        "decode_step_ms": decode * 1e3,
+        "attention_ms": {"prefill": attend_prefill * 1e3, "decode_step": attend_decode * 1e3},
+        "score_s": prefill + DECODE_STEPS_PER_REQUEST * decode,
+    }
+
+
+@dataclass(slots=True)
+class _SampleWeights:
+    """Random weights of the model's projection shapes, as many layers as fit in
+    `SAMPLE_BYTES`, and an LM head: what each candidate packs its own way."""
+
+    config: ModelConfig
+    shapes: list[tuple[int, int]]  # (in, out) of a layer's projections
+    num_layers: int
+    weights: list[torch.Tensor]  # [out, in] each, layer after layer
+    head: torch.Tensor  # [vocab, hidden]
+
+    @classmethod
+    def draw(cls, config: ModelConfig, gen: torch.Generator) -> _SampleWeights:
+        shapes = _layer_shapes(config)
+        layer_bytes = 4 * sum(i * o for i, o in shapes)
+        num_layers = max(1, min(config.num_hidden_layers, SAMPLE_BYTES // max(layer_bytes, 1)))
+        weights = [torch.randn(o, i, generator=gen) * i**-0.5
+                   for _ in range(num_layers) for i, o in shapes]  # fmt: skip
+        head = torch.randn(config.vocab_size, config.hidden_size, generator=gen) * 0.05
+        return cls(config, shapes, num_layers, weights, head)
+
+    def projections(self, precision: Precision, blocks_form: int) -> list[Projection]:
+        """The sample's projections kept as ``precision`` keeps them, the LM head last."""
+        from prefixcache.model.decoder import _stored_copy  # the model's own choice of copy
+        from prefixcache.model.layers import Projection
+
         dtype = getattr(torch, precision.dtype)
         projections = []
-        for w in [*weights, head]:
+        for w in [*self.weights, self.head]:
             linear = Projection(w.shape[1], w.shape[0], bias=False)
             linear.weight.data = w.to(dtype)
             if precision.weights == precision.dtype:
                 _pack_like_model(linear, dtype)
             else:
-                source = (lambda _name, w=w: blocks(w)) if precision.weights == "gguf" else None
+                gguf = precision.weights == "gguf"
+                source = (lambda _name, w=w: _stand_in_blocks(w, blocks_form)) if gguf else None
                 linear.keep(_stored_copy("", w, precision.weights, source))
             projections.append(linear)
-        runs[precision.label] = (projections, dtype)
+        return projections
 
-    def step(projections: list[Projection], dtype: torch.dtype, rows: int) -> float:
-        """The layers' projections over ``rows`` tokens, the LM head over the rows that get
-        logits (a prefill's last token, every decoded sequence)."""
-        xs = {i: torch.randn(rows, i, generator=gen).to(dtype) for i, _ in shapes}
-        last = torch.randn(1 if rows == PREFILL_ROWS else rows, config.hidden_size,
+    def time_step(
+        self, projections: list[Projection], dtype: torch.dtype, rows: int, gen: torch.Generator
+    ) -> float:
+        """Seconds of the layers' projections over ``rows`` tokens and the LM head over the rows
+        that get logits (a prefill's last token, every decoded sequence)."""
+        xs = {i: torch.randn(rows, i, generator=gen).to(dtype) for i, _ in self.shapes}
+        last = torch.randn(1 if rows == PREFILL_ROWS else rows, self.config.hidden_size,
                            generator=gen).to(dtype)  # fmt: skip
         start = time.perf_counter()
         for linear in projections[:-1]:
@@ -353,34 +414,14 @@ def _measure(
         projections[-1](last)
         return time.perf_counter() - start
 
-    times: dict[str, dict[int, list[float]]] = {
-        label: {PREFILL_ROWS: [], DECODE_ROWS: []} for label in runs
-    }
-    dtypes = {dtype for _, dtype in runs.values()}
-    attention = {dtype: _Attention(config, dtype, gen) for dtype in dtypes}
-    with torch.inference_mode():
-        for repeat in range(REPEATS + 1):
-            for label, (projections, dtype) in runs.items():
-                for rows in (PREFILL_ROWS, DECODE_ROWS):
-                    seconds = step(projections, dtype, rows)
-                    if repeat:  # the first round warms up
-                        times[label][rows].append(seconds)
-            for each in attention.values():
-                each.run(keep=repeat > 0)
-    scale = config.num_hidden_layers / layers
-    figures = {}
-    for label, by_rows in times.items():
-        dtype = runs[label][1]
-        attend_prefill, attend_decode = attention[dtype].per_model()
-        prefill = statistics.median(by_rows[PREFILL_ROWS]) * scale + attend_prefill
-        decode = statistics.median(by_rows[DECODE_ROWS]) * scale + attend_decode
-        figures[label] = {
-            "prefill_tokens_per_s": PREFILL_ROWS / prefill,
-            "decode_step_ms": decode * 1e3,
-            "attention_ms": {"prefill": attend_prefill * 1e3, "decode_step": attend_decode * 1e3},
-            "score_s": prefill + DECODE_STEPS_PER_REQUEST * decode,
-        }
-    return figures
+
+def _stand_in_blocks(weight: torch.Tensor, blocks_form: int) -> QuantBlocks:
+    """Stand-in blocks of the file's form: 4-bit values, or 8-bit without / with minimums."""
+    q, d, _ = quant_gemm.quantize_q8_0(weight.numpy())
+    m = (d.astype("float32") * -8).astype("float16")
+    if blocks_form == quant_gemm.NIBBLES:
+        q = (q.astype("int16") // 16 + 8).clip(0, 15).astype("int8")
+    return q, d, None if blocks_form == quant_gemm.BYTES else m, "sample"
 
 
 class _Attention:
@@ -412,6 +453,9 @@ class _Attention:
         prefill_slots = torch.arange(slots - PREFILL_ROWS, slots)
         score_scale = dim**-0.5
         self.times: tuple[list[float], list[float]] = ([], [])
+        # one prefill's or decode step's attention over one layer's cache (k, v)
+        self._prefill: Callable[[torch.Tensor, torch.Tensor], object]
+        self._decode: Callable[[torch.Tensor, torch.Tensor], object]
         k0, v0 = self.caches[0]
         if native_attention.applies_to(dtype, k0.device, k0, v0):
             out_decode, out_prefill = torch.empty_like(q_decode), torch.empty_like(q_prefill)
@@ -434,10 +478,13 @@ class _Attention:
             )  # fmt: skip
 
         every = torch.cat([shared_slots.expand(DECODE_ROWS, -1), tail_slots], 1)
+
+        def decode_each(k: torch.Tensor, v: torch.Tensor) -> None:
+            for b in range(DECODE_ROWS):
+                sdpa(q_decode[b : b + 1], k[every[b]], v[every[b]], False)
+
         self._prefill = lambda k, v: sdpa(q_prefill, k[prefill_slots], v[prefill_slots], True)
-        self._decode = lambda k, v: [
-            sdpa(q_decode[b : b + 1], k[every[b]], v[every[b]], False) for b in range(DECODE_ROWS)
-        ]
+        self._decode = decode_each
 
     def run(self, keep: bool) -> None:
         """One prefill and one decode step over every layer's cache; kept unless warming up."""
@@ -453,7 +500,7 @@ class _Attention:
         return statistics.median(self.times[0]), statistics.median(self.times[1])
 
 
-def _pack_like_model(linear: Any, dtype: torch.dtype) -> None:
+def _pack_like_model(linear: Projection, dtype: torch.dtype) -> None:
     from prefixcache.model.layers import choose_gemm
 
     onednn, panel = choose_gemm(linear.in_features, linear.out_features, dtype)

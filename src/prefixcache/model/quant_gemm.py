@@ -32,6 +32,7 @@ from prefixcache.model import native_layers, packed_gemm
 __all__ = [
     "BLOCK",
     "GGUF_NATIVE_TYPES",
+    "QuantBlocks",
     "QuantWeight",
     "available",
     "compute_address",
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 BLOCK = 32
+# one weight's blocks as `QuantWeight.pack` takes them: q, d, m (None where w = d * q), and the
+# GGUF type (or a label) they came from
+QuantBlocks = tuple[np.ndarray, np.ndarray, "np.ndarray | None", str]
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
@@ -185,7 +189,8 @@ def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
 
 
 def _halves(raw: np.ndarray, offset: int) -> np.ndarray:
-    return raw[..., offset : offset + 2].copy().view(np.float16)[..., 0]
+    halves: np.ndarray = raw[..., offset : offset + 2].copy().view(np.float16)[..., 0]
+    return halves
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

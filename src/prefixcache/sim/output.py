@@ -5,12 +5,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from prefixcache.sim.report import ReplayResult
 
-_COLUMNS = (
+Column = tuple[str, int, Callable[[ReplayResult], str]]  # (name, width, cell)
+
+_COLUMNS: tuple[Column, ...] = (
     ("cache", 6, lambda r: r.prefix_cache),
     ("policy", 6, lambda r: r.policy),
     ("capacity", 8, lambda r: r.capacity_label),
@@ -27,7 +30,7 @@ _COLUMNS = (
     ("rej", 4, lambda r: str(r.num_rejected)),
     ("wall s", 6, lambda r: f"{r.wall_s:.1f}"),
 )
-_TIER_COLUMN = ("ram/disk/valkey", 17, lambda r: "/".join(
+_TIER_COLUMN: Column = ("ram/disk/valkey", 17, lambda r: "/".join(
     f"{r.tier_hit_ratios.get(k, 0.0):.3f}" for k in ("ram", "disk", "valkey")))
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import ModuleType
 
 from prefixcache.sim.report import ReplayResult
 
 PLOT_FILES = ("hit_ratio_vs_capacity.png", "ttft_vs_capacity.png", "cluster_hit_ratio.png")
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")

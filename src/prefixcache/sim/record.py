@@ -125,7 +125,8 @@ def tenant_label(domain: str) -> str:
 def merge_records(parts: Sequence[str | Path], path: str | Path) -> int:
     """Write the requests of several recorded traces (one per cluster replica, same block size)
     into one trace at ``path``, in time order; returns the number of requests."""
-    header, lines = None, []
+    header: str | None = None
+    lines: list[str] = []
     for part in parts:
         text = Path(part).read_text(encoding="utf-8").splitlines()
         if not text:

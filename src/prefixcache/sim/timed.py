@@ -80,7 +80,7 @@ class _SimRequest(SchedRequest):
     def spawn(self, index: int, seq: Sequence) -> SchedRequest:
         return _SimRequest(
             self.request_id, seq, trace=self.trace, **SchedRequest.child_fields(self, index)
-        )  # type: ignore[arg-type]
+        )
 
     @property
     def output_length(self) -> int:
@@ -105,7 +105,7 @@ class TimedReplica:
         self.cost = cost
         self.config = config
         self.source = source
-        self.scheduler = Scheduler(cache, config.scheduler_config())
+        self.scheduler: Scheduler[_SimRequest] = Scheduler(cache, config.scheduler_config())
         self.tally = Tally()
         self.clock = 0.0
         self.decoding: list[list[int]] = []  # store_decode=False: [steps left] per choice
@@ -163,7 +163,7 @@ class TimedReplica:
         step_s = self.cost.step_seconds(num_prefill, num_decode + len(self.decoding))
         self.clock += step_s
         for request, _row in self.scheduler.update_from_step(out):
-            self._sampled(request, 1)  # type: ignore[arg-type]
+            self._sampled(request, 1)
         self._decoded(1)
         if not num_prefill:
             self._repeat(out, step_s, horizon)
@@ -175,7 +175,7 @@ class TimedReplica:
     def _repeat(self, out: SchedulerOutput, step_s: float, horizon: float) -> None:
         """Advance identical decode-only steps at once, up to a block boundary, a finish or
         the next arrival."""
-        running: list[_SimRequest] = self.scheduler.running  # type: ignore[assignment]
+        running = self.scheduler.running
         k: float = self.scheduler.repeatable_steps(out) if running else 0
         if not running and self.decoding and not self.scheduler.waiting:
             k = math.inf
