@@ -186,16 +186,6 @@ class Projection(nn.Linear):
             self.packed_copy = None
         return self.packed_copy
 
-    def current_packed(self) -> PackedWeight | None:
-        """The packed copy if it is MKL's and current."""
-        copy = self.current_copy()
-        return copy if isinstance(copy, PackedWeight) else None
-
-    def current_panel(self) -> PanelWeight | None:
-        """The packed copy if it is the panel GEMM's and current."""
-        copy = self.current_copy()
-        return copy if isinstance(copy, PanelWeight) else None
-
     def _is_current(self) -> bool:
         weight = self._parameters["weight"]  # not self.weight: nn.Module's slow lookup, per step
         return weight is not None and self._packed_from == (weight.data_ptr(), weight._version)
