@@ -35,87 +35,111 @@ _SUFFIXES = {"k": 1_000, "m": 1_000_000}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="trace file or directory, or synthetic:<name>[:k=v,...]")
-    parser.add_argument(
+    """``simulate``'s flags, in groups of what they set."""
+    _trace_arguments(parser.add_argument_group("the trace"))
+    _sweep_arguments(parser.add_argument_group("the configurations swept"))
+    _cost_arguments(parser.add_argument_group("the cost model"))
+    _tier_and_pin_arguments(parser.add_argument_group("tiers and pins (sequential mode)"))
+    _timed_arguments(parser.add_argument_group("the timed mode's scheduler"))
+    _output_arguments(parser.add_argument_group("output"))
+
+
+def _trace_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("trace", help="trace file or directory, or synthetic:<name>[:k=v,...]")
+    group.add_argument(
         "--format",
         dest="fmt",
         help=f"one of {', '.join(FORMATS)} (default: "
         "detected; with synthetic:<name>, TRACE holds its k=v parameters)",
     )
-    parser.add_argument("--block-size", type=int, help="tokens per hash id (mooncake: 512)")
-    parser.add_argument("--time-unit", default="auto", choices=("auto", "s", "ms", "us", "ns"),
-                        help="unit of a mooncake-shaped trace's timestamps (auto: ns from 1e17, "
-                             "us from 1e14, else ms, as Mooncake's)")
-    parser.add_argument("--capacity", default="1k,10k,50k,inf", help="total cache blocks")
-    parser.add_argument("--prefix-cache", default="hash,radix", help="hash and/or radix")
-    parser.add_argument(
+    group.add_argument("--block-size", type=int, help="tokens per hash id (mooncake: 512)")
+    group.add_argument("--time-unit", default="auto", choices=("auto", "s", "ms", "us", "ns"),
+                       help="unit of a mooncake-shaped trace's timestamps (auto: ns from 1e17, "
+                            "us from 1e14, else ms, as Mooncake's)")
+    group.add_argument("--rate", type=float, help="re-time arrivals as Poisson at this req/s")
+    group.add_argument("--time-scale", type=float, help="multiply arrival times (0.5 = 2x rate)")
+    group.add_argument("--limit", type=int, help="replay only the first N requests")
+    group.add_argument("--seed", type=int, default=0, help="seed for --rate")
+
+
+def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--capacity", default="1k,10k,50k,inf", help="total cache blocks")
+    group.add_argument("--prefix-cache", default="hash,radix", help="hash and/or radix")
+    group.add_argument(
         "--eviction-policy",
         "--policy",
         dest="eviction_policy",
         default="lru",
         help="lru and/or lfu (lfu: radix only; --policy is the deprecated spelling)",
     )
-    parser.add_argument("--replicas", default="1", help="replica counts, e.g. 1,2,4,8")
-    parser.add_argument(
+    group.add_argument("--replicas", default="1", help="replica counts, e.g. 1,2,4,8")
+    group.add_argument(
         "--router",
         default="cache-aware,round-robin",
         help=f"routers for replicas > 1: {', '.join(ROUTERS)}",
     )
-    parser.add_argument(
+    group.add_argument(
         "--cluster-capacity",
         help="total blocks for the cluster sweep (default: the largest finite --capacity)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--mode",
         choices=("sequential", "timed"),
         default="sequential",
         help="sequential: one request at a time per replica, TTFT without "
         "queueing; timed: scheduler with token budget, concurrency and decode",
     )
-    parser.add_argument("--rate", type=float, help="re-time arrivals as Poisson at this req/s")
-    parser.add_argument("--time-scale", type=float, help="multiply arrival times (0.5 = 2x rate)")
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
-    parser.add_argument("--prefill-tps", type=float, default=20_000.0, help="prefill tokens/s")
-    parser.add_argument(
+
+
+def _cost_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--prefill-tps", type=float, default=20_000.0, help="prefill tokens/s")
+    group.add_argument(
         "--decode-tps", type=float, default=50.0, help="decode tokens/s of one sequence"
     )
-    parser.add_argument("--cost-model", help="calibration JSON (e.g. bench_model.py output)")
-    parser.add_argument("--kv-disk-gib", type=float, default=None, metavar="G",
-                        help="sequential: a disk tier of G GiB under each replica's cache")
-    parser.add_argument("--kv-valkey-gib", type=float, default=None, metavar="G",
-                        help="sequential: one Valkey tier of G GiB shared by the replicas")
-    parser.add_argument("--kv-bytes-per-token", type=float, default=None, metavar="B",
-                        help="KV bytes of one token, all layers (sizes the tiers in blocks and "
-                             "their reads; default 131072, an 8B Llama in bfloat16)")
-    parser.add_argument("--pins", default="on", metavar="on,off",
-                        help="honour the trace's cache breakpoints (tenant pins): on, off, or "
-                             "on,off to compare (sequential mode)")
-    parser.add_argument("--max-pinned-blocks", type=int, default=None, metavar="N",
-                        help="blocks each tenant may pin per replica (default: a quarter)")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="timed: concurrency limit")
-    parser.add_argument(
+    group.add_argument("--cost-model", help="calibration JSON (e.g. bench_model.py output)")
+
+
+def _tier_and_pin_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--kv-disk-gib", type=float, default=None, metavar="G",
+                       help="sequential: a disk tier of G GiB under each replica's cache")
+    group.add_argument("--kv-valkey-gib", type=float, default=None, metavar="G",
+                       help="sequential: one Valkey tier of G GiB shared by the replicas")
+    group.add_argument("--kv-bytes-per-token", type=float, default=None, metavar="B",
+                       help="KV bytes of one token, all layers (sizes the tiers in blocks and "
+                            "their reads; default 131072, an 8B Llama in bfloat16)")
+    group.add_argument("--pins", default="on", metavar="on,off",
+                       help="honour the trace's cache breakpoints (tenant pins): on, off, or "
+                            "on,off to compare (sequential mode)")
+    group.add_argument("--max-pinned-blocks", type=int, default=None, metavar="N",
+                       help="blocks each tenant may pin per replica (default: a quarter)")
+
+
+def _timed_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-num-seqs", type=int, default=128, help="timed: concurrency limit")
+    group.add_argument(
         "--max-batched-tokens", type=int, default=8192, help="timed: token budget per step"
     )
-    parser.add_argument(
+    group.add_argument(
         "--no-decode-kv", action="store_true", help="timed: keep generated tokens out of the cache"
     )
-    parser.add_argument(
+    group.add_argument(
         "--schedule-policy",
         choices=SCHEDULE_POLICIES,
         default="fcfs",
         help="timed: admission order, fcfs or lpm (longest cached prefix first, aged)",
     )
-    parser.add_argument("--n", type=int, default=1, help="timed: choices sampled per request")
-    parser.add_argument(
+    group.add_argument("--n", type=int, default=1, help="timed: choices sampled per request")
+    group.add_argument(
         "--no-dedup",
         action="store_true",
         help="timed: no in-batch dedup (a request may compute a block another computes now)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed for --rate")
-    parser.add_argument("--out", help="directory for results.json, results.csv and plots")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _output_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--out", help="directory for results.json, results.csv and plots")
+    group.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 def run(args: argparse.Namespace) -> int:
     from prefixcache.errors import CliError
