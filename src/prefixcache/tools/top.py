@@ -13,9 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.errors import CliError
+
+if TYPE_CHECKING:  # rich is the `top` extra's, imported where a frame is drawn
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+    from rich.tree import Tree
 
 __all__ = ["add_arguments", "render", "run"]
 
@@ -69,29 +75,42 @@ def _secs(value: float | None) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def render(data: dict[str, Any], before: dict[str, Any] | None = None) -> Any:
+def render(data: dict[str, Any], before: dict[str, Any] | None = None) -> Group:
     """One frame (a rich renderable) for ``data``; ``before``: the previous sample, for rates."""
     from rich.console import Group
+
+    parts: list[Table | Tree] = [
+        _header(data), _summary(data, before), _domains(data), _shared_prefixes(data),
+        _recent(data),
+    ]  # fmt: skip
+    if data.get("tiers"):
+        parts.append(_tiers(data))
+    return Group(*parts)
+
+
+def _header(data: dict[str, Any]) -> Table:
     from rich.table import Table
     from rich.text import Text
-    from rich.tree import Tree
+
+    head = Table.grid(padding=(0, 2))
+    head.add_row(Text(f"prefixcache · {data['model']} · step {data['step']:,}", style="bold"),
+                 time.strftime("%H:%M:%S", time.localtime(data["time"])))
+    return head
+
+
+def _summary(data: dict[str, Any], before: dict[str, Any] | None) -> Table:
+    """The KV pool's occupancy, hit ratio, prefill saved, churn and requests."""
+    from rich.table import Table
 
     pool, counters, requests = data["pool"], data["counters"], data["requests"]
-    width = 40
-    bar = Text()
-    for key, style in (("used", "blue"), ("cached_free", "yellow"), ("free", "grey50")):
-        bar.append("█" * round(width * pool[key] / max(pool["blocks"], 1)), style=style)
     queries, hits = counters["prefix_cache_queries"], counters["prefix_cache_hits"]
     interval = None
     if before is not None:
         dq = queries - before["counters"]["prefix_cache_queries"]
         interval = (hits - before["counters"]["prefix_cache_hits"]) / dq if dq > 0 else None
-    head = Table.grid(padding=(0, 2))
-    head.add_row(Text(f"prefixcache · {data['model']} · step {data['step']:,}", style="bold"),
-                 time.strftime("%H:%M:%S", time.localtime(data["time"])))
     summary = Table(show_header=False, box=None, padding=(0, 1))
-    summary.add_row("KV pool", bar, f"{pool['used']:,} used · {pool['cached_free']:,} cached "
-                    f"free · {pool['free']:,} free · {pool['pinned']:,} pinned / "
+    summary.add_row("KV pool", _pool_bar(pool), f"{pool['used']:,} used · {pool['cached_free']:,} "
+                    f"cached free · {pool['free']:,} free · {pool['pinned']:,} pinned / "
                     f"{pool['blocks']:,}")
     summary.add_row("hit ratio", f"{hits / queries:.1%}" if queries else "-",
                     f"last interval {interval:.1%}" if interval is not None else "")
@@ -102,6 +121,22 @@ def render(data: dict[str, Any], before: dict[str, Any] | None = None) -> Any:
     summary.add_row("requests", f"{requests['running']} running",
                     f"{requests['waiting']} waiting · {requests['queued_http']} queued · "
                     f"{counters['requests_finished']:,.0f} finished")
+    return summary
+
+
+def _pool_bar(pool: dict[str, int], width: int = 40) -> Text:
+    """Used, cached free and free blocks as one bar of ``width`` characters."""
+    from rich.text import Text
+
+    bar = Text()
+    for key, style in (("used", "blue"), ("cached_free", "yellow"), ("free", "grey50")):
+        bar.append("█" * round(width * pool[key] / max(pool["blocks"], 1)), style=style)
+    return bar
+
+
+def _domains(data: dict[str, Any]) -> Table:
+    from rich.table import Table
+
     domains = Table(title="isolation domains", title_justify="left", expand=False)
     for column in ("domain", "hit ratio", "queried", "TTFT p50", "TTFT p99", "requests"):
         domains.add_column(column)
@@ -109,9 +144,16 @@ def render(data: dict[str, Any], before: dict[str, Any] | None = None) -> Any:
         domains.add_row(d["domain"] or "(single tenant)", f"{d['hit_ratio']:.1%}",
                         f"{d['queried_tokens']:,}", _secs(d["ttft_p50_s"]),
                         _secs(d["ttft_p99_s"]), str(d["requests"]))
+    return domains
+
+
+def _shared_prefixes(data: dict[str, Any]) -> Tree:
+    """The most shared prefixes: 4 roots, 6 children a node."""
+    from rich.tree import Tree
+
     tree = Tree("shared prefixes (digest · blocks · requests · live)")
 
-    def add(node: Any, segment: dict[str, Any]) -> None:
+    def add(node: Tree, segment: dict[str, Any]) -> None:
         child = node.add(f"{segment['digest']} · blocks {segment['start_block']}+"
                          f"{segment['blocks']} · {segment['requests']} req · {segment['live']} "
                          f"live · {segment['domain'] or '-'}")
@@ -120,6 +162,12 @@ def render(data: dict[str, Any], before: dict[str, Any] | None = None) -> Any:
 
     for root in data["tree"][:4]:
         add(tree, root)
+    return tree
+
+
+def _recent(data: dict[str, Any]) -> Table:
+    from rich.table import Table
+
     recent = Table(title="last admissions", title_justify="left")
     for column in ("time", "domain", "prompt", "cached", "first miss", "reason"):
         recent.add_column(column)
@@ -127,18 +175,21 @@ def render(data: dict[str, Any], before: dict[str, Any] | None = None) -> Any:
         recent.add_row(time.strftime("%H:%M:%S", time.localtime(a["t"])), a["domain"] or "-",
                        f"{a['prompt_tokens']:,}", f"{a['cached_tokens']:,}",
                        f"block {a['first_miss_block']}", a["reason"])
-    parts: list[Any] = [head, summary, domains, tree, recent]
-    if data.get("tiers"):
-        tiers = Table(title="lower tiers", title_justify="left")
-        for column in ("tier", "up", "blocks held", "hits", "misses", "written", "evicted"):
-            tiers.add_column(column)
-        for name, t in data["tiers"].items():
-            held = t.get("blocks_held")
-            tiers.add_row(name, "yes" if t["up"] else "no", "-" if held is None else f"{held:,}",
-                          f"{t['hits']:,}", f"{t['misses']:,}", f"{t['blocks_written']:,}",
-                          f"{t['evicted'] or 0:,}")
-        parts.append(tiers)
-    return Group(*parts)
+    return recent
+
+
+def _tiers(data: dict[str, Any]) -> Table:
+    from rich.table import Table
+
+    tiers = Table(title="lower tiers", title_justify="left")
+    for column in ("tier", "up", "blocks held", "hits", "misses", "written", "evicted"):
+        tiers.add_column(column)
+    for name, t in data["tiers"].items():
+        held = t.get("blocks_held")
+        tiers.add_row(name, "yes" if t["up"] else "no", "-" if held is None else f"{held:,}",
+                      f"{t['hits']:,}", f"{t['misses']:,}", f"{t['blocks_written']:,}",
+                      f"{t['evicted'] or 0:,}")
+    return tiers
 
 
 def run(args: argparse.Namespace) -> int:
