@@ -7,79 +7,104 @@ or ``chat.completion.chunk`` deltas (`ChatRendering`).
 
 from __future__ import annotations
 
-from fastapi import Request
+from collections.abc import Callable
+
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from prefixcache.engine.outputs import RequestOutput
-from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
-from prefixcache.server.jobs import Choice, Job, RenderOptions, finish_reason_of
+from prefixcache.server.job_runner import JobRunner
+from prefixcache.server.jobs import Choice, Job, PreparedJob, RenderOptions, finish_reason_of
 from prefixcache.server.logprobs import chat_logprobs
+from prefixcache.server.openapi import operation_id
 from prefixcache.server.protocol import ChatCompletionRequest, JSONObject
+from prefixcache.server.rendering import ChunkRendering
 from prefixcache.server.request_params import (
     check_logprobs,
     continuous_usage,
     include_usage,
+    retention_s,
+    sampling_params_of,
     structured_of,
     tool_choice_of,
 )  # fmt: skip
-from prefixcache.server.serving_base import ChunkRendering, ServingBase, text_bytes
+from prefixcache.server.serving_context import ServingContext, text_bytes
 from prefixcache.server.tenancy import Tenant
 from prefixcache.server.tools import parse_tool_calls, tool_grammar
 
-__all__ = ["ChatAPI", "ChatRendering"]
+__all__ = ["ChatRendering", "OpenAIServingChat", "chat_router"]
 
 
-class ChatAPI(ServingBase):
+class OpenAIServingChat:
     """The chat completions endpoint."""
 
-    async def chat(
+    def __init__(self, context: ServingContext, runner: JobRunner) -> None:
+        self.context = context
+        self.runner = runner
+
+    async def create_chat_completion(
         self, body: ChatCompletionRequest, tenant: Tenant, http: Request
     ) -> Response:
-        prompts, params, options = await self._chat_job(body)
-        return await self._serve(ChatRendering(self), body, prompts, params, options, tenant,
-                                 http)
+        prepared = await self.prepare(body)
+        prepared.retention_s = retention_s(body.prompt_cache_retention)
+        return await self.runner.serve(ChatRendering(self.context.token_text), body, prepared,
+                                       tenant, http)
 
-    async def _chat_job(
-        self, body: ChatCompletionRequest
-    ) -> tuple[list[tuple[list[int], str | None]], SamplingParams, RenderOptions]:
+    async def prepare(self, body: ChatCompletionRequest) -> PreparedJob:
         """A chat body's prompt, sampling parameters and rendering options, every check done
         (the Messages API builds its jobs through here too)."""
-        self._check_common(body)
+        context = self.context
+        context.check_model(body.model)
+        context.check_ignored(body)
+        if body.prompt_logprobs is not None:
+            check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         tools, choice = tool_choice_of(body)
         if body.top_logprobs is not None:
             check_logprobs(body.top_logprobs, "top_logprobs")
             if not body.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        self._check_prompt_bytes(sum(text_bytes(m.text()) for m in body.messages), "messages")
-        rendered_tools = tools if choice != "none" else None
-        token_ids = await self._off_loop(
-            self._render_messages, (body.messages, "messages", body.add_generation_prompt,
-                                    rendered_tools))
+        context.check_prompt_bytes(sum(text_bytes(m.text()) for m in body.messages), "messages")
+        token_ids = await context.render_messages(body.messages, "messages",
+                                                  body.add_generation_prompt,
+                                                  tools if choice != "none" else None)
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, min(self.default_max_tokens, self.max_model_len - len(token_ids)))
+            max_tokens = context.default_max_tokens(len(token_ids))
         num_top = (body.top_logprobs or 0) if body.logprobs else None
-        forced = choice not in ("none", "auto")
         structured, param = structured_of(body)
-        if forced:
+        if choice not in ("none", "auto"):  # a forced call: the tool's arguments' grammar
             if structured is not None:
                 raise ApiError(400, "a required or named tool_choice already constrains the "
                                "output: drop response_format", param="tool_choice")
             structured = tool_grammar(tools, choice, body.parallel_tool_calls)
             param = "tools"
-        params = self._params(body, max_tokens, logprobs=num_top,
-                              prompt_logprobs=body.prompt_logprobs, structured=structured)
-        await self._compile(params, param)
+        params = context.sampling_params(lambda: sampling_params_of(
+            body, max_tokens, logprobs=num_top, prompt_logprobs=body.prompt_logprobs,
+            structured=structured))
+        await context.compile(params, param)
         options = RenderOptions(n=body.n, logprobs=num_top,
-                           prompt_logprobs=body.prompt_logprobs is not None,
-                           include_usage=include_usage(body),
-                           continuous_usage=continuous_usage(body), tools=choice != "none")
-        return [(token_ids, None)], params, options
+                                prompt_logprobs=body.prompt_logprobs is not None,
+                                include_usage=include_usage(body),
+                                continuous_usage=continuous_usage(body), tools=choice != "none")
+        return PreparedJob([(token_ids, None)], params, options)
 
 
-class ChatRendering(ChunkRendering[ChatCompletionRequest]):
+def chat_router(
+    serving: OpenAIServingChat, auth: Callable[[Request], Tenant]
+) -> APIRouter:
+    router = APIRouter(generate_unique_id_function=operation_id)
+
+    @router.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request,
+                   tenant: Tenant = Depends(auth)) -> Response:
+        return await serving.create_chat_completion(body, tenant, request)
+
+    return router
+
+
+class ChatRendering(ChunkRendering):
     """A chat job as ``chat.completion`` objects (tool calls parsed out of the text)."""
 
     id_prefix = "chatcmpl"
@@ -90,7 +115,7 @@ class ChatRendering(ChunkRendering[ChatCompletionRequest]):
                                     {"role": "assistant", "content": ""}, None)
                 for j in range(job.options.n)]
 
-    def body(self, job: Job, request: ChatCompletionRequest) -> JSONObject:
+    def body(self, job: Job) -> JSONObject:
         choices = []
         for i, prompt in enumerate(job.prompts):
             for j, choice in enumerate(job.ranked(prompt)):
@@ -106,7 +131,7 @@ class ChatRendering(ChunkRendering[ChatCompletionRequest]):
                 choices.append(item)
         body = protocol.chat_response(job.public_id, job.model, job.created, choices, job.usage())
         if job.options.prompt_logprobs:  # vLLM puts a chat's prompt logprobs beside its choices
-            body["prompt_logprobs"] = self.serving._vllm_prompt_logprobs(job.prompts[0])
+            body["prompt_logprobs"] = self.prompt_logprobs(job.prompts[0])
         return body
 
     def chunk(
@@ -132,7 +157,7 @@ class ChatRendering(ChunkRendering[ChatCompletionRequest]):
                                     self._logprobs(job, output.new_logprobs))
         if first and job.options.prompt_logprobs:
             prompt = job.prompts[i]
-            chunk["choices"][0]["prompt_logprobs"] = self.serving._vllm_prompt_logprobs(prompt)
+            chunk["choices"][0]["prompt_logprobs"] = self.prompt_logprobs(prompt)
         if reason is not None and choice.stop_reason is not None:
             chunk["choices"][0]["stop_reason"] = choice.stop_reason
         return chunk
@@ -142,4 +167,4 @@ class ChatRendering(ChunkRendering[ChatCompletionRequest]):
     ) -> JSONObject | None:
         if job.options.logprobs is None:
             return None
-        return chat_logprobs(entries, job.options.logprobs, self.serving.token_text)
+        return chat_logprobs(entries, job.options.logprobs, self.token_text)

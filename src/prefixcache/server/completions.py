@@ -6,87 +6,125 @@ structured output, as one JSON body or ``data:`` chunks (`CompletionRendering`).
 
 from __future__ import annotations
 
-from fastapi import Request
+from collections.abc import Callable
+
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
-from prefixcache.server.jobs import Choice, Job, PromptState, RenderOptions, finish_reason_of
+from prefixcache.server.job_runner import JobRunner
+from prefixcache.server.jobs import (
+    Choice,
+    Job,
+    PreparedJob,
+    Prompts,
+    PromptState,
+    RenderOptions,
+    finish_reason_of,
+)  # fmt: skip
 from prefixcache.server.logprobs import completion_logprobs
+from prefixcache.server.openapi import operation_id
 from prefixcache.server.protocol import CompletionRequest, JSONObject
+from prefixcache.server.rendering import ChunkRendering
 from prefixcache.server.request_params import (
     as_prompts,
     check_logprobs,
     continuous_usage,
     include_usage,
+    retention_s,
+    sampling_params_of,
     structured_of,
 )  # fmt: skip
-from prefixcache.server.serving_base import ChunkRendering, ServingBase, as_api_error, text_bytes
+from prefixcache.server.serving_context import ServingContext, text_bytes
 from prefixcache.server.tenancy import Tenant
 
-__all__ = ["CompletionRendering", "CompletionsAPI"]
+__all__ = ["CompletionRendering", "OpenAIServingCompletion", "completion_router"]
 
 
-class CompletionsAPI(ServingBase):
+class OpenAIServingCompletion:
     """The completions endpoint."""
 
-    async def completions(
+    def __init__(self, context: ServingContext, runner: JobRunner) -> None:
+        self.context = context
+        self.runner = runner
+
+    async def create_completion(
         self, body: CompletionRequest, tenant: Tenant, http: Request
     ) -> Response:
-        self._check_common(body)
+        prepared = await self.prepare(body)
+        return await self.runner.serve(CompletionRendering(self.context.token_text), body,
+                                       prepared, tenant, http)
+
+    async def prepare(self, body: CompletionRequest) -> PreparedJob:
+        """A completions body's prompts, sampling parameters and rendering options, every
+        check done."""
+        context = self.context
+        context.check_model(body.model)
+        context.check_ignored(body)
+        if body.prompt_logprobs is not None:
+            check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         if body.suffix:
             raise ApiError(400, "'suffix' (insertion) is not supported", param="suffix")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         options = RenderOptions(n=body.n, echo=body.echo, echo_only=body.echo and max_tokens == 0,
-                           logprobs=body.logprobs,
-                           prompt_logprobs=body.prompt_logprobs is not None)
+                                logprobs=body.logprobs,
+                                prompt_logprobs=body.prompt_logprobs is not None)
         if max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
         check_logprobs(body.logprobs, "logprobs")
-        prompts = as_prompts(body.prompt)
-        limit = self.engine.max_pending_per_domain
-        if len(prompts) > limit:
-            raise ApiError(400, f"{len(prompts)} prompts in one request: at most {limit}",
-                           param="prompt")
-        for prompt in prompts:
-            self._check_prompt_bytes(text_bytes(prompt), "prompt")
-        encoded = await self._off_loop(self._completion_prompts, prompts)
+        prompts = await self._encode(body.prompt)
         # echo with logprobs rates the prompt tokens: prompt logprobs of the same width
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
         structured, param = structured_of(body)
-        params = self._params(body, max(1, max_tokens), logprobs=body.logprobs,
-                              prompt_logprobs=prompt_logprobs, best_of=body.best_of,
-                              structured=structured)
-        await self._compile(params, param)
+        params = context.sampling_params(lambda: sampling_params_of(
+            body, max(1, max_tokens), logprobs=body.logprobs, prompt_logprobs=prompt_logprobs,
+            best_of=body.best_of, structured=structured))
+        await context.compile(params, param)
         options.include_usage = include_usage(body)
         options.continuous_usage = continuous_usage(body)
         if body.stream and params.ranks_choices:
             raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
-        return await self._serve(CompletionRendering(self), body, encoded, params, options,
-                                 tenant, http)
+        return PreparedJob(prompts, params, options, retention_s(body.prompt_cache_retention))
 
-    def _completion_prompts(
-        self, prompts: list[str | list[int]]
-    ) -> list[tuple[list[int], str | None]]:
-        out: list[tuple[list[int], str | None]] = []
-        for i, prompt in enumerate(prompts):
-            where = "prompt" if len(prompts) == 1 else f"prompt {i}"
-            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-            with as_api_error():
-                out.append((self.inputs.prompt_ids(text, ids, where), text))
-        return out
+    async def _encode(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> Prompts:
+        """The body's prompts as token ids, each checked (at most a domain's share of the
+        queue in one request)."""
+        prompts = as_prompts(prompt)
+        limit = self.context.engine.max_pending_per_domain
+        if len(prompts) > limit:
+            raise ApiError(400, f"{len(prompts)} prompts in one request: at most {limit}",
+                           param="prompt")
+        for one in prompts:
+            self.context.check_prompt_bytes(text_bytes(one), "prompt")
+        return await self.context.encode_prompts(prompts)
 
 
-class CompletionRendering(ChunkRendering[CompletionRequest]):
+def completion_router(
+    serving: OpenAIServingCompletion, auth: Callable[[Request], Tenant]
+) -> APIRouter:
+    router = APIRouter(generate_unique_id_function=operation_id)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request,
+                          tenant: Tenant = Depends(auth)) -> Response:
+        return await serving.create_completion(body, tenant, request)
+
+    return router
+
+
+class CompletionRendering(ChunkRendering):
     """A completions job as ``text_completion`` objects."""
 
     id_prefix = "cmpl"
     usage_object = "text_completion"
 
-    def body(self, job: Job, request: CompletionRequest) -> JSONObject:
+    def body(self, job: Job) -> JSONObject:
         choices = []
         for i, prompt in enumerate(job.prompts):
             for j, choice in enumerate(job.ranked(prompt)):
@@ -96,7 +134,7 @@ class CompletionRendering(ChunkRendering[CompletionRequest]):
                 if choice.stop_reason is not None:
                     item["stop_reason"] = choice.stop_reason
                 if job.options.prompt_logprobs:
-                    item["prompt_logprobs"] = self.serving._vllm_prompt_logprobs(prompt)
+                    item["prompt_logprobs"] = self.prompt_logprobs(prompt)
                 choices.append(item)
         return protocol.completion_response(job.public_id, job.model, job.created, choices,
                                             job.usage())
@@ -116,7 +154,7 @@ class CompletionRendering(ChunkRendering[CompletionRequest]):
                                           i * job.options.n + output.index, text, reason,
                                           logprobs)
         if first and job.options.prompt_logprobs:
-            chunk["choices"][0]["prompt_logprobs"] = self.serving._vllm_prompt_logprobs(prompt)
+            chunk["choices"][0]["prompt_logprobs"] = self.prompt_logprobs(prompt)
         if reason is not None and choice.stop_reason is not None:
             chunk["choices"][0]["stop_reason"] = choice.stop_reason
         return chunk
@@ -141,5 +179,5 @@ class CompletionRendering(ChunkRendering[CompletionRequest]):
         if options.logprobs is None:
             return text, None
         logprobs, choice.text_offset = completion_logprobs(
-            entries, prompt.token_ids[0], self.serving.token_text, choice.text_offset)
+            entries, prompt.token_ids[0], self.token_text, choice.text_offset)
         return text, logprobs

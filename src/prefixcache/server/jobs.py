@@ -2,16 +2,18 @@
 
 `Job` gathers the engine's incremental outputs for one API call (several prompts of a batched
 completions request share it), ranks ``best_of`` choices, sums usage, and carries the render
-options (echo, logprobs, tools). Plain data; `serving` fills it and renders it.
+options (echo, logprobs, tools). Plain data; `job_runner.JobRunner` fills it, each API's
+`Rendering` renders it. `PreparedJob` is what an API makes of a request body before it is queued.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prefixcache.engine.outputs import RequestOutput, best_of
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.server import protocol
 from prefixcache.server.protocol import JSONObject
 from prefixcache.server.tenancy import Tenant
@@ -20,7 +22,10 @@ from prefixcache.server.tools import ToolCallStream
 if TYPE_CHECKING:
     from prefixcache.server.async_engine import OutputQueue
 
-__all__ = ["Choice", "Job", "PromptState", "RenderOptions", "finish_reason_of"]
+__all__ = [
+    "Choice", "Job", "PreparedJob", "Prompts", "PromptState", "RenderOptions", "Step",
+    "finish_reason_of",
+]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -68,6 +73,29 @@ class RenderOptions:
     pins: list[tuple[int, float]] = field(default_factory=list)
 
 
+Prompts = list[tuple[list[int], str | None]]  # per prompt: its token ids, and its text if given
+
+
+@dataclass(slots=True)
+class PreparedJob:
+    """A request body as the engine takes it: its prompts (token ids, and the text where one
+    was given), sampling parameters and render options; ``retention_s``: pin each whole prompt
+    for this long once it is done (OpenAI's ``prompt_cache_retention``)."""
+
+    prompts: Prompts
+    params: SamplingParams
+    options: RenderOptions = field(default_factory=RenderOptions)
+    retention_s: float | None = None
+
+
+class Step(NamedTuple):
+    """One engine output as a job took it in: of prompt ``prompt_index``, for ``choice``."""
+
+    output: RequestOutput
+    prompt_index: int
+    choice: Choice
+
+
 @dataclass(slots=True)
 class Job:
     """One accepted HTTP request on its way through the engine."""
@@ -84,7 +112,7 @@ class Job:
     first_token_time: float | None = None
     last_token_time: float | None = None  # when the latest output with tokens arrived
     max_tokens: int | None = None  # the request's output limit (for vLLM's histograms)
-    num_added: int = 0  # engine requests accepted (each released once, by `_finish`)
+    num_added: int = 0  # engine requests accepted (each released once, by `JobRunner.finish`)
     released: bool = False
 
     def __post_init__(self) -> None:

@@ -3,64 +3,74 @@
 A Messages body becomes the chat body it means — ``system`` first, text blocks joined,
 ``tool_use`` blocks an assistant's tool calls, ``tool_result`` blocks tool messages, ``tools`` and
 ``tool_choice`` mapped to the chat machinery's — and runs through the chat endpoint's own checks
-and sampling (`ChatAPI._chat_job`), so a greedy answer equals ``/v1/chat/completions``'. The answer
-is rendered as Anthropic's ``message`` object or its event stream (`MessagesRendering`): text and
-``tool_use`` content blocks, ``stop_reason`` (``end_turn``, ``max_tokens``, ``tool_use``), and
-usage as ``input_tokens`` (computed), ``cache_read_input_tokens`` (served from the prefix
-cache) and ``cache_creation_input_tokens`` (written and pinned). Each ``cache_control``
-breakpoint pins the prefix through its block for its TTL (`breakpoints`; `cache/pins.py`); the
-definitions are in ``docs/prompt-caching.md``. Errors on these routes use Anthropic's shape
-(`errors.install_error_handlers`).
+and sampling (`OpenAIServingChat.prepare`), so a greedy answer equals
+``/v1/chat/completions``'. The answer is rendered as Anthropic's ``message`` object or its event
+stream (`MessagesRendering`): text and ``tool_use`` content blocks, ``stop_reason``
+(``end_turn``, ``max_tokens``, ``tool_use``), and usage as ``input_tokens`` (computed),
+``cache_read_input_tokens`` (served from the prefix cache) and ``cache_creation_input_tokens``
+(written and pinned). Each ``cache_control`` breakpoint pins the prefix through its block for
+its TTL (`breakpoints`; `cache/pins.py`); the definitions are in ``docs/prompt-caching.md``.
+Errors on these routes use Anthropic's shape (`errors.install_error_handlers`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
-from fastapi import Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from prefixcache.cache.pins import TTLS
-from prefixcache.server.chat import ChatAPI
+from prefixcache.server.chat import OpenAIServingChat
 from prefixcache.server.errors import ApiError
-from prefixcache.server.jobs import Choice, Job
+from prefixcache.server.job_runner import JobRunner
+from prefixcache.server.jobs import Choice, Job, Step
 from prefixcache.server.messages_body import chat_body_of, chat_fields
+from prefixcache.server.openapi import operation_id
 from prefixcache.server.protocol import (
-    ChatCompletionRequest,
     ChatMessage,
     JSONObject,
     MessagesCountRequest,
     MessagesRequest,
 )
-from prefixcache.server.request_params import render_chat, tool_choice_of
-from prefixcache.server.serving_base import Rendering, text_bytes
+from prefixcache.server.rendering import Rendering
+from prefixcache.server.request_params import tool_choice_of
+from prefixcache.server.serving_context import ServingContext, text_bytes
 from prefixcache.server.tenancy import Tenant
 from prefixcache.server.tools import parse_tool_calls
 
-__all__ = ["MessagesAPI", "MessagesRendering", "chat_body_of"]
+__all__ = ["AnthropicServingMessages", "MessagesRendering", "chat_body_of", "messages_router"]
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 
-class MessagesAPI(ChatAPI):
-    """The Messages endpoints."""
+class AnthropicServingMessages:
+    """The Messages endpoints: a Messages body is prepared as the chat body it means (by
+    ``chat``), its cache breakpoints become pins."""
 
-    async def messages(self, body: MessagesRequest, tenant: Tenant, http: Request) -> Response:
+    def __init__(
+        self, context: ServingContext, runner: JobRunner, chat: OpenAIServingChat
+    ) -> None:
+        self.context = context
+        self.runner = runner
+        self.chat = chat
+
+    async def create_message(
+        self, body: MessagesRequest, tenant: Tenant, http: Request
+    ) -> Response:
         if body.max_tokens < 1:
             raise ApiError(400, "max_tokens must be >= 1", param="max_tokens")
         breaks = breakpoints(body)
         chat = chat_body_of(body)
-        prompts, params, options = await self._chat_job(chat)
-        token_ids = prompts[0][0]
-        bs = self.engine.limits.block_size
+        prepared = await self.chat.prepare(chat)
+        token_ids = prepared.prompts[0][0]
+        bs = self.context.block_size
         for truncated, ttl_s in breaks:
             length = len(token_ids) - 1 if truncated is None else await self._prefix_length(
                 truncated, token_ids)
-            options.pins.append((length // bs * bs, ttl_s))
-        return await self._serve(MessagesRendering(self), chat, prompts, params, options,
-                                 tenant, http)
+            prepared.options.pins.append((length // bs * bs, ttl_s))
+        return await self.runner.serve(MessagesRendering(), chat, prepared, tenant, http)
 
     async def _prefix_length(self, truncated: MessagesCountRequest, token_ids: list[int]) -> int:
         """How many of ``token_ids`` the conversation cut after a breakpoint renders to (the
@@ -68,7 +78,8 @@ class MessagesAPI(ChatAPI):
         fields = chat_fields(truncated)
         messages = [ChatMessage.model_validate(m) for m in fields["messages"]] or [
             ChatMessage(role="system", content="")]
-        prefix = await self._off_loop(self._render_cut, (messages, fields.get("tools")))
+        prefix = await self.context.render_messages(messages, "messages", False,
+                                                    fields.get("tools"), allow_empty=True)
         n = 0
         for a, b in zip(prefix, token_ids, strict=False):
             if a != b:
@@ -76,20 +87,33 @@ class MessagesAPI(ChatAPI):
             n += 1
         return min(n, len(token_ids) - 1)
 
-    def _render_cut(self, arg: tuple[list[ChatMessage], list[JSONObject] | None]) -> list[int]:
-        messages, tools = arg
-        return render_chat(self.tokenizer, messages, "messages", False, tools,
-                           literal_content=not self.trust_content_markers, allow_empty=True)
-
     async def count_tokens(self, body: MessagesCountRequest) -> JSONObject:
-        self._check_model(body.model)
+        context = self.context
+        context.check_model(body.model)
         chat = chat_body_of(body)
         tools, choice = tool_choice_of(chat)
-        self._check_prompt_bytes(sum(text_bytes(m.text()) for m in chat.messages), "messages")
-        token_ids = await self._off_loop(
-            self._render_messages, (chat.messages, "messages", True,
-                                    tools if choice != "none" else None))
+        context.check_prompt_bytes(sum(text_bytes(m.text()) for m in chat.messages), "messages")
+        token_ids = await context.render_messages(chat.messages, "messages", True,
+                                                  tools if choice != "none" else None)
         return {"input_tokens": len(token_ids)}
+
+
+def messages_router(
+    serving: AnthropicServingMessages, auth: Callable[[Request], Tenant]
+) -> APIRouter:
+    router = APIRouter(generate_unique_id_function=operation_id)
+
+    @router.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request,
+                       tenant: Tenant = Depends(auth)) -> Response:
+        return await serving.create_message(body, tenant, request)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(body: MessagesCountRequest,
+                           tenant: Tenant = Depends(auth)) -> JSONObject:
+        return await serving.count_tokens(body)
+
+    return router
 
 
 MAX_BREAKPOINTS = 4
@@ -138,7 +162,7 @@ def _ttl(control: JSONObject, param: str) -> float:
     return TTLS[ttl]
 
 
-class MessagesRendering(Rendering[ChatCompletionRequest]):
+class MessagesRendering(Rendering):
     """A job as Anthropic's ``message`` object or its event stream."""
 
     id_prefix = "msg"
@@ -183,71 +207,77 @@ class MessagesRendering(Rendering[ChatCompletionRequest]):
                 "role": "assistant", "model": job.model, "content": content,
                 "stop_reason": reason, "stop_sequence": None, "usage": usage}
 
-    def body(self, job: Job, request: ChatCompletionRequest) -> JSONObject:
+    def body(self, job: Job) -> JSONObject:
         choice = job.prompts[0].choices[0]
         blocks, reason = self._blocks(job, choice)
         return self._message(job, blocks, reason, self._usage(job, job.num_output_tokens))
 
-    async def stream(self, job: Job, request: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def stream(self, job: Job, outputs: AsyncIterator[Step]) -> AsyncIterator[str]:
         """message_start (once the prefill is done, so its usage says what the cache served),
         ``ping``, then per content block start / deltas / stop, message_delta (stop reason, the
         whole usage) and message_stop, as Anthropic sends them. With tools the answer is parsed
         whole, so its blocks come at the end."""
-
-        def event(kind: str, **payload: Any) -> str:
-            data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
-            return f"event: {kind}\ndata: {data}\n\n"
-
+        choice = job.prompts[0].choices[0]  # a message has one
+        live = not job.options.tools
+        opened = False
+        started = False
         try:
-            choice = job.prompts[0].choices[0]
-            live = not job.options.tools
-            opened = False
-            started = False
-            while not job.done:
-                try:
-                    output, _, choice = await self.serving._next(job)
-                except ApiError as exc:
-                    yield event("error", error={"type": "api_error", "message": exc.message})
-                    return
+            async for output, _, _ in outputs:
                 if not started:  # after the prefill: the usage knows what the cache served
                     started = True
-                    yield event("message_start", message=self._message(
-                        job, [], None, self._usage(job, job.num_output_tokens)))
-                    yield event("ping")
+                    for event in _opening(self._message(
+                            job, [], None, self._usage(job, job.num_output_tokens))):
+                        yield event
                 if live and output.text:
                     if not opened:
-                        yield event("content_block_start", index=0,
-                                    content_block={"type": "text", "text": ""})
+                        yield _event("content_block_start", index=0, content_block=_EMPTY_TEXT)
                         opened = True
-                    yield event("content_block_delta", index=0,
-                                delta={"type": "text_delta", "text": output.text})
-            if not started:
-                yield event("message_start", message=self._message(job, [], None,
-                                                                   self._usage(job, 0)))
-                yield event("ping")
-            blocks, reason = self._blocks(job, choice)
-            if live:
-                if not opened:
-                    yield event("content_block_start", index=0,
-                                content_block={"type": "text", "text": ""})
-                yield event("content_block_stop", index=0)
-            else:
-                for index, block in enumerate(blocks):
-                    if block["type"] == "text":
-                        yield event("content_block_start", index=index,
-                                    content_block={"type": "text", "text": ""})
-                        yield event("content_block_delta", index=index,
-                                    delta={"type": "text_delta", "text": block["text"]})
-                    else:
-                        yield event("content_block_start", index=index,
-                                    content_block={**block, "input": {}})
-                        yield event("content_block_delta", index=index, delta={
-                            "type": "input_json_delta",
-                            "partial_json": json.dumps(block["input"])})
-                    yield event("content_block_stop", index=index)
-            yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": None},
-                        usage=self._usage(job, job.num_output_tokens))
-            yield event("message_stop")
-        finally:
-            self.serving._finish(job)
+                    yield _event("content_block_delta", index=0,
+                                 delta={"type": "text_delta", "text": output.text})
+        except ApiError as exc:
+            yield _event("error", error={"type": "api_error", "message": exc.message})
+            return
+        if not started:
+            for event in _opening(self._message(job, [], None, self._usage(job, 0))):
+                yield event
+        blocks, reason = self._blocks(job, choice)
+        if live:
+            if not opened:
+                yield _event("content_block_start", index=0, content_block=_EMPTY_TEXT)
+            yield _event("content_block_stop", index=0)
+        else:
+            for event in _whole_blocks(blocks):
+                yield event
+        yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": None},
+                     usage=self._usage(job, job.num_output_tokens))
+        yield _event("message_stop")
 
+
+_EMPTY_TEXT: JSONObject = {"type": "text", "text": ""}
+
+
+def _event(kind: str, **payload: object) -> str:
+    data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n"
+
+
+def _opening(message: JSONObject) -> list[str]:
+    """``message_start`` with the message so far, then a ``ping``."""
+    return [_event("message_start", message=message), _event("ping")]
+
+
+def _whole_blocks(blocks: list[JSONObject]) -> list[str]:
+    """Each parsed content block (text or ``tool_use``) as start, one delta and stop."""
+    events = []
+    for index, block in enumerate(blocks):
+        if block["type"] == "text":
+            events.append(_event("content_block_start", index=index, content_block=_EMPTY_TEXT))
+            events.append(_event("content_block_delta", index=index,
+                                 delta={"type": "text_delta", "text": block["text"]}))
+        else:
+            events.append(_event("content_block_start", index=index,
+                                 content_block={**block, "input": {}}))
+            events.append(_event("content_block_delta", index=index, delta={
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+        events.append(_event("content_block_stop", index=index))
+    return events

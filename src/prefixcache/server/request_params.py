@@ -4,9 +4,11 @@ Each failure is an `ApiError` (400) naming the field. No engine calls here."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, cast
 
-from prefixcache.engine.sampling_params import MAX_LOGPROBS, StructuredOutputs
+from prefixcache.cache.pins import TTLS
+from prefixcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
 from prefixcache.server.errors import ApiError
@@ -34,6 +36,8 @@ __all__ = [
     "render_chat",
     "response_messages",
     "response_status",
+    "retention_s",
+    "sampling_params_of",
     "structured_of",
     "tool_choice_of",
 ]
@@ -110,6 +114,36 @@ def structured_of(body: protocol._SamplingFields) -> tuple[StructuredOutputs | N
         raise ApiError(400, str(exc), param=param) from None
 
 
+def sampling_params_of(
+    body: protocol._SamplingFields, max_tokens: int, *, logprobs: int | None,
+    prompt_logprobs: int | None, best_of: int | None = None,
+    structured: StructuredOutputs | None = None,
+) -> SamplingParams:
+    """The sampling fields completions and chat share, as the engine's parameters (raises
+    ValueError for a value the engine refuses)."""
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=float(body.temperature),
+        top_p=float(body.top_p), top_k=body.top_k, min_p=float(body.min_p), seed=body.seed,
+        stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
+        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        n=body.n, best_of=best_of, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        presence_penalty=float(body.presence_penalty),
+        frequency_penalty=float(body.frequency_penalty),
+        repetition_penalty=float(body.repetition_penalty),
+        # OpenAI's ids are decimal strings: SamplingParams reads them (its ``_as_bias``)
+        min_tokens=body.min_tokens, logit_bias=cast("Mapping[int, float] | None", body.logit_bias),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        structured_outputs=structured,
+    )
+
+
+def retention_s(retention: str | None) -> float | None:
+    """OpenAI's ``prompt_cache_retention``: ``24h`` pins the whole prompt for a day; otherwise
+    the prompt stays only as long as the cache keeps it (None)."""
+    return TTLS["24h"] if retention == "24h" else None
+
+
 def include_usage(body: protocol._SamplingFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
@@ -119,7 +153,7 @@ def continuous_usage(body: protocol._SamplingFields) -> bool:
         body.stream_options and body.stream_options.continuous_usage_stats)
 
 
-def as_prompts(prompt: Any) -> list[str | list[int]]:
+def as_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """A completions prompt as a list of prompts: a string, token ids, or a list of either."""
     if isinstance(prompt, str):
         return [prompt]
@@ -169,7 +203,7 @@ def render_chat(
 
 
 def prompt_token_ids(
-    path: str, body: Any, tokenizer: Tokenizer, literal_content: bool
+    path: str, body: object, tokenizer: Tokenizer, literal_content: bool
 ) -> tuple[list[int], str | None] | None:
     """The first prompt's token ids and the client's ``cache_salt`` for a request body to
     ``path``, as the endpoint will compute them; None for a path without a prompt. Raises
@@ -197,7 +231,7 @@ def prompt_token_ids(
     return None
 
 
-def prompt_cache_key(body: Any) -> str | None:
+def prompt_cache_key(body: object) -> str | None:
     """OpenAI's ``prompt_cache_key`` of a request body (a routing hint), if it has one."""
     key = body.get("prompt_cache_key") if isinstance(body, dict) else None
     return key if isinstance(key, str) and key else None

@@ -18,20 +18,22 @@ import hashlib
 import hmac
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixcache.server.dashboard.state import CacheView, dashboard_data
 from prefixcache.server.errors import ApiError
+from prefixcache.server.protocol import JSONObject
 
 if TYPE_CHECKING:
     from prefixcache.server.async_engine import AsyncEngine
     from prefixcache.server.metrics import ServerMetrics
 
-__all__ = ["SESSION_S", "CacheView", "Sessions", "install_dashboard"]
+__all__ = ["SESSION_S", "CacheView", "DashboardSources", "Sessions", "install_dashboard"]
 
 COOKIE = "prefixcache_dashboard"
 SESSION_S = 12 * 3600.0
@@ -83,10 +85,28 @@ def _file(name: str) -> bytes:
     return path.read_bytes()
 
 
+@dataclass(frozen=True, slots=True)
+class DashboardSources:
+    """What the data document is read from: the engine's snapshot and queue, the metrics, the
+    cache view and, where the engine has lower tiers, their counters."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    view: CacheView
+    model: str
+    tiers: Callable[[], JSONObject | None] | None = None
+
+    def data(self) -> JSONObject:
+        engine = self.engine
+        return dashboard_data(engine.snapshot, self.view, self.metrics, self.model,
+                              engine.limits.block_size,
+                              self.tiers() if self.tiers is not None else None,
+                              engine.num_pending)
+
+
 def install_dashboard(
-    app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, view: CacheView, model: str,
-    check_key: Callable[[str | None], None], key_of: Callable[[Request], str | None],
-    tiers: Callable[[], dict[str, Any] | None] | None, session_key: bytes,
+    app: FastAPI, sources: DashboardSources, check_key: Callable[[str | None], None],
+    key_of: Callable[[Request], str | None], session_key: bytes,
 ) -> None:
     """The dashboard's routes on ``app`` (``check_key`` raises `ApiError` for a key that may
     not read the metrics; ``key_of`` reads a request's key; ``session_key`` signs sessions)."""
@@ -102,6 +122,20 @@ def install_dashboard(
             return False
         return True
 
+    _add_page_routes(app, authorized)
+    _add_session_routes(app, sessions, check_key)
+
+    @app.get("/dashboard/data", include_in_schema=False)
+    async def data(request: Request) -> Response:
+        if not authorized(request):
+            raise ApiError(401, "the dashboard needs an admin or metrics API key",
+                           code="invalid_api_key")
+        return JSONResponse(sources.data(), headers={"Cache-Control": "no-store"})
+
+
+def _add_page_routes(app: FastAPI, authorized: Callable[[Request], bool]) -> None:
+    """The page (the sign-in page for a browser not signed in) and its static files."""
+
     @app.get("/dashboard", include_in_schema=False)
     async def page(request: Request) -> Response:
         if not authorized(request):
@@ -115,6 +149,12 @@ def install_dashboard(
             raise ApiError(404, f"no dashboard file {name!r}")
         return Response(_file(name), media_type=_STATIC[name],
                         headers={"Cache-Control": "max-age=3600"})
+
+
+def _add_session_routes(
+    app: FastAPI, sessions: Sessions, check_key: Callable[[str | None], None]
+) -> None:
+    """Sign-in with a key that may read the metrics (a session cookie), and sign-out."""
 
     @app.post("/dashboard/login", include_in_schema=False)
     async def login(request: Request) -> Response:
@@ -137,12 +177,3 @@ def install_dashboard(
         response = Response(status_code=204)
         response.delete_cookie(COOKIE, path="/dashboard")
         return response
-
-    @app.get("/dashboard/data", include_in_schema=False)
-    async def data(request: Request) -> Response:
-        if not authorized(request):
-            raise ApiError(401, "the dashboard needs an admin or metrics API key",
-                           code="invalid_api_key")
-        body = dashboard_data(engine.snapshot, view, metrics, model, engine.limits.block_size,
-                              tiers() if tiers is not None else None, engine.num_pending)
-        return JSONResponse(body, headers={"Cache-Control": "no-store"})
