@@ -34,38 +34,66 @@ logger = logging.getLogger("prefixcache.server")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    _add_listen_arguments(parser)
+    _add_tenancy_arguments(parser)
+    _add_request_arguments(parser)
+    _add_metrics_arguments(parser)
+    _add_connection_arguments(parser)
+    _add_kv_events_arguments(parser)
+    parser.add_argument("--no-retain-freed-memory", action="store_true",
+                        help="keep glibc's malloc defaults (by default the server keeps freed "
+                             "tensor memory mapped, avoiding page-fault churn in prefills)")
+
+
+def _add_listen_arguments(parser: argparse.ArgumentParser) -> None:
+    """The served model's id, the address, logging and what runs before the port opens."""
     parser.add_argument("--served-model-name", default=None,
                         help="the model id clients send (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--tenants", default=None, metavar="FILE",
-                        help="TOML file of API keys -> tenants (see examples/tenants.toml); "
-                             "without it the server is single-tenant and trusts client salts")
-    parser.add_argument("--secret-file", default=None,
-                        help="server secret for salt derivation (else $PREFIXCACHE_SECRET, "
-                             "else random per process)")
-    parser.add_argument("--max-queue-len", type=int, default=256,
-                        help="waiting requests beyond --max-num-seqs before answering 429")
-    parser.add_argument("--default-max-tokens", type=int, default=256,
-                        help="chat max_tokens when the client sends none")
     parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
     parser.add_argument("--warm", default=None, metavar="FILE",
                         help="JSONL of prompts or conversations to prefill (and pin, with a "
                              "ttl) per tenant before the port opens (docs/prompt-caching.md)")
     parser.add_argument("--record-trace", default=None, metavar="FILE",
                         help="append each finished request's token counts and block digests "
                              "(never text) to FILE, for `prefixcache simulate`")
-    parser.add_argument("--log-level", default="info",
-                        choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--trust-special-tokens-in-content", action="store_true",
-                        help="tokenize marker strings inside chat message content as control "
-                             "tokens (default: as text, so no caller can forge a turn)")
+
+
+def _add_tenancy_arguments(parser: argparse.ArgumentParser) -> None:
+    """Who may call, their namespaces and each one's share of the engine."""
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="TOML file of API keys -> tenants (see examples/tenants.toml); "
+                             "without it the server is single-tenant and trusts client salts")
+    parser.add_argument("--secret-file", default=None,
+                        help="server secret for salt derivation (else $PREFIXCACHE_SECRET, "
+                             "else random per process)")
     parser.add_argument("--domain-max-seqs", type=int, default=None,
                         help="cap on one tenant's (or group's) running sequences; tenants-file "
                              "field max_running_seqs overrides it per tenant")
     parser.add_argument("--domain-max-kv-blocks", type=int, default=None,
                         help="cap on one tenant's (or group's) KV blocks; tenants-file field "
                              "max_kv_blocks overrides it per tenant")
+
+
+def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    """How requests are queued, bounded and read."""
+    parser.add_argument("--max-queue-len", type=int, default=256,
+                        help="waiting requests beyond --max-num-seqs before answering 429")
+    parser.add_argument("--default-max-tokens", type=int, default=256,
+                        help="chat max_tokens when the client sends none")
+    parser.add_argument("--trust-special-tokens-in-content", action="store_true",
+                        help="tokenize marker strings inside chat message content as control "
+                             "tokens (default: as text, so no caller can forge a turn)")
+    parser.add_argument("--strict-api", action="store_true",
+                        help="reject request fields this server does not know (400) instead of "
+                             "ignoring them with a warning naming them")
+
+
+def _add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """/metrics and the dashboard."""
     parser.add_argument("--metrics-key", default=None,
                         help="with --tenants: a key that may read /metrics (admins' keys may too)")
     parser.add_argument("--metrics-domain-labels", default="name",
@@ -77,12 +105,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-vllm-metric-names", action="store_true",
                         help="leave vLLM's metric names (vllm:...) out of /metrics; by default "
                              "they are exported beside ours, so vLLM's dashboards work")
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """Limits on a connection, before a request reaches an endpoint."""
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="larger request bodies get 413 before they are read (default 8 MiB)")
     parser.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="close a connection whose request headers are not complete in time")
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
                         help="close an idle keep-alive connection after this long")
+
+
+def _add_kv_events_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help="publish KV cache events as vLLM does, e.g. "
                              "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
@@ -90,12 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-token-ids", default="auto", choices=("auto", "on", "off"),
                         help="token ids in published BlockStored events (auto: off with "
                              "--tenants, where they are tenant data; on otherwise)")
-    parser.add_argument("--strict-api", action="store_true",
-                        help="reject request fields this server does not know (400) instead of "
-                             "ignoring them with a warning naming them")
-    parser.add_argument("--no-retain-freed-memory", action="store_true",
-                        help="keep glibc's malloc defaults (by default the server keeps freed "
-                             "tensor memory mapped, avoiding page-fault churn in prefills)")
 
 
 def _check_args(args: argparse.Namespace) -> None:

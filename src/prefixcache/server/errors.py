@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -108,20 +107,20 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _field_path(loc: Sequence[Any]) -> str | None:
+def _field_path(loc: Sequence[str | int]) -> str | None:
     """``messages.0.role`` from a pydantic location, without "body" and union member tags."""
     parts = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
     return ".".join(parts) or None
 
 
-def _is_type_tag(part: Any) -> bool:
+def _is_type_tag(part: str | int) -> bool:
     return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+def _validation_message(errors: Sequence[JSONObject]) -> tuple[str, str | None]:
     """One line for the first validation error, plus the offending parameter's name. A value
     error (our own checks) explains more than a union's "not a string" branch: it goes first."""
     errors = sorted(errors, key=lambda e: e.get("type") != "value_error")

@@ -6,7 +6,6 @@ messages, ``tools`` and ``tool_choice`` mapped to the chat machinery's. The endp
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from prefixcache.server.errors import ApiError
 from prefixcache.server.protocol import (
@@ -83,7 +82,7 @@ def chat_fields(body: MessagesCountRequest) -> JSONObject:
     return fields
 
 
-def _tool_choice(choice: JSONObject) -> Any:
+def _tool_choice(choice: JSONObject) -> str | JSONObject:
     kind = choice.get("type")
     if kind == "auto":
         return "auto"

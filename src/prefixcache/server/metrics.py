@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import fields
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
@@ -24,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from prefixcache.engine.outputs import EngineSnapshot, RequestOutput
+from prefixcache.server.protocol import JSONObject
 from prefixcache.server.vllm_metrics import VllmMetrics
 from prefixcache.sim.record import tenant_label
 
@@ -179,7 +179,7 @@ class ServerMetrics:
         return (_quantile(0.5, bounds, buckets, total), _quantile(0.99, bounds, buckets, total),
                 int(total))
 
-    def add_tiers(self, read: Callable[[], dict[str, Any] | None]) -> None:
+    def add_tiers(self, read: Callable[[], JSONObject | None]) -> None:
         """Export the lower KV tiers' counters, read at each scrape through ``read``."""
         self.registry.register(_TierCollector(read))
 
@@ -227,14 +227,14 @@ _TIER_COUNTERS = {
 class _TierCollector(Collector):
     """The tiers' counters at scrape time (they live in `TierStats`, not in this registry)."""
 
-    def __init__(self, read: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(self, read: Callable[[], JSONObject | None]) -> None:
         self.read = read
 
     def collect(self) -> Iterator[Metric]:
         stats = self.read()
         if stats is None:
             return
-        tiers: dict[str, dict[str, Any]] = stats["tiers"]
+        tiers: dict[str, JSONObject] = stats["tiers"]
         for key, (name, doc) in _TIER_COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, doc, labels=["tier"])
             for tier, values in tiers.items():

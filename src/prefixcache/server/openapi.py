@@ -11,7 +11,6 @@ read (``GET /openapi.json``), so a status or shape the server answers and this o
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -28,7 +27,7 @@ _INTEGER: JSONObject = {"type": "integer"}
 _NUMBER: JSONObject = {"type": "number"}
 
 
-def _object(required: dict[str, Any], **optional: Any) -> JSONObject:
+def _object(required: dict[str, JSONObject], **optional: JSONObject) -> JSONObject:
     """An object with ``required`` properties (more are allowed: the answers grow)."""
     return {"type": "object", "required": list(required),
             "properties": {**required, **optional}}
@@ -199,7 +198,7 @@ def install_openapi(app: FastAPI, model: str) -> None:
     """Serve the completed description at ``/openapi.json`` (built once, on first request) for
     a server of ``model``; ``app`` is made with ``generate_unique_id_function=operation_id``."""
 
-    def openapi() -> dict[str, Any]:
+    def openapi() -> JSONObject:
         if app.openapi_schema is None:
             with warnings.catch_warnings():  # GET and HEAD share a route: ids fixed below
                 warnings.filterwarnings("ignore", "Duplicate Operation ID")

@@ -78,7 +78,7 @@ class Lenient(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
+    def _null_is_default(cls, data: object) -> object:
         if isinstance(data, dict) and None in data.values():
             known = cls.model_fields
             return {k: v for k, v in data.items() if not (v is None and k in known)}

@@ -19,7 +19,6 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from prefixcache.engine.sampling_params import StructuredOutputs
 from prefixcache.server.protocol import JSONObject
@@ -47,7 +46,7 @@ def _tools_section(tools: list[JSONObject]) -> str:
     )
 
 
-def _arguments_object(arguments: Any) -> Any:
+def _arguments_object(arguments: object) -> object:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)

@@ -59,45 +59,64 @@ VLLM_SERIES = (
 
 
 class VllmMetrics:
-    """vLLM's series on ``registry`` for ``model_name``."""
+    """vLLM's series on ``registry`` for ``model_name``, registered in vLLM's order: the
+    scheduler's state, the token counters, then the latency and per-request histograms."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
         self.values = (model_name, "0")
-        tokens = _token_buckets(max_model_len)
+        self._registry = registry
+        self._add_scheduler_series()
+        self._add_token_counters()
+        self._add_latency_histograms()
+        self._add_request_histograms(_token_buckets(max_model_len))
+        for family in (self.running, self.waiting, self.kv_usage, self.queries, self.hits,
+                       self.preemptions, self.prompt_tokens, self.generation_tokens,
+                       self.prompt_cached):
+            family.labels(*self.values)  # every series present from the first scrape
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(_P + name, doc, _LABELS, registry=registry)
+    def _gauge(self, name: str, doc: str, *extra_labels: str) -> Gauge:
+        return Gauge(_P + name, doc, (*_LABELS, *extra_labels), registry=self._registry)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(_P + name, doc, _LABELS, registry=registry)
+    def _counter(self, name: str, doc: str, *extra_labels: str) -> Counter:
+        return Counter(_P + name, doc, (*_LABELS, *extra_labels), registry=self._registry)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(_P + name, doc, _LABELS, buckets=buckets, registry=registry)
+    def _histogram(
+        self, name: str, doc: str, buckets: tuple[float, ...] | list[float]
+    ) -> Histogram:
+        return Histogram(_P + name, doc, _LABELS, buckets=buckets, registry=self._registry)
 
-        self.running = gauge("num_requests_running", "Number of requests in model execution "
-                             "batches.")
-        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be "
-                             "processed.")
-        self.waiting_by_reason = Gauge(
-            _P + "num_requests_waiting_by_reason", "Number of requests waiting, by reason "
+    def _add_scheduler_series(self) -> None:
+        self.running = self._gauge("num_requests_running", "Number of requests in model "
+                                   "execution batches.")
+        self.waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be "
+                                   "processed.")
+        self.waiting_by_reason = self._gauge(
+            "num_requests_waiting_by_reason", "Number of requests waiting, by reason "
             "(capacity: KV cache or batch room; deferred: held back by a transient constraint).",
-            (*_LABELS, "reason"), registry=registry)
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of "
-                               "number of queried tokens.")
-        self.hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of "
-                            "cached tokens.")
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemption from "
-                                   "the engine.")
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens "
-                                         "processed.")
-        self.prompt_cached = counter("prompt_tokens_cached", "Number of cached prompt tokens "
-                                     "(local prefix cache and lower tiers).")
-        self.success = Counter(_P + "request_success", "Count of successfully processed "
-                               "requests.", (*_LABELS, "finished_reason"), registry=registry)
-        self.step_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens "
-                                     "per engine_step.", _STEP_TOKENS)
+            "reason")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 "
+                                    "percent usage.")
+        self.queries = self._counter("prefix_cache_queries", "Prefix cache queries, in terms "
+                                     "of number of queried tokens.")
+        self.hits = self._counter("prefix_cache_hits", "Prefix cache hits, in terms of number "
+                                  "of cached tokens.")
+        self.preemptions = self._counter("num_preemptions", "Cumulative number of preemption "
+                                         "from the engine.")
+
+    def _add_token_counters(self) -> None:
+        self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens "
+                                           "processed.")
+        self.generation_tokens = self._counter("generation_tokens", "Number of generation "
+                                               "tokens processed.")
+        self.prompt_cached = self._counter("prompt_tokens_cached", "Number of cached prompt "
+                                           "tokens (local prefix cache and lower tiers).")
+        self.success = self._counter("request_success", "Count of successfully processed "
+                                     "requests.", "finished_reason")
+        self.step_tokens = self._histogram("iteration_tokens_total", "Histogram of number of "
+                                           "tokens per engine_step.", _STEP_TOKENS)
+
+    def _add_latency_histograms(self) -> None:
+        histogram = self._histogram
         self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token "
                               "in seconds.", _TTFT)
         self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency "
@@ -114,6 +133,9 @@ class VllmMetrics:
                                  "PREFILL phase for request.", _LATENCY)
         self.decode = histogram("request_decode_time_seconds", "Histogram of time spent in "
                                 "DECODE phase for request.", _LATENCY)
+
+    def _add_request_histograms(self, tokens: list[float]) -> None:
+        histogram = self._histogram
         self.req_prompt = histogram("request_prompt_tokens", "Number of prefill tokens "
                                     "processed.", tokens)
         self.req_generation = histogram("request_generation_tokens", "Number of generation "
@@ -124,10 +146,6 @@ class VllmMetrics:
         self.req_computed = histogram("request_prefill_kv_computed_tokens", "Histogram of new "
                                       "KV tokens computed during prefill (excluding cached "
                                       "tokens).", tokens)
-        for family in (self.running, self.waiting, self.kv_usage, self.queries, self.hits,
-                       self.preemptions, self.prompt_tokens, self.generation_tokens,
-                       self.prompt_cached):
-            family.labels(*self.values)  # every series present from the first scrape
 
     def update(self, snap: EngineSnapshot, last: EngineSnapshot) -> None:
         v = self.values

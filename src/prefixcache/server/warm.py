@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prefixcache.cache.pins import ttl_seconds
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.errors import CliError
-from prefixcache.server.protocol import ChatMessage
+from prefixcache.server.protocol import ChatMessage, JSONObject
 from prefixcache.server.request_params import render_chat
 from prefixcache.server.tenancy import Tenant, TenantRegistry
 
@@ -75,7 +75,7 @@ def warm_from_file(engine: LLMEngine, tenants: TenantRegistry, path: str,
     return count
 
 
-def _tokens(engine: LLMEngine, item: dict[str, Any], where: str, literal: bool) -> list[int]:
+def _tokens(engine: LLMEngine, item: JSONObject, where: str, literal: bool) -> list[int]:
     if ("prompt" in item) == ("messages" in item):
         raise CliError(f"{where}: give 'prompt' or 'messages'")
     try:
@@ -93,7 +93,7 @@ def _tokens(engine: LLMEngine, item: dict[str, Any], where: str, literal: bool) 
         raise CliError(f"{where}: {type(exc).__name__}: {exc}"[:300]) from None
 
 
-def _ttl(value: Any, where: str) -> float:
+def _ttl(value: object, where: str) -> float:
     seconds = ttl_seconds(value)
     if seconds is None:
         raise CliError(f"{where}: ttl must be '5m', '1h', '24h' or seconds in (0, 86400]")

@@ -16,9 +16,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prefixcache.cache import CacheHit, CacheIdentity, Sequence
+from prefixcache.server.protocol import JSONObject
 
 if TYPE_CHECKING:
     from prefixcache.engine.outputs import EngineSnapshot
@@ -74,8 +75,8 @@ class CacheView:
             return  # a pin's stand-in, not a request
         domain = self.label(seq.domain)
         num_hit = len(hit.block_ids) if hit is not None else 0
-        reads = seq.use_cache and seq.read_cache
-        digests = self.identity.block_digests(seq) if seq.use_cache else []
+        reads = seq.reads_cache
+        digests = self.identity.block_digests(seq) if seq.writes_cache else []
         num_prompt_blocks = min(len(digests), len(seq.token_ids) // self.block_size)
         chain = digests[:num_prompt_blocks]
         with self._lock:
@@ -133,7 +134,7 @@ class CacheView:
                 if child in nodes:
                     nodes[child].parent = None
 
-    def tree(self) -> list[dict[str, Any]]:
+    def tree(self) -> list[JSONObject]:
         """The most requested shared prefixes as trees of segments: a run of blocks with one
         child each is one segment (``blocks`` long); a segment ends where requests part ways."""
         with self._lock:
@@ -146,7 +147,7 @@ class CacheView:
             return [self._segment(d, budget) for d in (shared or roots)[:MAX_TREE_ROOTS]
                     if nodes[d].requests > 0]
 
-    def _segment(self, digest: bytes, budget: list[int]) -> dict[str, Any]:
+    def _segment(self, digest: bytes, budget: list[int]) -> JSONObject:
         nodes = self._nodes
         node = nodes[digest]
         first, blocks = node, 1
@@ -159,7 +160,7 @@ class CacheView:
         budget[0] -= 1
         children = sorted((c for c in node.children if c in nodes),
                           key=lambda c: -nodes[c].requests)
-        out: dict[str, Any] = {
+        out: JSONObject = {
             "digest": digest.hex()[:12], "start_block": first.depth - 1, "blocks": blocks,
             "requests": node.requests, "live": node.live, "domain": node.domain,
             "children": [],
@@ -171,7 +172,7 @@ class CacheView:
             out["children"].append(self._segment(child, budget))
         return out
 
-    def recent_admissions(self) -> list[dict[str, Any]]:
+    def recent_admissions(self) -> list[JSONObject]:
         with self._lock:
             return [asdict(a) for a in reversed(self.recent)]
 
@@ -182,8 +183,8 @@ class CacheView:
 
 def dashboard_data(
     snap: EngineSnapshot, view: CacheView, metrics: ServerMetrics, model: str, block_size: int,
-    tiers: dict[str, Any] | None, pending: int,
-) -> dict[str, Any]:
+    tiers: JSONObject | None, pending: int,
+) -> JSONObject:
     """The document ``GET /dashboard/data`` serves (one moment: ``snap``'s step)."""
     num_free = snap.num_free_blocks
     cached_free = snap.num_cached_free_blocks
@@ -213,7 +214,7 @@ def dashboard_data(
     }
 
 
-def _tier_rows(stats: dict[str, Any] | None) -> dict[str, Any]:
+def _tier_rows(stats: JSONObject | None) -> JSONObject:
     if stats is None:
         return {}
     keys = ("hits", "misses", "blocks_written", "bytes_written", "bytes_read", "evicted", "up",
