@@ -136,7 +136,7 @@ def block_key(seq: Any, digests: list[bytes], root: bytes, j: int, tag: bytes) -
 
 
 def bench_mooncake(limit: int) -> dict[str, Any]:
-    from prefixcache.cache import Sequence
+    from prefixcache.cache import Sequence, adopt
     from prefixcache.cache.hash_cache import HashPrefixCache
     from prefixcache.tiers import DiskTier, TierIdentity, domain_tag
 
@@ -171,7 +171,7 @@ def bench_mooncake(limit: int) -> dict[str, Any]:
                 run = disk.get_run([block_key(seq, digests, root, j, tag)
                                     for j in range(have, (seq.num_tokens - 1) // bs)])
                 if run:
-                    loaded += cache.adopt(seq, have, len(run), lambda ids, first: None)
+                    loaded += adopt(cache, seq, have, len(run), lambda ids, first: None)
             hit = cache.match(seq)
             if cache.allocate(seq, seq.num_tokens - hit.num_tokens, hit) is None:
                 raise RuntimeError(f"request {i} does not fit in {capacity} blocks")

@@ -8,16 +8,17 @@ from prefixcache.cache.block_pool import BlockPool, KVBlock
 from prefixcache.cache.hash_cache import HashIndex
 from prefixcache.cache.identity import CacheIdentity
 
+_INDEXES: dict[int, HashIndex] = {}  # pool id -> the hash index over it (it parks nothing)
+
 
 def pool_with(num_blocks: int = 6, **kwargs: object) -> BlockPool:
     pool = BlockPool(num_blocks, 4, **kwargs)  # type: ignore[arg-type]
-    pool.attach(HashIndex(pool, CacheIdentity("", 4)))
+    _INDEXES[id(pool)] = HashIndex(pool, CacheIdentity("", 4))
     return pool
 
 
 def index_of(pool: BlockPool) -> HashIndex:
-    assert isinstance(pool.evictor, HashIndex)
-    return pool.evictor
+    return _INDEXES[id(pool)]
 
 
 def store(pool: BlockPool, block: KVBlock, digest: bytes, token_bytes: bytes) -> bool:
@@ -26,7 +27,7 @@ def store(pool: BlockPool, block: KVBlock, digest: bytes, token_bytes: bytes) ->
     if digest in cached:
         return False
     cached[digest] = block
-    block.digest, block.token_bytes = digest, token_bytes
+    block.cache(digest, token_bytes, "")
     return True
 
 
@@ -93,7 +94,7 @@ def test_reset_refuses_while_held() -> None:
     assert pool.reset() is False and index_of(pool).num_cached == 1
     pool.release([block])
     assert pool.reset() is True
-    assert not index_of(pool).digest_map and pool.blocks[0].digest is None
+    assert pool.blocks[0].digest is None  # the index is its cache's to clear
     check(pool, [])
 
 

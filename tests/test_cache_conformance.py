@@ -26,6 +26,7 @@ from prefixcache.cache import (
     Sequence,
     make_prefix_cache,
 )
+from prefixcache.sched.fairness import QuietDomains
 
 BS = 16
 KINDS = ["hash", "radix"]
@@ -554,8 +555,10 @@ def test_a_flooding_domain_evicts_its_own_cached_blocks_first(
 def test_an_over_share_domain_cannot_evict_a_quiet_domains_cache(kind: str) -> None:
     # 16 blocks, two domains: the flood holds 13 blocks in live sequences (over its share of 8)
     # and the calm tenant's freed 2-block prefix is the only cached free memory left: the
-    # flood's next block is refused (the scheduler would preempt the flood), the prefix stays
+    # flood's next block is refused (the scheduler would preempt the flood), the prefix stays.
+    # The scheduler's fair shares are what protects it: handed to the cache as its protection
     cache = new_cache(kind, num_blocks=16)
+    cache.cache.protection = QuietDomains(cache.cache)
     prefix = list(range(2 * BS))
     calm = Sequence("c0", [*prefix, 1], salt="calm", domain="calm")
     run_prompt(cache, calm)

@@ -68,7 +68,7 @@ class CacheMachine(RuleBasedStateMachine):
         return self.hasher.chain(seq.token_ids, Namespace(model="", salt=seq.salt))
 
     def model_hit_blocks(self, seq: Sequence) -> int:
-        if not seq.use_cache:
+        if not seq.writes_cache:
             return 0
         num = 0
         for digest in self.chain(seq)[: (seq.num_tokens - 1) // BS]:
@@ -211,7 +211,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def check_stored(self, seq: Sequence, start: int, end: int) -> None:
         stored = self.absorb_events(holder=seq.seq_id)
-        if not seq.use_cache:
+        if not seq.writes_cache:
             assert not stored, "a sequence outside the cache stored blocks"
             return
         chain = self.chain(seq)

@@ -32,10 +32,6 @@ def test_generate_reports_cached_tokens(tmp_path, capsys):
     assert _run([*argv, "--prefix-cache", "off"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert all(r["num_cached_tokens"] == 0 for r in records)
-    with pytest.warns(FutureWarning, match="--prefix-cache off"):  # the old flag still works
-        assert _run([*argv, "--no-prefix-cache", "--prefix-cache", "radix"]) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert all(r["num_cached_tokens"] == 0 for r in records)
 
 
 @pytest.mark.parametrize(

@@ -47,11 +47,10 @@ def test_bad_settings_are_refused_before_any_model_loads(
         EngineConfig.from_kwargs("no-such-model", **settings)
 
 
-def test_deprecated_spellings_still_work_with_a_warning() -> None:
-    with pytest.warns(DeprecationWarning, match="schedule_policy"):
-        assert EngineConfig.from_kwargs(policy="lpm").scheduler.schedule_policy == "lpm"
-    with pytest.warns(DeprecationWarning, match="zero_on_reuse"):
-        assert EngineConfig.from_kwargs(zero_freed_blocks=True).cache.zero_on_reuse
+def test_removed_spellings_are_named_not_ignored() -> None:
+    for old in ("policy", "zero_freed_blocks"):
+        with pytest.raises(TypeError, match=old):
+            EngineConfig.from_kwargs(**{old: True})
 
 
 def test_the_engine_is_built_from_its_config() -> None:
@@ -83,10 +82,8 @@ def test_cli_flags_build_the_same_config() -> None:
         "tiny", prefix_cache="radix", eviction_policy="lfu", schedule_policy="lpm", block_size=8,
         zero_on_reuse=True, dtype="auto",  # the commands measure; the library runs float32
     )  # fmt: skip
-    old = parser.parse_args(["--policy", "lpm", "--zero-freed-blocks"])
-    with pytest.warns(DeprecationWarning, match="--schedule-policy"):
-        config = EngineConfig.from_args(old)
-    assert config.scheduler.schedule_policy == "lpm" and config.cache.zero_on_reuse
+    with pytest.raises(SystemExit):  # one spelling a flag: the old aliases are gone
+        parser.parse_args(["--policy", "lpm"])
 
 
 def test_a_library_engine_leaves_the_process_malloc_alone() -> None:

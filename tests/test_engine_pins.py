@@ -167,6 +167,6 @@ def test_a_request_larger_than_its_share_runs_when_quiet_tenants_fill_the_cache(
         kept[domain] = [rng.randrange(3, 250) for _ in range(161)]
         run(engine, domain, kept[domain], domain)
     assert run(engine, "big", [rng.randrange(3, 250) for _ in range(400)], "tenant:b") == 0
-    assert engine.cache.protect_quiet_domains  # lifted for that step only
+    assert engine.scheduler.protection.active  # lifted for that step only
     hits = [run(engine, f"{d}-again", kept[d], d) for d in kept]
     assert min(hits) < 160  # what b needed came out of the quiet tenants' cache

@@ -93,7 +93,7 @@ def test_own_hits_are_never_evicted_and_failed_allocation_changes_nothing() -> N
     cache = new_cache()
     run_prompt(cache, Sequence("a", range(49)))
     cache.free(Sequence("a", []))  # a different object with the same id: no-op
-    cache.free(cache._tables["a"].seq)
+    cache.free(cache.tables.tables["a"].seq)
     assert cache.free_block_ids() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
     b = Sequence("b", range(161))
     hit = cache.match(b)
@@ -113,7 +113,7 @@ def snapshot(cache: Any) -> tuple[object, ...]:
         cache.free_block_ids(),
         [(b.ref_cnt, b.digest) for b in pool.blocks],
         dict(cache.index.digest_map),
-        {k: list(t.block_ids) for k, t in cache._tables.items()},
+        {k: list(t.block_ids) for k, t in cache.tables.tables.items()},
         pool.epoch,
     )
 
@@ -190,7 +190,7 @@ def test_shared_block_write_is_caught_by_integrity_check() -> None:
     a = Sequence("a", range(20))
     run_prompt(cache, a)
     child = cache.fork(a, "a.1")
-    cache._tables[child.seq_id].num_alloc_tokens = 21  # pretend a write into shared block 1
+    cache.tables.tables[child.seq_id].num_alloc_tokens = 21  # pretend a write into shared block 1
     with pytest.raises(AssertionError, match="shared block is never a write target"):
         cache.check_integrity()
 
@@ -212,7 +212,7 @@ def test_integrity_check_names_broken_invariants() -> None:
 def test_stale_hit_is_rejected_without_changes() -> None:
     cache = new_cache(num_blocks=4)
     run_prompt(cache, Sequence("a", range(40)))
-    cache.free(cache._tables["a"].seq)
+    cache.free(cache.tables.tables["a"].seq)
     b = Sequence("b", range(40))
     hit = cache.match(b)
     assert hit.block_ids == [0, 1]
@@ -229,9 +229,8 @@ def test_stale_hit_is_rejected_without_changes() -> None:
 
 
 def test_disabled_caching_and_isolation_none() -> None:
-    with pytest.warns(DeprecationWarning, match="enable_prefix_caching"):
-        cache = new_cache(enable_caching=False)  # the old name still works
-    assert not cache.enable_prefix_caching and not cache.enable_caching
+    cache = new_cache(enable_prefix_caching=False)
+    assert not cache.enable_prefix_caching
     run_prompt(cache, Sequence("a", range(40)))
     hit = cache.match(Sequence("b", range(40)))
     assert hit.num_tokens == 0 and cache.stats.num_requests == 1  # match alone counts nothing
@@ -284,7 +283,7 @@ def test_event_buffer_is_bounded() -> None:
         run_prompt(cache, seq)
         cache.free(seq)
     assert len(cache.take_events()) == 2
-    assert cache.num_dropped_events == 2
+    assert cache.events.num_dropped == 2
 
 
 # -- Mooncake conversation trace: a slice against an independent LRU reference -----------------

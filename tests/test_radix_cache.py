@@ -266,7 +266,7 @@ def test_heap_stays_bounded_under_churn() -> None:
         admit(cache, s)
         cache.free(s)
     cache.check_integrity()
-    assert sum(map(len, cache.index._heaps.values())) <= 4 * cache.num_nodes + 1024
+    assert sum(map(len, cache.index.heaps.heaps.values())) <= 4 * cache.num_nodes + 1024
 
 
 @pytest.mark.parametrize("bad", [{"eviction_policy": "fifo"}, {"num_blocks": 0}])
@@ -280,7 +280,7 @@ def test_integrity_check_names_broken_invariants() -> None:
     cache = radix(10)
     a = Sequence("a", tokens(3 * BS) + [1])
     admit(cache, a)
-    root = cache.index._root
+    root = cache.index.root
     node = root.children[a.root_digest(cache.hasher, "")].children[a.block_digests[0]]
     node.lock_ref += 1
     with pytest.raises(AssertionError, match="lock_ref"):

@@ -187,7 +187,7 @@ def test_rejects_bad_configuration():
     cache = make_prefix_cache("hash", num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match="policy"):
         Scheduler(cache, schedule_policy="sjf")
-    with pytest.warns(DeprecationWarning, match="schedule_policy"):
-        assert Scheduler(cache, policy="lpm").config.schedule_policy == "lpm"  # the old spelling
+    with pytest.raises(TypeError, match="policy"):
+        Scheduler(cache, policy="lpm")  # one name: schedule_policy (the eviction policy is not it)
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(cache, max_num_seqs=0)

@@ -66,5 +66,5 @@ def test_server_flag_reaches_the_cache() -> None:
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--zero-freed-blocks", "--num-kv-blocks", "4"])
+    args = parser.parse_args(["--zero-on-reuse", "--num-kv-blocks", "4"])
     assert _engine(args).cache.pool.zero_on_reuse is True

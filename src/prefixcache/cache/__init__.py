@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixcache.cache.base import PrefixCache
+from prefixcache.cache.adoption import adopt
+from prefixcache.cache.base import PrefixCache, Protection
 from prefixcache.cache.block_hash import BlockExtra, BlockHasher, Namespace
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from prefixcache.cache.hash_cache import HashPrefixCache
 from prefixcache.cache.identity import CacheIdentity
 from prefixcache.cache.index import CacheHit
+from prefixcache.cache.purge import evict_domain
 from prefixcache.cache.radix_cache import RadixPrefixCache
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
@@ -22,8 +24,8 @@ from prefixcache.cache.stats import CacheStats
 __all__ = [
     "PREFIX_CACHES", "CacheConfig", "AllBlocksCleared", "BlockExtra", "BlockHasher",
     "BlockRemoved", "BlockStored", "CacheHit", "CacheIdentity", "CacheStats", "HashPrefixCache",
-    "KVCacheEvent", "Namespace", "PrefixCache", "RadixPrefixCache", "Sequence",
-    "make_prefix_cache",
+    "KVCacheEvent", "Namespace", "PrefixCache", "Protection", "RadixPrefixCache", "Sequence",
+    "adopt", "evict_domain", "make_prefix_cache",
 ]  # fmt: skip
 
 PREFIX_CACHES: dict[str, type[PrefixCache]] = {"hash": HashPrefixCache, "radix": RadixPrefixCache}
@@ -40,8 +42,8 @@ def make_prefix_cache(
     """Build a prefix cache by name: ``hash`` (vLLM-style) or ``radix`` (SGLang-style); or the
     one a `CacheConfig` describes (then no other argument).
 
-    Keyword arguments are `CacheConfig`'s: ``enable_prefix_caching`` (default True; the old
-    ``enable_caching`` still works, with a warning), ``model_id`` (the model identity that roots
+    Keyword arguments are `CacheConfig`'s: ``enable_prefix_caching`` (default True),
+    ``model_id`` (the model identity that roots
     every namespace), ``zero_on_reuse``, ``enable_kv_events``, ``events_with_tokens``,
     ``max_events``, ``eviction_policy`` (``lfu``: radix only).
     """

@@ -13,36 +13,40 @@ Life of a sequence::
     seq.append(token); cache.allocate(seq, 1)   # decode
     cache.free(seq)
 
-The pool (``block_pool.py``) owns the blocks, the index (``index.py``) what is cached; this class
-owns the sequences' block tables, the contract's rules, the statistics and the KV events, all
-written here from what the pool and the index return. `match` is a pure lookup: a request's
-lookup is counted once, when `allocate` admits it with its hit.
+The pool (``block_pool.py``) owns the blocks, the index (``index.py``) what is cached, the live
+tables (``tables.py``) who holds what; this class owns the contract's rules, the statistics and
+the KV events, all written here from what the pool and the index return. `match` is a pure
+lookup: a request's lookup is counted once, when `allocate` admits it with its hit.
+
+The features built on the contract are owners of their own that call it: lower tiers fill blocks
+through `adoption.adopt`, pins hold them (``pins.py``), a tenant's purge evicts its domain
+(`purge.evict_domain`), and the scheduler hands in which domains' free cached blocks an
+allocation may not evict (``protection``: fair shares live in ``sched/fairness.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from prefixcache.cache.block_hash import BlockHasher
-from prefixcache.cache.block_pool import BlockPool, KVBlock, Taken, check_invariant
+from prefixcache.cache.block_pool import BlockPool, KVBlock, PoolSize, Taken
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     EventBuffer,
     KVCacheEvent,
+    stored,
 )  # fmt: skip
 from prefixcache.cache.identity import CacheIdentity
 from prefixcache.cache.index import NOTHING_INSERTED, CacheHit, PrefixIndex, SeqBlocks
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
+from prefixcache.cache.tables import LiveTables
 
-__all__ = ["CacheObserver", "PrefixCache"]
+__all__ = ["CacheObserver", "PrefixCache", "Protection"]
 
 _NONE: frozenset[str] = frozenset()
 
@@ -61,6 +65,13 @@ class CacheObserver(Protocol):
         """``seq`` let go of its ``num_blocks`` blocks."""
 
 
+class Protection(Protocol):
+    """Which domains' free cached blocks ``domain`` may not evict to take ``num_more`` more
+    blocks (the scheduler's fair shares, `sched.fairness.QuietDomains`)."""
+
+    def __call__(self, domain: str, num_more: int) -> frozenset[str]: ...
+
+
 class PrefixCache:
     """A paged KV-cache allocator with prefix reuse over ``num_blocks`` blocks.
 
@@ -69,10 +80,12 @@ class PrefixCache:
     a failed allocation changes nothing; at least one prompt token is always computed.
     ``model_id`` roots every namespace; ``zero_on_reuse`` queues a block for zeroing when it
     changes namespace; ``enable_kv_events`` buffers `BlockStored`/`BlockRemoved`/
-    `AllBlocksCleared` (at most ``max_events``; newer ones are dropped and counted) for
-    `take_events`, with token ids only if ``events_with_tokens``. ``eviction_policy`` orders
-    the eviction of free cached blocks (radix: ``lru`` or ``lfu``; hash: ``lru``). The settings
-    are validated once, as a `CacheConfig` (``self.config``).
+    `AllBlocksCleared` in ``events`` (at most ``max_events``; newer ones are dropped and
+    counted), with token ids only if ``events_with_tokens``. ``eviction_policy`` orders the
+    eviction of free cached blocks (radix: ``lru`` or ``lfu``; hash: ``lru``). The settings are
+    validated once, as a `CacheConfig` (``self.config``). ``protection`` (None: none) keeps
+    other domains' free cached blocks from an allocation; ``observers`` hear every admission,
+    commit and free.
     """
 
     kind = ""  # "hash" | "radix", set by each implementation
@@ -85,25 +98,15 @@ class PrefixCache:
                                               **settings)
         self.num_blocks, self.block_size, self.model_id = num_blocks, block_size, config.model_id
         self.enable_prefix_caching = config.enable_prefix_caching
-        self.eviction_policy = config.eviction_policy
-        self.events_with_tokens = config.events_with_tokens
         self.identity = CacheIdentity(config.model_id, block_size, hash_algo)
         self.hasher: BlockHasher = self.identity.hasher
         self.stats = CacheStats()
         self.events = EventBuffer(config.enable_kv_events, config.max_events)
         self.pool = BlockPool(num_blocks, block_size, zero_on_reuse=config.zero_on_reuse)
-        self.protect_quiet_domains = True  # `_protected_from`; lifted by `without_protection`
         self.index = self._make_index()
-        self.pool.attach(self.index)
-        self._index_admits = type(self.index).admit is not PrefixIndex.admit  # (radix)
-        self._tables: dict[str, SeqBlocks] = {}
-        self._held: dict[str, int] = {}  # per domain: blocks in live tables (not a Counter: slow)
-        self._observers: list[CacheObserver] = []
-
-    @property
-    def enable_caching(self) -> bool:
-        """Deprecated name of ``enable_prefix_caching``."""
-        return self.enable_prefix_caching
+        self.tables = LiveTables()
+        self.protection: Protection | None = None
+        self.observers: list[CacheObserver] = []
 
     @classmethod
     def from_config(cls, config: CacheConfig) -> PrefixCache:
@@ -125,16 +128,27 @@ class PrefixCache:
 
     def add_observer(self, observer: CacheObserver) -> None:
         """Tell ``observer`` about every admission, commit and free from now on (once)."""
-        if observer not in self._observers:
-            self._observers.append(observer)
+        if observer not in self.observers:
+            self.observers.append(observer)
 
-    def remove_observer(self, observer: CacheObserver) -> None:
-        if observer in self._observers:
-            self._observers.remove(observer)
+    def writes(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s computed blocks are cached (and its blocks namespaced)."""
+        return self.enable_prefix_caching and seq.writes_cache
 
-    @property
-    def observers(self) -> tuple[CacheObserver, ...]:
-        return tuple(self._observers)
+    # -- the index's own steps (radix: a table's path is held through the index) ----------------
+
+    def _admitted(self, table: SeqBlocks, hit: CacheHit) -> None:
+        """``table`` starts with ``hit``'s blocks; the cache then references
+        ``blocks[num_path:]`` of them."""
+
+    def _forked(self, parent: SeqBlocks, child: SeqBlocks) -> None:
+        """``child`` shares every block of ``parent`` (ref counts already raised)."""
+
+    def _released(self, table: SeqBlocks) -> None:
+        """``table`` let go of its blocks."""
+
+    def _evicted(self, digests: list[bytes]) -> None:
+        """The pool reused the free cached blocks of ``digests``."""
 
     # -- match ----------------------------------------------------------------------------------
 
@@ -143,7 +157,7 @@ class PrefixCache:
         Pure: changes no ref count and no statistic. Empty for a sequence that does not read
         the cache."""
         start_ns = time.perf_counter_ns()
-        reads = self.enable_prefix_caching and seq.use_cache and seq.read_cache
+        reads = self.enable_prefix_caching and seq.reads_cache
         hit = self.index.lookup(seq) if reads else CacheHit()
         hit.lookup_time_ns = time.perf_counter_ns() - start_ns
         hit.epoch = self.pool.epoch
@@ -153,18 +167,6 @@ class PrefixCache:
         """No cached block was dropped since `match` returned ``hit``: it is still admissible
         (a lookup now may find more, never less)."""
         return hit.epoch == self.pool.epoch
-
-    def _count_lookup(self, seq: Sequence, hit: CacheHit) -> None:
-        """``seq`` was admitted with ``hit``: count its lookup (once per admission)."""
-        stats = self.stats
-        num_hit_blocks = len(hit.block_ids)
-        stats.num_requests += 1
-        stats.num_queried_tokens += len(seq.token_ids)
-        stats.lookup_time_ns += hit.lookup_time_ns
-        stats.num_hit_requests += num_hit_blocks > 0
-        stats.num_hit_tokens += num_hit_blocks * self.block_size
-        misses = stats.first_miss_blocks
-        misses[num_hit_blocks] = misses.get(num_hit_blocks, 0) + 1
 
     # -- allocate -------------------------------------------------------------------------------
 
@@ -177,7 +179,7 @@ class PrefixCache:
         block table, or None when the blocks do not fit (and then nothing changed)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        table = self._tables.get(seq.seq_id)
+        table = self.tables.get(seq.seq_id)
         if table is None:
             return self._allocate_first(seq, num_new_tokens, hit)
         if table.seq is not seq:
@@ -187,15 +189,15 @@ class PrefixCache:
     def _allocate_first(
         self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None, *, counted: bool = True
     ) -> list[int] | None:
+        """``counted``: a request's admission (its lookup counted, observers told); else a
+        stand-in of a pin or a tier load."""
         given, hit = hit, hit or CacheHit()
         hit_blocks = self._checked_hit(seq, hit)
         num_hit = len(hit_blocks)
         computed = num_hit * self.block_size
         end = computed + num_new_tokens
         num_new = -(-end // self.block_size) - num_hit
-        protected, num_protected = _NONE, 0
-        if self.pool.other_cache_domains(seq.domain):  # else, the common case: nothing protected
-            protected, num_protected = self._protected_from(seq.domain, num_hit + num_new)
+        protected, num_protected = self._protected(seq.domain, num_hit + num_new)
         num_free = self.pool.num_free - num_protected
         if num_new + num_hit > num_free:  # admitting a hit consumes its free blocks
             reused = self.index.num_free_in(hit, hit_blocks) if num_hit else 0
@@ -203,62 +205,36 @@ class PrefixCache:
                 return None
         seq.num_computed_tokens = computed
         table = SeqBlocks(seq, hit_blocks, list(hit.block_ids), end, num_hit)
-        if num_hit and self._index_admits:
-            self.index.admit(table, hit)
+        if num_hit:
+            self._admitted(table, hit)
         # touch before allocate (radix holds its path through the index, not by references)
-        touch = hit_blocks[table.num_path :] if table.num_path else hit_blocks
-        taken = self._take(num_new, self._owner_root(seq), protected, touch)
+        taken = self._take(num_new, self._owner_root(seq), protected, hit_blocks[table.num_path :])
         table.blocks += taken.blocks
         table.block_ids += taken.block_ids
-        self._tables[seq.seq_id] = table
-        self._add_held(seq.domain, len(table.blocks))
-        if counted:
-            self._count_lookup(seq, hit)
-            for observer in self._observers:
+        self.tables.add(table)
+        if counted:  # a request's lookup is counted once, when it is admitted
+            self.stats.count_lookup(len(seq.token_ids), hit.num_blocks, self.block_size,
+                                    hit.lookup_time_ns)
+            for observer in self.observers:
                 observer.on_admit(seq, given, list(table.block_ids))
         return list(table.block_ids)
 
-    def _protected_from(self, domain: str, num_more: int) -> tuple[frozenset[str], int]:
+    def _protected(self, domain: str, num_more: int) -> tuple[frozenset[str], int]:
         """The domains whose free cached blocks ``domain`` may not evict for ``num_more`` more
-        blocks, and how many blocks that keeps from it: while several domains use the pool, a
-        domain that would hold more than its equal share (held + free cached blocks) evicts only
-        from domains at or over theirs, so its churn cannot take a quiet tenant's cache; it gets
-        None and the scheduler preempts its newest sequence instead. With one domain (or under
-        its share) nothing is protected."""
-        if not num_more or not self.protect_quiet_domains or not self.pool.other_cache_domains(
-                domain):  # common: one domain
+        blocks (``protection``'s answer), and how many blocks that keeps from it."""
+        if self.protection is None or not num_more or not self.pool.other_cache_domains(domain):
+            return _NONE, 0  # the common case: one domain
+        protected = self.protection(domain, num_more)
+        if not protected:
             return _NONE, 0
         free_cached = self.pool.free_cached_by_domain()
-        usage = Counter(self._held)
-        usage.update(free_cached)
-        share = self.num_blocks / len(usage.keys() | {domain})
-        if usage[domain] + num_more <= share:
-            return _NONE, 0
-        protected = [d for d in free_cached if d != domain and usage[d] <= share]
-        return frozenset(protected), sum(free_cached[d] for d in protected)
-
-    @contextlib.contextmanager
-    def without_protection(self) -> Iterator[None]:
-        """Allocations inside evict any free cached block, the quiet domains' too: for a caller
-        that knows nobody contends (nothing running, a request that cannot start otherwise)."""
-        before, self.protect_quiet_domains = self.protect_quiet_domains, False
-        try:
-            yield
-        finally:
-            self.protect_quiet_domains = before
-
-    def _add_held(self, domain: str, num: int) -> None:
-        held = self._held.get(domain, 0) + num
-        if held:
-            self._held[domain] = held
-        else:
-            del self._held[domain]
+        return protected, sum(free_cached.get(d, 0) for d in protected)
 
     def _checked_hit(self, seq: Sequence, hit: CacheHit) -> list[KVBlock]:
         """The hit's blocks, verified to still be cached for ``seq``."""
         if not hit.block_ids:
             return []
-        if not (self.enable_prefix_caching and seq.use_cache):
+        if not self.writes(seq):
             raise ValueError("a cache hit was given for a sequence that does not use the cache")
         num_hit = len(hit.block_ids)
         if hit.num_tokens != num_hit * self.block_size:
@@ -279,7 +255,7 @@ class PrefixCache:
             if blocks[i].ref_cnt > 1
         ]
         domain = table.seq.domain
-        protected, num_protected = self._protected_from(domain, num_new)
+        protected, num_protected = self._protected(domain, num_new)
         if num_new + len(shared) > self.pool.num_free - num_protected:
             return None
         root = self._owner_root(table.seq)
@@ -290,7 +266,7 @@ class PrefixCache:
             table.block_ids[i] = dst.block_id
         taken = self._take(num_new, root, protected)
         if taken.blocks:
-            self._add_held(domain, len(taken.blocks))
+            self.tables.grew(domain, len(taken.blocks))
             blocks += taken.blocks
             table.block_ids += taken.block_ids
         table.num_alloc_tokens = max(table.num_alloc_tokens, end)
@@ -309,24 +285,20 @@ class PrefixCache:
         taken = self.pool.take(num, owner_root, protected, touch)
         if taken.evicted_digests:
             self.stats.num_evictions += len(taken.evicted_digests)
-            self.index.forget(taken.evicted_digests)
+            self._evicted(taken.evicted_digests)
             if self.events.enabled:
                 self.events.emit(
                     BlockRemoved(block_hashes=taken.evicted_digests, block_ids=taken.evicted_ids)
                 )
-        self._note_watermark()
-        return taken
-
-    def _note_watermark(self) -> None:
-        stats = self.stats
-        num_free = self.pool.num_free
+        stats, num_free = self.stats, self.pool.num_free
         if stats.min_free_blocks < 0 or num_free < stats.min_free_blocks:
             stats.min_free_blocks = num_free
+        return taken
 
     def _owner_root(self, seq: Sequence) -> bytes | None:
         if not self.config.zero_on_reuse:
             return None
-        if seq.use_cache and self.enable_prefix_caching:
+        if self.writes(seq):
             return self.identity.root(seq)
         return self.hasher.root(seq.namespace(self.model_id))
 
@@ -338,9 +310,7 @@ class PrefixCache:
         self._commit(seq, num_computed_tokens, notify=True)
 
     def _commit(self, seq: Sequence, num_computed_tokens: int, *, notify: bool) -> None:
-        table = self._tables.get(seq.seq_id)
-        if table is None or table.seq is not seq:
-            table = self._live_table(seq)  # raises
+        table = self.tables.live(seq)
         top = min(table.num_alloc_tokens, len(seq.token_ids))
         if not table.num_computed_tokens <= num_computed_tokens <= top:
             raise ValueError(
@@ -352,44 +322,20 @@ class PrefixCache:
         start = table.num_committed_blocks
         end = num_computed_tokens // self.block_size
         table.num_committed_blocks = end
-        if self.enable_prefix_caching and seq.use_cache:
-            inserted = self.index.insert(table, start, end)
-            if inserted is not NOTHING_INSERTED:
-                stats = self.stats
-                stats.num_committed_blocks += inserted.num_stored
-                stats.num_duplicate_blocks += inserted.num_duplicates
-                if self.events.enabled:
-                    for run_start, run_end in inserted.runs:
-                        self._emit_stored(table, run_start, run_end)
-            if end > start and notify:
-                for observer in self._observers:
-                    observer.on_commit(seq, start, end, list(table.block_ids))
-
-    def _emit_stored(self, table: SeqBlocks, start: int, end: int) -> None:
-        """`BlockStored` for ``table``'s blocks ``start..end-1``, now hittable (token ids only
-        if ``events_with_tokens``: they are tenant data)."""
-        seq = table.seq
-        bs = self.block_size
-        digests = seq.block_digests
-        self.events.emit(
-            BlockStored(
-                block_hashes=digests[start:end],
-                parent_block_hash=digests[start - 1] if start else self.identity.root(seq),
-                token_ids=seq.token_ids[start * bs : end * bs] if self.events_with_tokens else [],
-                block_size=bs,
-                block_ids=table.block_ids[start:end],
-            )
-        )
-
-    def _table_of(self, seq: Sequence) -> SeqBlocks | None:
-        table = self._tables.get(seq.seq_id)
-        return table if table is not None and table.seq is seq else None
-
-    def _live_table(self, seq: Sequence) -> SeqBlocks:
-        table = self._table_of(seq)
-        if table is None:
-            raise ValueError(f"sequence {seq.seq_id!r} holds no blocks in this cache")
-        return table
+        if not self.writes(seq):
+            return
+        inserted = self.index.insert(table, start, end)
+        if inserted is not NOTHING_INSERTED:
+            stats = self.stats
+            stats.num_committed_blocks += inserted.num_stored
+            stats.num_duplicate_blocks += inserted.num_duplicates
+            if self.events.enabled:
+                for run_start, run_end in inserted.runs:
+                    self.events.emit(stored(table, run_start, run_end, self.identity,
+                                            self.config.events_with_tokens))
+        if end > start and notify:
+            for observer in self.observers:
+                observer.on_commit(seq, start, end, list(table.block_ids))
 
     # -- free, fork, reset ----------------------------------------------------------------------
 
@@ -398,81 +344,23 @@ class PrefixCache:
         self._free(seq, notify=True)
 
     def _free(self, seq: Sequence, *, notify: bool) -> None:
-        table = self._tables.get(seq.seq_id)
-        if table is None or table.seq is not seq:
+        table = self.tables.of(seq)
+        if table is None:
             return
-        del self._tables[seq.seq_id]
-        self._add_held(seq.domain, -len(table.blocks))
+        self.tables.remove(table)
         if len(table.blocks) > table.num_path:  # radix holds its path through the index
-            held = table.blocks[table.num_path :] if table.num_path else table.blocks
-            self.pool.release(reversed(held))
-        if table.node is not None:  # the index's place for it (radix: its locked path)
-            self.index.release(table)
+            self.pool.release(reversed(table.blocks[table.num_path :]))
+        if table.node is not None:
+            self._released(table)
         seq.num_computed_tokens = 0
         if notify:
-            for observer in self._observers:
+            for observer in self.observers:
                 observer.on_free(seq, len(table.blocks))
-
-    def adopt(
-        self, seq: Sequence, start: int, num_blocks: int, fill: Callable[[list[int], int], None]
-    ) -> int:
-        """Cache blocks ``start .. start + num_blocks - 1`` of ``seq`` whose KV comes from
-        elsewhere (a lower tier), computing nothing: the blocks from the longest cached prefix
-        on are allocated, ``fill(block_ids, first)`` writes their KV (``first``: the block index
-        of ``block_ids[0]``), and they are committed and released, cached and most recently
-        used, as if a sequence had computed them. No lookup is counted and observers hear
-        nothing; `BlockStored` events are emitted. Returns how many blocks were filled: 0 when
-        the cached prefix stops before ``start`` (the run would not join it), already covers the
-        run, or the blocks do not fit. ``seq`` itself is not touched (it may not be live)."""
-        if not (self.enable_prefix_caching and seq.use_cache) or num_blocks <= 0:
-            return 0
-        bs = self.block_size
-        end = start + num_blocks
-        if end > (len(seq.token_ids) - 1) // bs:
-            raise ValueError(f"adopt: blocks up to {end} leave no token of {seq.seq_id!r} to "
-                             "compute")
-        stand_in = seq.fork(f"{seq.seq_id}\x00adopt")
-        stand_in.num_computed_tokens = 0
-        hit = self.index.lookup(stand_in)
-        have = len(hit.block_ids)
-        if not start <= have < end or stand_in.seq_id in self._tables:
-            return 0
-        hit.epoch = self.pool.epoch
-        block_ids = self._allocate_first(stand_in, (end - have) * bs, hit, counted=False)
-        if block_ids is None:
-            return 0
-        filled = block_ids[have:end]
-        for block_id in filled:  # fill writes every slot: nothing to zero first
-            self.pool.cancel_zero(block_id)
-        try:
-            fill(filled, have)
-            self._commit(stand_in, end * bs, notify=False)
-        finally:
-            self._free(stand_in, notify=False)
-        return end - have
-
-    def hold(self, seq: Sequence, num_blocks: int) -> int:
-        """Take a reference on the cached blocks among ``seq``'s first ``num_blocks`` (from the
-        first, as far as they are cached), computing nothing and counting no lookup: a pin.
-        ``seq`` is then live, its blocks out of every free queue; `free` lets them go. Returns
-        how many blocks it holds (0: none cached, or ``seq`` is live already)."""
-        if not (self.enable_prefix_caching and seq.use_cache) or seq.seq_id in self._tables:
-            return 0
-        if num_blocks > (len(seq.token_ids) - 1) // self.block_size:
-            raise ValueError(f"hold: {num_blocks} blocks leave no token of {seq.seq_id!r}")
-        hit = self.index.lookup(seq)
-        if not hit.block_ids:
-            return 0
-        if len(hit.block_ids) > num_blocks:  # a longer sequence than the blocks asked for
-            raise ValueError(f"hold: give {seq.seq_id!r} num_blocks * block_size + 1 tokens")
-        hit.epoch = self.pool.epoch
-        block_ids = self._allocate_first(seq, 0, hit, counted=False)
-        return 0 if block_ids is None else len(block_ids)
 
     def fork(self, seq: Sequence, child_id: str) -> Sequence:
         """A child sharing every block of ``seq`` (ref counts up), for n > 1 sampling."""
-        table = self._live_table(seq)
-        if child_id in self._tables:
+        table = self.tables.live(seq)
+        if child_id in self.tables:
             raise ValueError(f"sequence id {child_id!r} is already live in this cache")
         # shared blocks are never written: pending writes must be re-allocated (copy-on-write)
         table.num_alloc_tokens = table.num_computed_tokens
@@ -483,31 +371,15 @@ class PrefixCache:
             table.num_committed_blocks, table.num_path, table.node,
         )  # fmt: skip
         if table.node is not None:
-            self.index.fork(table, child_table)
-        self._tables[child_id] = child_table
-        self._add_held(child.domain, len(child_table.blocks))
+            self._forked(table, child_table)
+        self.tables.add(child_table)
         return child
-
-    def drop_domain(self, domain: str) -> list[int]:
-        """Evict every free cached block of isolation domain ``domain`` (a tenant's purge);
-        blocks live sequences hold stay until they are freed. Returns the evicted blocks' ids
-        (their KV is still in the tensors: the caller may zero it). Counted and announced as
-        evictions."""
-        free_cached = self.pool.free_cached_by_domain()
-        num = free_cached.get(domain, 0)
-        if not num:
-            return []
-        others = frozenset(d for d in free_cached if d != domain)
-        # take hands out uncached free blocks first: take them too, and give them all back
-        num_uncached = self.pool.num_free - sum(free_cached.values())
-        taken = self._take(num_uncached + num, None, others)
-        self.pool.release(reversed(taken.blocks))
-        return taken.evicted_ids
 
     def reset(self) -> bool:
         """Drop every cached block. Refuses (False, nothing changed) while any block is in use."""
         if not self.pool.reset():
             return False
+        self.index.clear()
         self.stats.num_resets += 1
         self.events.emit(AllBlocksCleared())
         return True
@@ -516,12 +388,16 @@ class PrefixCache:
 
     def block_table(self, seq: Sequence) -> list[int]:
         """The current block table of ``seq`` (empty if it holds none)."""
-        table = self._table_of(seq)
+        table = self.tables.of(seq)
         return list(table.block_ids) if table is not None else []
 
     def blocks_held(self, domain: str = "") -> int:
         """Blocks in the live block tables of ``domain``'s sequences."""
-        return self._held.get(domain, 0)
+        return self.tables.held(domain)
+
+    def size(self) -> PoolSize:
+        """The pool's counts in one value: free, queued, parked, cached, held."""
+        return self.pool.size(self.index.num_cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -542,18 +418,6 @@ class PrefixCache:
         """The free queue, head (evicted first) to tail."""
         return self.pool.free_block_ids()
 
-    @property
-    def zero_on_reuse(self) -> bool:
-        return self.pool.zero_on_reuse
-
-    @property
-    def enable_kv_events(self) -> bool:
-        return self.events.enabled
-
-    @property
-    def num_dropped_events(self) -> int:
-        return self.events.num_dropped
-
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the KV events since the last call."""
         return self.events.take()
@@ -572,30 +436,6 @@ class PrefixCache:
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
         refs: Counter[int] = Counter(self.index.held_block_ids())
-        held: Counter[str] = Counter()
-        for seq_id, table in self._tables.items():
-            refs.update(table.block_ids[table.num_path :])  # the path is held by the index
-            held[table.seq.domain] += len(table.blocks)
-            self._check_table(seq_id, table)
+        self.tables.check(refs, self.block_size)  # each table's references but its path
         self.pool.check_integrity(refs)
-        held = +held  # without domains holding nothing
-        check_invariant(held == self._held, "blocks held per domain {} == {}", self._held, held)
-        self.index.check(self._tables)
-
-    def _check_table(self, seq_id: str, table: SeqBlocks) -> None:
-        bs = self.block_size
-        blocks = table.blocks
-        check_invariant(
-            table.seq.seq_id == seq_id and [b.block_id for b in blocks] == table.block_ids,
-            "table of {!r} belongs to its sequence; its block ids match its blocks",
-            seq_id,
-        )
-        computed, allocated = table.num_computed_tokens, table.num_alloc_tokens
-        check_invariant(
-            computed <= allocated <= len(blocks) * bs,
-            "computed <= allocated <= table size for {!r}",
-            seq_id,
-        )
-        # the blocks about to be written (none when nothing is pending)
-        for block in blocks[computed // bs : -(-allocated // bs) if allocated > computed else 0]:
-            check_invariant(block.ref_cnt == 1, "a shared block is never a write target", block)
+        self.index.check(self.tables.tables)

@@ -22,10 +22,13 @@ which blocks are cached and is seen here only through `Evictor`, the interface t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
 
-__all__ = ["BlockPool", "Evictor", "FreeBlockQueue", "KVBlock", "Taken", "check_invariant"]
+__all__ = [
+    "BlockPool", "Evictor", "FreeBlockQueue", "KVBlock", "PoolSize", "Taken", "check_invariant",
+]  # fmt: skip
 
 _NONE: frozenset[str] = frozenset()
 _count = attrgetter("count")
@@ -54,20 +57,27 @@ class KVBlock:
         self.owner_root: bytes | None = None
         self.domain = ""
 
+    def cache(self, digest: bytes, token_bytes: bytes, domain: str) -> None:
+        """The block's KV is block ``digest`` (tokens ``token_bytes``) of ``domain``: hittable."""
+        self.digest = digest
+        self.token_bytes = token_bytes
+        self.domain = domain
+
+    def uncache(self) -> None:
+        """The block holds nothing hittable any more (evicted, or the cache was reset)."""
+        self.digest = self.token_bytes = None
+
     def __repr__(self) -> str:
         digest = self.digest.hex()[:8] if self.digest is not None else None
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, digest={digest})"
 
 
 class Evictor(Protocol):
-    """What the pool needs from a prefix index; the pool imports nothing of the indexes.
+    """A prefix index that keeps its free cached blocks itself (radix), ``num_parked`` of them,
+    ``parked_by_domain()`` per domain, and hands them over through `evict`; the pool imports
+    nothing of the indexes. A pool with no evictor attached (hash) queues every free block
+    itself."""
 
-    ``keeps_free_blocks``: the index holds its free cached blocks itself (radix), ``num_parked``
-    of them, ``parked_by_domain()`` per domain, and hands them over through `evict`; otherwise
-    (hash) every free block is queued here and the index parks nothing. `clear` drops every
-    cached block (the pool's `reset`)."""
-
-    keeps_free_blocks: bool
     num_parked: int
 
     def parked_by_domain(self) -> Mapping[str, int]: ...
@@ -79,13 +89,10 @@ class Evictor(Protocol):
         order, handing over the index's reference on each; returns their ids and digests."""
         ...
 
-    def clear(self) -> None: ...
-
 
 class _NoEvictor:
-    """A pool without an index: nothing is parked."""
+    """No index parks blocks: every free block is queued in the pool (hash)."""
 
-    keeps_free_blocks = False
     num_parked = 0
 
     def parked_by_domain(self) -> Mapping[str, int]:
@@ -96,8 +103,23 @@ class _NoEvictor:
     ) -> tuple[list[int], list[bytes]]:
         raise RuntimeError("no index parks blocks in this pool")
 
-    def clear(self) -> None:
-        pass
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    """A pool's counts at one moment: ``num_free`` blocks can be handed out now, ``num_queued``
+    of them wait in the pool's queues and ``num_parked`` in the index (radix); ``num_cached``
+    are hittable (held or free); ``num_held`` are in use."""
+
+    num_blocks: int
+    num_free: int
+    num_queued: int
+    num_parked: int
+    num_cached: int
+    num_held: int
+
+    @property
+    def usage(self) -> float:
+        return self.num_held / self.num_blocks
 
 
 class Taken:
@@ -206,7 +228,7 @@ class FreeBlockQueue:
             out.append(block)
             ids.append(block.block_id)
             digests.append(block.digest)  # type: ignore[arg-type]  # queued cached: a digest
-            block.digest = block.token_bytes = None
+            block.uncache()
             block = block.next
         self.head.next = block
         block.prev = self.head
@@ -254,8 +276,15 @@ class BlockPool:
         self._link_all(self.blocks)
 
     def attach(self, evictor: Evictor) -> None:
-        """``evictor`` (a prefix index) caches blocks of this pool (before any block is cached)."""
+        """``evictor`` (a prefix index that parks its free cached blocks) caches blocks of this
+        pool (before any block is cached)."""
         self.evictor = evictor
+
+    def size(self, num_cached: int) -> PoolSize:
+        """The counts in one value (``num_cached``: the index's)."""
+        num_free = self.num_free
+        return PoolSize(self.num_blocks, num_free, self.num_queued, self.evictor.num_parked,
+                        num_cached, self.num_blocks - num_free)
 
     def _link_all(self, blocks: list[KVBlock]) -> None:
         """Every block free and uncached, queued in the order of ``blocks``."""
@@ -399,38 +428,38 @@ class BlockPool:
 
     # -- domains --------------------------------------------------------------------------------
 
-    def _cached_domains(self) -> Mapping[str, object]:
-        evictor = self.evictor
-        return evictor.parked_by_domain() if evictor.keeps_free_blocks else self._lru
-
     def other_cache_domains(self, domain: str) -> bool:
         """Whether a domain other than ``domain`` may have free cached blocks (cheap; may say
         True for a domain whose count dropped to 0)."""
-        keys = self._cached_domains()
-        return len(keys) > 1 or (len(keys) == 1 and domain not in keys)
+        for keys in (self._lru, self.evictor.parked_by_domain()):  # queued, parked
+            if len(keys) > 1 or (len(keys) == 1 and domain not in keys):
+                return True
+        return False
 
     def free_cached_by_domain(self) -> dict[str, int]:
-        """Free (evictable) cached blocks per domain."""
-        if self.evictor.keeps_free_blocks:
-            return {d: n for d, n in self.evictor.parked_by_domain().items() if n}
-        return {d: q.count for d, q in self._lru.items() if q.count}
+        """Free (evictable) cached blocks per domain: queued here or parked in the evictor."""
+        out = {d: q.count for d, q in self._lru.items() if q.count}
+        for domain, num in self.evictor.parked_by_domain().items():
+            if num:
+                out[domain] = out.get(domain, 0) + num
+        return out
 
     # -- reset, copies and zero-on-reuse ------------------------------------------------
 
     def reset(self) -> bool:
-        """Drop every digest (and the evictor's cached blocks). Refuses (False, nothing changed)
-        while any block is in use."""
+        """Drop every digest and every reference (the caller clears its index). Refuses (False,
+        nothing changed) while any block is in use."""
         if self.num_free != self.num_blocks:
             return False
-        # hash: the queue order stays (uncached, then each domain's, LRU first); radix: parked
-        # blocks rejoin the queue, all in id order
-        order = self.blocks
-        if not self.evictor.keeps_free_blocks:
-            order = [b for q in (self._free, *self._lru.values()) for b in q.blocks()]
+        # the queue order stays (uncached, then each domain's, LRU first); parked blocks (radix)
+        # join it after them, in id order
+        order = [b for q in (self._free, *self._lru.values()) for b in q.blocks()]
+        if len(order) < self.num_blocks:
+            queued = {b.block_id for b in order}
+            order += [b for b in self.blocks if b.block_id not in queued]
         for block in self.blocks:  # radix: the tree's references go too
-            block.digest = block.token_bytes = None
+            block.uncache()
             block.ref_cnt = 0
-        self.evictor.clear()
         self._link_all(order)
         self.epoch += 1
         return True

@@ -6,7 +6,6 @@ implementation reads only what it uses.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
@@ -57,12 +56,7 @@ class CacheConfig:
     @classmethod
     def of(cls, kind: str, num_blocks: int | None, block_size: int, hash_algo: str,
            **settings: object) -> CacheConfig:
-        """From keyword settings, taking the deprecated ``enable_caching`` (now
-        ``enable_prefix_caching``, vLLM's name) with a warning."""
-        if "enable_caching" in settings:
-            warnings.warn("enable_caching is deprecated: use enable_prefix_caching",
-                          DeprecationWarning, stacklevel=3)
-            settings["enable_prefix_caching"] = settings.pop("enable_caching")
+        """From keyword settings (the other fields)."""
         return cls(kind, num_blocks, block_size, hash_algo, **settings)  # type: ignore[arg-type]
 
     def as_kwargs(self) -> dict[str, object]:

@@ -9,6 +9,11 @@ boundary may want them; logs never get them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixcache.cache.identity import CacheIdentity
+    from prefixcache.cache.index import SeqBlocks
 
 SHARED_MEDIA = frozenset({"VALKEY"})  # media every replica reads: a block there is everyone's
 
@@ -42,6 +47,23 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def stored(
+    table: SeqBlocks, start: int, end: int, identity: CacheIdentity, with_tokens: bool
+) -> BlockStored:
+    """`BlockStored` for ``table``'s blocks ``start..end-1``, now hittable (token ids only
+    ``with_tokens``: they are tenant data)."""
+    seq = table.seq
+    bs = identity.block_size
+    digests = seq.block_digests
+    return BlockStored(
+        block_hashes=digests[start:end],
+        parent_block_hash=digests[start - 1] if start else identity.root(seq),
+        token_ids=seq.token_ids[start * bs : end * bs] if with_tokens else [],
+        block_size=bs,
+        block_ids=table.block_ids[start:end],
+    )
 
 
 DEFAULT_MAX_EVENTS = 100_000

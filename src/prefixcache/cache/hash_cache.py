@@ -10,6 +10,7 @@ alone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -35,9 +36,13 @@ class HashPrefixCache(PrefixCache):
     cached blocks wait in the pool's LRU free queue."""
 
     kind = "hash"
+    index: HashIndex
 
-    def _make_index(self) -> PrefixIndex:
+    def _make_index(self) -> HashIndex:
         return HashIndex(self.pool, self.identity)
+
+    def _evicted(self, digests: list[bytes]) -> None:
+        self.index.forget(digests)
 
 
 @dataclass(slots=True)
@@ -125,9 +130,7 @@ class HashIndex(PrefixIndex):
                 stored = False
             else:
                 cached[digest] = block
-                block.digest = digest
-                block.token_bytes = chunks[i]
-                block.domain = domain
+                block.cache(digest, chunks[i], domain)
                 stored = True
             if stored != (run_start >= 0):
                 if stored:
@@ -140,14 +143,18 @@ class HashIndex(PrefixIndex):
         return Inserted(runs, num_dups)
 
     def forget(self, digests: list[bytes]) -> None:
+        """The pool reused the free cached blocks of ``digests``: they are cached no more."""
         pop = self.digest_map.pop
         for digest in digests:
             pop(digest, None)
 
+    def held_block_ids(self) -> list[int]:
+        return []  # the blocks are the pool's: every reference is a table's
+
     def clear(self) -> None:
         self.digest_map.clear()
 
-    def check(self, tables: dict[str, SeqBlocks]) -> None:
+    def check(self, tables: Mapping[str, SeqBlocks]) -> None:
         for digest, block in self.digest_map.items():
             check_invariant(
                 block.digest == digest, "map entry points to a block with its digest: {!r}", block

@@ -9,7 +9,7 @@ and tables, never tensors. To the pool it is an `Evictor` (the interface the poo
 
 - hash: a free cached block waits in the pool's queues, whose order is the eviction order; when
   the pool reuses one, the cache tells the index to `forget` its digest.
-- radix (``keeps_free_blocks``): the index keeps its cached blocks itself, holding one reference
+- radix: the index keeps its cached blocks itself (the pool's `Evictor`), holding one reference
   on each; a table's first ``num_path`` blocks are held through the index (the locks of its tree
   path), not through ref counts of their own; unlocked ones are parked and given up through
   `evict`, in the index's own order.
@@ -95,11 +95,10 @@ NOTHING_INSERTED = Inserted()  # shared: never mutated
 
 
 class PrefixIndex(abc.ABC):
-    """What the hash and radix indexes implement for the `PrefixCache` written over them, and
-    the pool's `Evictor`."""
-
-    keeps_free_blocks = False  # radix: free cached blocks stay in the index (parked)
-    num_parked = 0  # parked (evictable) blocks the index keeps
+    """What both indexes implement for the `PrefixCache` written over them. Each kind adds its
+    own steps, called by its own cache: the hash index `forget`s digests the pool reused; the
+    radix index is the pool's `Evictor` and holds a table's path (``admit``/``fork``/
+    ``release``)."""
 
     @property
     @abc.abstractmethod
@@ -119,45 +118,19 @@ class PrefixIndex(abc.ABC):
         """How many of ``hit``'s ``blocks`` are free now (admitting the hit consumes them)."""
         return sum(1 for b in blocks if b.ref_cnt == 0)
 
-    def admit(self, table: SeqBlocks, hit: CacheHit) -> None:  # noqa: B027 - optional hook
-        """``table`` starts with ``hit``'s blocks (radix: lock the path, set ``num_path``); the
-        cache then references ``blocks[num_path:]`` of them."""
-
     @abc.abstractmethod
     def insert(self, table: SeqBlocks, start: int, end: int) -> Inserted:
         """``table``'s blocks ``start..end-1`` are full and computed: make them hittable (or
         adopt the copies already cached, releasing the duplicates)."""
 
-    def fork(self, parent: SeqBlocks, child: SeqBlocks) -> None:  # noqa: B027 - optional hook
-        """``child`` shares every block of ``parent`` (ref counts already raised; called for a
-        table with a ``node``)."""
-
-    def release(self, table: SeqBlocks) -> None:  # noqa: B027 - optional hook
-        """``table`` let go of its blocks (radix: unlock the path; for a table with a ``node``)."""
-
-    def forget(self, digests: list[bytes]) -> None:  # noqa: B027 - optional hook
-        """The pool reused free cached blocks queued there: these digests are cached no more
-        (hash: drop their map entries; radix never queues a cached block)."""
-
-    def parked_by_domain(self) -> Mapping[str, int]:
-        """Parked (evictable) blocks per domain."""
-        return {}
-
-    def evict(
-        self, num: int, out: list[KVBlock], protected: frozenset[str]
-    ) -> tuple[list[int], list[bytes]]:
-        """Append ``num`` parked blocks (none of ``protected`` domains') to ``out`` in eviction
-        order, handing over the index's reference on each; returns their ids and digests."""
-        raise NotImplementedError(f"{type(self).__name__} parks no blocks")
-
+    @abc.abstractmethod
     def held_block_ids(self) -> list[int]:
         """Blocks the index itself holds a reference on (radix: its tree's)."""
-        return []
 
     @abc.abstractmethod
     def clear(self) -> None:
         """Drop everything (the pool holds no block in use)."""
 
     @abc.abstractmethod
-    def check(self, tables: dict[str, SeqBlocks]) -> None:
+    def check(self, tables: Mapping[str, SeqBlocks]) -> None:
         """Raise AssertionError naming the first broken invariant of the index."""

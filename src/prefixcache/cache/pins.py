@@ -1,7 +1,7 @@
 """Pinned prefixes: cached blocks kept from eviction for a time (Anthropic's ``cache_control``).
 
 A pin holds one reference on each block of a prompt's prefix, through a stand-in sequence the
-cache keeps live (`PrefixCache.hold`), so the blocks leave the free queue exactly as a running
+cache keeps live (`hold`), so the blocks leave the free queue exactly as a running
 request's do: no eviction can take them, and they count as the pinning domain's blocks in the
 scheduler's fair shares. A pin ends at its expiry (``ttl_s`` after it was made or last hit, on
 the table's ``clock``, which tests control) or when released; its references are dropped then
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.sequence import Sequence
 
-__all__ = ["MAX_TTL_S", "TTLS", "Pin", "PinTable", "ttl_seconds"]
+__all__ = ["MAX_TTL_S", "TTLS", "Pin", "PinTable", "hold", "ttl_seconds"]
 
 TTLS = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0}  # the named TTLs the APIs take
 MAX_TTL_S = TTLS["24h"]
@@ -33,6 +33,25 @@ def ttl_seconds(value: object) -> float | None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         return None
     return float(seconds) if 0 < seconds <= MAX_TTL_S else None
+
+
+def hold(cache: PrefixCache, seq: Sequence, num_blocks: int) -> int:
+    """Take a reference on the cached blocks among ``seq``'s first ``num_blocks`` (from the
+    first, as far as they are cached), computing nothing and counting no lookup. ``seq`` is
+    then live, its blocks out of every free queue; ``cache.free(seq)`` lets them go. Returns how
+    many blocks it holds (0: none cached, or ``seq`` is live already)."""
+    if not cache.writes(seq) or seq.seq_id in cache.tables:
+        return 0
+    if num_blocks > (len(seq.token_ids) - 1) // cache.block_size:
+        raise ValueError(f"hold: {num_blocks} blocks leave no token of {seq.seq_id!r}")
+    hit = cache.index.lookup(seq)
+    if not hit.block_ids:
+        return 0
+    if len(hit.block_ids) > num_blocks:  # a longer sequence than the blocks asked for
+        raise ValueError(f"hold: give {seq.seq_id!r} num_blocks * block_size + 1 tokens")
+    hit.epoch = cache.pool.epoch
+    block_ids = cache._allocate_first(seq, 0, hit, counted=False)
+    return 0 if block_ids is None else len(block_ids)
 
 
 @dataclass(slots=True, eq=False)
@@ -101,7 +120,7 @@ class PinTable:
         pin_id = f"pin_{next(self._ids)}"
         stand_in = Sequence(f"\x00{pin_id}", seq.token_ids[: num_blocks * bs + 1], seq.salt,
                             adapter=seq.adapter, domain=seq.domain)
-        held = self.cache.hold(stand_in, num_blocks)
+        held = hold(self.cache, stand_in, num_blocks)
         if held == 0:
             return None
         pin = Pin(pin_id, stand_in, seq.domain, held, ttl_s, self.clock() + ttl_s,

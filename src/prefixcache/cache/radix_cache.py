@@ -29,16 +29,23 @@ admitted, so that a sequence's locked path covers exactly its hit blocks.
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from itertools import chain
 
 from prefixcache.cache.base import PrefixCache
-from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
+from prefixcache.cache.block_pool import BlockPool, KVBlock
 from prefixcache.cache.config import EVICTION_POLICIES
 from prefixcache.cache.identity import CacheIdentity
 from prefixcache.cache.index import CacheHit, Inserted, PrefixIndex, SeqBlocks
+from prefixcache.cache.radix_tree import (
+    EvictionHeaps,
+    RadixNode,
+    check_tree,
+    descend,
+    num_common,
+    path_ids,
+)  # fmt: skip
 from prefixcache.cache.sequence import Sequence
 
 __all__ = ["EVICTION_POLICIES", "RadixIndex", "RadixPrefixCache"]
@@ -51,8 +58,19 @@ class RadixPrefixCache(PrefixCache):
     kind = "radix"
     index: RadixIndex
 
-    def _make_index(self) -> PrefixIndex:
-        return RadixIndex(self.pool, self.identity, self.eviction_policy)
+    def _make_index(self) -> RadixIndex:
+        index = RadixIndex(self.pool, self.identity, self.config.eviction_policy)
+        self.pool.attach(index)  # it parks the free cached blocks
+        return index
+
+    def _admitted(self, table: SeqBlocks, hit: CacheHit) -> None:
+        self.index.admit(table, hit)
+
+    def _forked(self, parent: SeqBlocks, child: SeqBlocks) -> None:
+        self.index.fork(parent, child)
+
+    def _released(self, table: SeqBlocks) -> None:
+        self.index.release(table)
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -71,40 +89,12 @@ class RadixPrefixCache(PrefixCache):
 
 
 @dataclass(slots=True, eq=False)
-class _Node:
-    """A run of cached blocks ``[start, start + len(block_ids))`` of every sequence through it.
-
-    The root and the namespace nodes own no blocks. ``stamp`` names the node's current eviction
-    heap entry (older entries are stale); each domain's nodes have their own heap.
-    """
-
-    parent: _Node | None
-    key: bytes
-    start: int
-    block_ids: list[int]
-    blocks: list[KVBlock]  # the pool's blocks of ``block_ids``
-    digests: list[bytes]
-    tokens: list[bytes]
-    children: dict[bytes, _Node] = field(default_factory=dict)
-    lock_ref: int = 0
-    last_access: int = 0
-    hit_count: int = 0
-    stamp: int = 0
-    attached: bool = True
-    domain: str = ""  # the isolation domain whose sequence cached it
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.block_ids)
-
-
-@dataclass(slots=True, eq=False)
 class _HitHandle:
     """Where `lookup` stopped: the node holding the last hit block, the namespace root, and
     the block ids and pool epoch it found (unchanged epoch: still in the tree)."""
 
-    index: object
-    node: _Node
+    index: RadixIndex
+    node: RadixNode
     root: bytes
     block_ids: list[int]
     epoch: int
@@ -115,29 +105,19 @@ class RadixIndex(PrefixIndex):
     recency). Its cached blocks (``num_cached``) and, among them, the parked ones (``num_parked``,
     per domain in ``parked``) are counted here alone."""
 
-    keeps_free_blocks = True
-
     def __init__(
         self, pool: BlockPool, identity: CacheIdentity, eviction_policy: str = "lru"
     ) -> None:
         self.pool = pool
         self.identity = identity
         self.eviction_policy = eviction_policy
-        self._lfu = eviction_policy == "lfu"
-        self._root = _Node(None, b"", 0, [], [], [], [])
-        self._num_nodes = 0
-        # per isolation domain: its eviction heap and its parked (unlocked) blocks
-        self._heaps: dict[str, list[tuple[int, int, int, _Node]]] = {}
-        self.parked: dict[str, int] = {}
+        self.root = RadixNode.empty(None)
+        self.num_nodes = 0  # tree nodes that own blocks
+        self.heaps = EvictionHeaps(eviction_policy == "lfu")
+        self.parked: dict[str, int] = {}  # per isolation domain: its parked (unlocked) blocks
         self.num_parked = 0
         self._num_cached = 0
         self._clock = 0
-        self._stamp = 0
-
-    @property
-    def num_nodes(self) -> int:
-        """Tree nodes that own blocks."""
-        return self._num_nodes
 
     @property
     def num_cached(self) -> int:
@@ -151,10 +131,10 @@ class RadixIndex(PrefixIndex):
     def lookup(self, seq: Sequence) -> CacheHit:
         digests = self.identity.block_digests(seq)
         root = self.identity.root(seq)
-        ns = self._root.children.get(root)
+        ns = self.root.children.get(root)
         if ns is None:
             return CacheHit()
-        path, num_matched = _descend(ns, digests, seq.block_token_bytes, len(digests))
+        path, num_matched = descend(ns, digests, seq.block_token_bytes, len(digests))
         num_hit = min(num_matched, max(0, (len(seq.token_ids) - 1) // self.pool.block_size))
         block_ids: list[int] = []
         last = ns
@@ -167,21 +147,21 @@ class RadixIndex(PrefixIndex):
         return CacheHit(num_hit * self.pool.block_size, block_ids, num_hit, num_matched, handle)
 
     def checked_hit(self, seq: Sequence, hit: CacheHit) -> list[KVBlock]:
-        node = self._hit_node(seq, hit)
-        handle: _HitHandle = hit.handle  # type: ignore[assignment]  # checked by _hit_node
+        handle = self._handle(seq, hit)
+        node = _resolve(handle, hit)
         if not (
             (handle.epoch == self.pool.epoch and handle.block_ids is hit.block_ids)
-            or (node.attached and _path_ids(node)[0][: hit.num_blocks] == hit.block_ids)
+            or (node.attached and path_ids(node)[0][: hit.num_blocks] == hit.block_ids)
         ):
             raise ValueError("stale cache hit: its blocks were evicted since match()")
         runs, num_hit = [], len(hit.block_ids)  # the hit's blocks, node by node from the deepest
         while node.block_ids:
             runs.append(node.blocks[: num_hit - node.start])
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
         return runs[0] if len(runs) == 1 else list(chain.from_iterable(reversed(runs)))
 
-    def _hit_node(self, seq: Sequence, hit: CacheHit) -> _Node:
-        """The node holding the hit's last block (a split since may have moved it upward)."""
+    def _handle(self, seq: Sequence, hit: CacheHit) -> _HitHandle:
+        """The hit's handle, checked to be this index's lookup for ``seq``."""
         handle = hit.handle
         if (
             not isinstance(handle, _HitHandle)
@@ -189,20 +169,22 @@ class RadixIndex(PrefixIndex):
             or handle.root != self.identity.root(seq)
         ):
             raise ValueError("the hit was not produced by this cache's match() for this sequence")
-        return _resolve(hit)
+        return handle
 
     def num_free_in(self, hit: CacheHit, blocks: list[KVBlock]) -> int:
         """Hit blocks on unlocked nodes: evictable now, protected once the path is locked."""
-        node = _resolve(hit)
+        assert isinstance(hit.handle, _HitHandle)  # checked_hit checked it
+        node = _resolve(hit.handle, hit)
         count = 0
         while node.block_ids and not node.lock_ref:
             count += min(node.end, hit.num_blocks) - node.start
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
         return count
 
     def admit(self, table: SeqBlocks, hit: CacheHit) -> None:
         table.num_path = num_hit = len(hit.block_ids)
-        table.node = node = self._split(_resolve(hit), num_hit)  # checked_hit checked the handle
+        assert isinstance(hit.handle, _HitHandle)  # checked_hit checked it
+        table.node = node = self._split(_resolve(hit.handle, hit), num_hit)
         self._lock(node, count_hit=True)
 
     # -- eviction -------------------------------------------------------------------------------
@@ -220,8 +202,7 @@ class RadixIndex(PrefixIndex):
                 domain = next(iter(parked))
             else:
                 domain = max((d for d in parked if d not in protected), key=parked.__getitem__)
-            heap = self._heaps[domain]
-            node = self._candidate(heap)
+            node = self.heaps.first(domain)
             block_ids, digests = node.block_ids, node.digests
             cut = max(0, len(block_ids) - num)
             taken = block_ids[cut:]
@@ -235,51 +216,26 @@ class RadixIndex(PrefixIndex):
             self._num_cached -= len(taken)
             del block_ids[cut:], node.blocks[cut:], digests[cut:], node.tokens[cut:]
             if not block_ids:
-                heapq.heappop(heap)
+                self.heaps.pop(domain)
                 self._detach(node)
         return ids, dropped
 
-    def _candidate(self, heap: list[tuple[int, int, int, _Node]]) -> _Node:
-        """The first valid entry of an eviction heap (stale entries are dropped on the way)."""
-        while True:
-            node = heap[0][3]
-            if (
-                heap[0][2] == node.stamp
-                and node.attached
-                and not node.lock_ref
-                and not node.children
-                and node.block_ids
-            ):
-                return node
-            heapq.heappop(heap)
-
-    def _detach(self, node: _Node) -> None:
+    def _detach(self, node: RadixNode) -> None:
         parent = node.parent
-        assert parent is not None
         del parent.children[node.key]
         node.attached = False
-        self._num_nodes -= 1
+        self.num_nodes -= 1
         if parent.children:
             return
         if not parent.block_ids:  # an empty namespace node
-            del self._root.children[parent.key]
+            del self.root.children[parent.key]
             parent.attached = False
         elif not parent.lock_ref:
-            self._push(parent)
+            self.heaps.push(parent, self.num_nodes)
 
-    def _push(self, node: _Node) -> None:
-        self._stamp += 1
-        node.stamp = self._stamp
-        freq = node.hit_count if self._lfu else 0
-        heap = self._heaps.setdefault(node.domain, [])
-        heapq.heappush(heap, (freq, node.last_access, self._stamp, node))
-        if len(heap) > 4 * self._num_nodes + 1024:
-            heap[:] = [e for e in heap if e[2] == e[3].stamp and e[3].attached]
-            heapq.heapify(heap)
-
-    # -- locks ----------------------------------------------------------------------------------
-
-    def _lock(self, node: _Node, stop: _Node | None = None, *, count_hit: bool = False) -> None:
+    def _lock(
+        self, node: RadixNode, stop: RadixNode | None = None, *, count_hit: bool = False
+    ) -> None:
         """Add one lock on every node from ``node`` up to ``stop`` (exclusive) or the namespace."""
         self._clock += 1
         clock, parked, num_parked = self._clock, self.parked, 0
@@ -291,10 +247,10 @@ class RadixIndex(PrefixIndex):
             node.last_access = clock
             if count_hit:
                 node.hit_count += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
         self.num_parked -= num_parked
 
-    def _unlock(self, node: _Node) -> None:
+    def _unlock(self, node: RadixNode) -> None:
         """Drop one lock on every node from ``node`` up: one left unlocked is parked."""
         self._clock += 1
         clock, parked, num_parked = self._clock, self.parked, 0
@@ -305,16 +261,16 @@ class RadixIndex(PrefixIndex):
                 num_parked += len(node.block_ids)
                 parked[node.domain] = parked.get(node.domain, 0) + len(node.block_ids)
                 if not node.children:
-                    self._push(node)
-            node = node.parent  # type: ignore[assignment]
+                    self.heaps.push(node, self.num_nodes)
+            node = node.parent
         self.num_parked += num_parked
 
     def fork(self, parent: SeqBlocks, child: SeqBlocks) -> None:
-        if isinstance(parent.node, _Node):
+        if isinstance(parent.node, RadixNode):
             self._lock(parent.node)
 
     def release(self, table: SeqBlocks) -> None:
-        if isinstance(table.node, _Node):
+        if isinstance(table.node, RadixNode):
             self._unlock(table.node)
 
     # -- insert ---------------------------------------------------------------------------------
@@ -331,17 +287,17 @@ class RadixIndex(PrefixIndex):
         seq = table.seq
         digests = self.identity.block_digests(seq)
         tokens = seq.block_token_bytes
-        first = table.node if isinstance(table.node, _Node) else self._namespace(seq)
+        first = table.node if isinstance(table.node, RadixNode) else self._namespace(seq)
         node, i = first, table.num_path
         while i < end:
             child = node.children.get(digests[i])
             if child is None:
                 node, i = self._add_node(table, node, i, end, result)
                 break
-            num_common = _num_common(child, digests, tokens, i, end)
-            if not num_common:
+            common = num_common(child, digests, tokens, i, end)
+            if not common:
                 break  # digest collision: these blocks stay private to the sequence
-            node = self._split(child, i + num_common)
+            node = self._split(child, i + common)
             result.num_duplicates += self._adopt(table, node, i)
             i = node.end
         if node is not first:
@@ -351,17 +307,17 @@ class RadixIndex(PrefixIndex):
             table.num_path = i
         return result
 
-    def _namespace(self, seq: Sequence) -> _Node:
+    def _namespace(self, seq: Sequence) -> RadixNode:
         root = self.identity.root(seq)
-        node = self._root.children.get(root)
+        node = self.root.children.get(root)
         if node is None:
-            node = _Node(self._root, root, 0, [], [], [], [])
-            self._root.children[root] = node
+            node = RadixNode.empty(self.root, root)
+            self.root.children[root] = node
         return node
 
     def _add_node(
-        self, table: SeqBlocks, parent: _Node, start: int, stop: int, result: Inserted
-    ) -> tuple[_Node, int]:
+        self, table: SeqBlocks, parent: RadixNode, start: int, stop: int, result: Inserted
+    ) -> tuple[RadixNode, int]:
         """A new child of ``parent`` owning ``table``'s blocks ``start..stop-1`` (held by it),
         recorded as a stored run in ``result``."""
         blocks = table.blocks
@@ -372,7 +328,7 @@ class RadixIndex(PrefixIndex):
             return parent, start
         seq = table.seq
         digests, tokens = seq.block_digests, seq.block_token_bytes
-        node = _Node(
+        node = RadixNode(
             parent,
             digests[start],
             start,
@@ -386,11 +342,11 @@ class RadixIndex(PrefixIndex):
         self._num_cached += end - start
         self.num_parked += end - start  # unlocked until the caller locks it
         self.parked[node.domain] = self.parked.get(node.domain, 0) + end - start
-        self._num_nodes += 1
+        self.num_nodes += 1
         result.runs.append((start, end))
         return node, end
 
-    def _adopt(self, table: SeqBlocks, node: _Node, start: int) -> int:
+    def _adopt(self, table: SeqBlocks, node: RadixNode, start: int) -> int:
         """``node``'s run was already cached by another sequence: point the table at it and
         release the sequence's duplicates; returns how many there were."""
         pool = self.pool
@@ -401,7 +357,7 @@ class RadixIndex(PrefixIndex):
         pool.release(reversed(dups))
         return len(dups)
 
-    def _split(self, node: _Node, num_blocks: int) -> _Node:
+    def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
         """Make the first ``num_blocks - node.start`` blocks of ``node`` a node of their own.
 
         Returns the node whose run ends at block ``num_blocks``; the new parent inherits the
@@ -411,8 +367,7 @@ class RadixIndex(PrefixIndex):
         if cut >= len(node.block_ids):
             return node
         parent = node.parent
-        assert parent is not None
-        head = _Node(
+        head = RadixNode(
             parent,
             node.key,
             node.start,
@@ -431,26 +386,26 @@ class RadixIndex(PrefixIndex):
         node.parent = head
         node.key = node.digests[0]
         node.start = num_blocks
-        self._num_nodes += 1
+        self.num_nodes += 1
         return head
 
     def clear(self) -> None:
-        for node in self._nodes():
+        for node in self.nodes():
             node.attached = False  # hits found before the reset are stale
-        for ns in self._root.children.values():
+        for ns in self.root.children.values():
             ns.attached = False
-        self._root.children.clear()
-        self._heaps.clear()
+        self.root.children.clear()
+        self.heaps.clear()
         self.parked.clear()
         self.num_parked = self._num_cached = 0
-        self._num_nodes = 0
+        self.num_nodes = 0
 
     # -- invariants -----------------------------------------------------------------------------
 
-    def _nodes(self) -> list[_Node]:
+    def nodes(self) -> list[RadixNode]:
         """Every block-owning node, parents before children."""
-        out: list[_Node] = []
-        stack = list(self._root.children.values())
+        out: list[RadixNode] = []
+        stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             if node.block_ids:
@@ -459,134 +414,16 @@ class RadixIndex(PrefixIndex):
         return out
 
     def held_block_ids(self) -> list[int]:
-        return [i for node in self._nodes() for i in node.block_ids]
+        return [i for node in self.nodes() for i in node.block_ids]
 
-    def check(self, tables: dict[str, SeqBlocks]) -> None:
-        for root, ns in self._root.children.items():
-            check_invariant(
-                ns.key == root and ns.parent is self._root and ns.attached and not ns.block_ids
-                and not ns.lock_ref,
-                "namespace node {} is keyed by its root, owns no blocks and is never locked",
-                root.hex()[:8],
-            )  # fmt: skip
-        locks = Counter(t.node for t in tables.values() if isinstance(t.node, _Node))
-        in_heap = {e[2] for d, heap in self._heaps.items() for e in heap if e[3].domain == d}
-        nodes = self._nodes()
-        tree: set[int] = set()
-        parked: Counter[str] = Counter()
-        for node in reversed(nodes):  # children before parents
-            parent = node.parent
-            check_invariant(
-                node.attached and parent is not None and parent.children.get(node.key) is node
-                and node.start == parent.end and node.key == node.digests[0]
-                and len(node.block_ids) == len(node.digests) == len(node.tokens)
-                and [b.block_id for b in node.blocks] == node.block_ids,
-                "node at block {} is linked, starts where its parent ends, keeps one block, "
-                "digest and token run per block and is keyed by its first",
-                node.start,
-            )  # fmt: skip
-            expected = locks[node] + sum(c.lock_ref for c in node.children.values())
-            check_invariant(
-                node.lock_ref == expected,
-                "lock_ref {} at block {} == sequences through it ({})",
-                node.lock_ref,
-                node.start,
-                expected,
-            )
-            if not node.lock_ref:
-                parked[node.domain] += len(node.block_ids)
-                check_invariant(
-                    bool(node.children) or node.stamp in in_heap,
-                    "unlocked leaf at block {} is in the heap",
-                    node.start,
-                )
-            for block_id in node.block_ids:
-                block = self.pool.blocks[block_id]
-                check_invariant(
-                    block_id not in tree and block.ref_cnt == 1 and block.digest is None,
-                    "a tree block is in the tree once, held by the tree alone; its node keeps "
-                    "the digest: {!r}",
-                    block,
-                )
-                tree.add(block_id)
-        check_invariant(len(nodes) == self._num_nodes, "node count kept incrementally")
-        check_invariant(len(tree) == self._num_cached, "cached count kept (tree blocks)")
-        num_parked = sum(parked.values())
-        check_invariant(
-            num_parked == self.num_parked and parked == +Counter(self.parked),
-            "parked (evictable) blocks {} == {} unlocked cached blocks, per domain {} == {}",
-            self.num_parked,
-            num_parked,
-            self.parked,
-            parked,
-        )
-        for seq_id, table in tables.items():
-            path, attached = _path_ids(table.node) if isinstance(table.node, _Node) else ([], True)
-            check_invariant(
-                attached and table.block_ids[: table.num_path] == path
-                and len(path) == table.num_path
-                and table.num_path * self.pool.block_size <= table.num_computed_tokens,
-                "{!r} locks only nodes in the tree; its table starts with its locked path, "
-                "num_path long, all computed",
-                seq_id,
-            )  # fmt: skip
-            held = table.block_ids[table.num_path :]
-            check_invariant(tree.isdisjoint(held), "{!r}'s held blocks are not in the tree", seq_id)
+    def check(self, tables: Mapping[str, SeqBlocks]) -> None:
+        check_tree(self, tables)
 
 
-def _path_ids(node: _Node) -> tuple[list[int], bool]:
-    """The block ids from the namespace down to ``node``'s last, and whether every node on the
-    way is still in the tree."""
-    path: list[int] = []
-    attached = True
-    while node.block_ids:
-        path[:0] = node.block_ids
-        attached = attached and node.attached
-        node = node.parent  # type: ignore[assignment]
-    return path, attached
-
-
-def _resolve(hit: CacheHit) -> _Node:
+def _resolve(handle: _HitHandle, hit: CacheHit) -> RadixNode:
     """The node holding ``hit``'s last block now (a split since may have moved it upward)."""
-    node: _Node = hit.handle.node  # type: ignore[attr-defined]
+    node = handle.node
     num_hit = len(hit.block_ids)
     while node.attached and node.start >= num_hit:
-        node = node.parent  # type: ignore[assignment]
+        node = node.parent
     return node
-
-
-def _descend(
-    node: _Node, digests: list[bytes], tokens: list[bytes], limit: int
-) -> tuple[list[_Node], int]:
-    """The nodes along the longest cached prefix of ``digests[:limit]`` and its length in blocks.
-
-    A whole run is compared with two list comparisons (one slice each); only the node where the
-    walk stops is compared block by block.
-    """
-    path: list[_Node] = []
-    i = 0
-    while i < limit:
-        child = node.children.get(digests[i])
-        if child is None:
-            break
-        size = len(child.digests)
-        stop = i + size
-        if stop > limit or child.digests != digests[i:stop] or child.tokens != tokens[i:stop]:
-            size = _num_common(child, digests, tokens, i, limit)
-            if size:
-                path.append(child)
-            return path, i + size
-        path.append(child)
-        node = child
-        i = stop
-    return path, i
-
-
-def _num_common(node: _Node, digests: list[bytes], tokens: list[bytes], i: int, limit: int) -> int:
-    """How many leading blocks of ``node`` equal blocks ``i..limit-1`` (digest and tokens)."""
-    own_digests, own_tokens = node.digests, node.tokens
-    size = min(len(own_digests), limit - i)
-    k = 0
-    while k < size and own_digests[k] == digests[i + k] and own_tokens[k] == tokens[i + k]:
-        k += 1
-    return k

@@ -16,7 +16,9 @@ class Sequence:
     ``block_extras`` maps a block index to the extras (multimodal inputs) that change its KV.
     ``use_cache=False`` is isolation mode ``none``: the sequence neither reads nor writes the
     cache. ``read_cache=False`` computes every token (no hit is looked up) but still caches what
-    it computes: a request that needs prompt logprobs. ``domain`` is its isolation domain
+    it computes: a request that needs prompt logprobs. Both are settled once, as
+    ``reads_cache`` and ``writes_cache`` (a cache with prefix caching off does neither).
+    ``domain`` is its isolation domain
     (tenant or group): the blocks it caches are evicted in that domain's turn. The token ids are
     copied, unless ``copy=False`` and they are a list built for this sequence alone (a
     simulator's fresh prompt: a copy touches every int object).
@@ -26,8 +28,9 @@ class Sequence:
     """
 
     __slots__ = (
-        "seq_id", "token_ids", "num_prompt_tokens", "salt", "adapter", "block_extras", "use_cache",
-        "read_cache", "domain", "num_computed_tokens", "block_digests", "block_token_bytes",
+        "seq_id", "token_ids", "num_prompt_tokens", "salt", "adapter", "block_extras",
+        "reads_cache", "writes_cache", "domain", "num_computed_tokens", "block_digests",
+        "block_token_bytes",
         "_digest_key", "_root", "_hasher", "_model",
     )  # fmt: skip
 
@@ -53,8 +56,8 @@ class Sequence:
         self.salt = salt
         self.adapter = adapter
         self.block_extras = block_extras or {}
-        self.use_cache = use_cache
-        self.read_cache = read_cache
+        self.writes_cache = use_cache
+        self.reads_cache = use_cache and read_cache
         self.domain = domain
         self.num_computed_tokens = 0
         self.block_digests: list[bytes] = []

@@ -25,6 +25,18 @@ class CacheStats:
     lookup_time_ns: int = 0  # total time spent in match()
     first_miss_blocks: dict[int, int] = field(default_factory=dict)
 
+    def count_lookup(
+        self, num_tokens: int, num_hit_blocks: int, block_size: int, lookup_time_ns: int
+    ) -> None:
+        """A request of ``num_tokens`` tokens was admitted with a hit of ``num_hit_blocks``."""
+        self.num_requests += 1
+        self.num_queried_tokens += num_tokens
+        self.lookup_time_ns += lookup_time_ns
+        self.num_hit_requests += num_hit_blocks > 0
+        self.num_hit_tokens += num_hit_blocks * block_size
+        misses = self.first_miss_blocks
+        misses[num_hit_blocks] = misses.get(num_hit_blocks, 0) + 1
+
     @property
     def hit_rate(self) -> float:
         """Token-weighted hit rate over all lookups."""

@@ -9,7 +9,6 @@ flags, the server's flags or the offline `LLM(...)` keywords and passed down: th
 from __future__ import annotations
 
 import argparse
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,7 +22,7 @@ from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
 from prefixcache.tiers import TierConfig
 
-__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "add_engine_arguments", "prefix_cache_kind"]
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "add_engine_arguments"]
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024
 
@@ -44,7 +43,7 @@ _CACHE_KEYS = {
     "eviction_policy": "eviction_policy",
 }
 _SCHEDULER_KEYS = {
-    "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "policy", "lpm_max_wait_steps",
+    "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "lpm_max_wait_steps",
     "dedup", "domain_limits", "default_domain_limits",
 }  # fmt: skip
 _TIER_KEYS = {
@@ -56,7 +55,6 @@ _TIER_KEYS = {
     "kv_offload_max_pending_blocks": "max_pending_blocks",
     "kv_offload_max_pending_bytes": "max_pending_bytes",
 }
-_DEPRECATED = {"zero_freed_blocks": "zero_on_reuse"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,14 +107,7 @@ class EngineConfig:
         ``default_domain_limits``, ``seed``, ``dtype``, ``weight_dtype``, ``check_integrity``,
         ``logprobs_mode``, and the tiers': ``kv_disk``, ``kv_disk_gib``, ``kv_valkey``,
         ``kv_valkey_ttl_s``, ``offload_prompt_only``, ``kv_offload_max_pending_blocks``,
-        ``kv_offload_max_pending_bytes``. Deprecated
-        spellings (``policy``, ``zero_freed_blocks``) still work, with a warning."""
-        for old, new in _DEPRECATED.items():
-            if old in settings:
-                warnings.warn(
-                    f"{old!r} is deprecated: use {new!r}", DeprecationWarning, stacklevel=3
-                )
-                settings.setdefault(new, settings.pop(old))
+        ``kv_offload_max_pending_bytes``."""
         cache = {_CACHE_KEYS[k]: settings.pop(k) for k in list(settings) if k in _CACHE_KEYS}
         scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
         tiers = {_TIER_KEYS[k]: settings.pop(k) for k in list(settings) if k in _TIER_KEYS}
@@ -145,10 +136,7 @@ class EngineConfig:
         pin_budgets: Mapping[str, int] | None = None,
     ) -> EngineConfig:
         """From the flags `add_engine_arguments` defines (``serve``, ``generate``)."""
-        if args.policy is not None:
-            warnings.warn("--policy is deprecated: use --schedule-policy", DeprecationWarning,
-                          stacklevel=2)
-        kind = prefix_cache_kind(args)
+        kind = args.prefix_cache
         return cls.from_kwargs(
             args.model,
             dtype=args.dtype,
@@ -164,7 +152,7 @@ class EngineConfig:
             zero_on_reuse=args.zero_on_reuse,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            schedule_policy=args.policy or args.schedule_policy,
+            schedule_policy=args.schedule_policy,
             domain_limits=domain_limits,
             default_domain_limits=default_domain_limits,
             logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
@@ -196,16 +184,6 @@ def memory_bytes(text: str) -> int:
     return result
 
 
-def prefix_cache_kind(args: argparse.Namespace) -> str:
-    """``hash``, ``radix`` or ``off``, from ``--prefix-cache`` (and the deprecated
-    ``--no-prefix-cache``, which says so and means ``off``)."""
-    if getattr(args, "no_prefix_cache", False):
-        warnings.warn("--no-prefix-cache is deprecated: use --prefix-cache off", FutureWarning,
-                      stacklevel=2)
-        return "off"
-    return str(args.prefix_cache)
-
-
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
     """The engine's flags, shared by every command that builds one."""
     parser.add_argument("--model", default=default_model, help=model_help(default_model))
@@ -221,8 +199,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-cache", choices=(*CACHE_KINDS, "off"), default="hash",
                         help="the prefix cache: hash (vLLM-style), radix (SGLang-style) or off")
-    parser.add_argument("--no-prefix-cache", action="store_true",
-                        help="deprecated: --prefix-cache off")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=memory_bytes, default=None,
@@ -232,10 +208,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
                         help="block digest (xxh3_128: fast, not collision-resistant)")
     parser.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
                         help="order of evicting free cached blocks (lfu: radix only)")
-    parser.add_argument("--zero-on-reuse", "--zero-freed-blocks", dest="zero_on_reuse",
-                        action="store_true",
-                        help="zero a block's KV before another namespace reuses it "
-                             "(--zero-freed-blocks: deprecated spelling)")
+    parser.add_argument("--zero-on-reuse", action="store_true",
+                        help="zero a block's KV before another namespace reuses it")
     parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
                         help="reported logprobs: of the model's distribution, or after "
                              "penalties, logit_bias, min_tokens and temperature")
@@ -260,5 +234,4 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES,
                         help="admission order: fcfs, or lpm (longest cached prefix first, aged)")
-    parser.add_argument("--policy", default=None, choices=SCHEDULE_POLICIES,
-                        help="deprecated spelling of --schedule-policy")
+

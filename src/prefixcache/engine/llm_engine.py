@@ -22,7 +22,14 @@ from typing import Any, cast
 import torch
 
 from prefixcache.attention.kv_cache import PagedKVCache
-from prefixcache.cache import CacheIdentity, PrefixCache, Sequence, make_prefix_cache
+from prefixcache.cache import (
+    CacheIdentity,
+    PrefixCache,
+    Sequence,
+    adopt,
+    evict_domain,
+    make_prefix_cache,
+)  # fmt: skip
 from prefixcache.cache.pins import TTLS, PinTable
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.input_processor import InputProcessor
@@ -96,7 +103,7 @@ class LLMEngine:
         if config.tiers.enabled and self.cache.enable_prefix_caching:
             self.offload = KVOffload.open(config.tiers, self.loaded.identity,
                                           self.runner.kv_cache, self.cache.identity)
-            self.offload.emit_events = self.cache.enable_kv_events
+            self.offload.emit_events = self.cache.events.enabled
             # its threads must not outlive the engine; not at exit, where waking them would run
             # tensor work while the interpreter (and torch's thread pool) is being torn down
             weakref.finalize(self, self.offload.stop).atexit = False
@@ -186,7 +193,7 @@ class LLMEngine:
         """Send ``request`` to the tiers' loader if its prompt runs past the RAM cache's hit
         (it then waits in ``WAITING_FOR_REMOTE_KVS``, outside the scheduler)."""
         seq = request.seq
-        if self.offload is None or not (seq.use_cache and seq.read_cache):
+        if self.offload is None or not seq.reads_cache:
             return False
         end = (request.num_prompt_tokens - 1) // self.block_size
         start = len(self.cache.match(seq).block_ids)
@@ -220,7 +227,7 @@ class LLMEngine:
             kv.write_blocks(block_ids, data[offset : offset + len(block_ids)])
 
         try:
-            adopted = self.cache.adopt(load.request.seq, load.start, load.num_blocks, fill)
+            adopted = adopt(self.cache, load.request.seq, load.start, load.num_blocks, fill)
         except Exception as exc:  # noqa: BLE001 - a block that cannot be adopted is a miss
             logger.error("adopting tier blocks failed: %s", describe_exception(exc))
             return 0
@@ -339,7 +346,7 @@ class LLMEngine:
         a block for it: lift the fair-share protection of the other domains' cached blocks for
         this step (nobody contends now), then release pins — another domain's oldest first —
         until it starts or no pin is left. A request that fits the cache always runs."""
-        with self.cache.without_protection():
+        with self.scheduler.protection.lifted():
             out = self.scheduler.schedule()
             while (out.is_empty and out.admission_blocked
                    and self.pins.yield_to(self.scheduler.waiting[0].domain)):
@@ -564,7 +571,7 @@ class LLMEngine:
     def drop_domain(self, domain: str) -> int:
         """Evict ``domain``'s free cached blocks from the RAM cache and zero their KV (between
         steps, on the engine's thread); returns how many."""
-        block_ids = self.cache.drop_domain(domain)
+        block_ids = evict_domain(self.cache, domain)
         self.runner.kv_cache.zero_blocks(block_ids)
         if self.check_integrity:
             self.cache.check_integrity()

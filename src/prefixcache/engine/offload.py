@@ -199,7 +199,7 @@ class KVOffload:
         for chunk in out.chunks:
             request = chunk.request
             seq = request.seq
-            if not seq.use_cache:
+            if not seq.writes_cache:
                 continue
             limit = request.num_prompt_tokens if self.config.offload_prompt_only else len(
                 seq.token_ids)
@@ -231,7 +231,7 @@ class KVOffload:
         past the queue's bound and whether or not the write-behind wrote them before: a
         long-lived pin's prefix is then at rest even if an earlier write was dropped or the
         tier evicted it since (the tiers skip what they hold). Returns the blocks queued."""
-        if not block_ids or not seq.use_cache:
+        if not block_ids or not seq.writes_cache:
             return 0
         indices = range(len(block_ids))
         keys = self._keys(seq, indices)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.cache.config import one_of
 from prefixcache.sched.fairness import DomainLimits
+from prefixcache.sched.policy import SCHEDULE_POLICIES
 
 __all__ = ["SCHEDULE_POLICIES", "SchedulerConfig"]
-
-SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +40,5 @@ class SchedulerConfig:
 
     @classmethod
     def from_kwargs(cls, **settings: Any) -> SchedulerConfig:
-        """From keyword settings; ``policy`` is the deprecated spelling of ``schedule_policy``,
-        and None means "the default"."""
-        if "policy" in settings:
-            warnings.warn(
-                "'policy' is deprecated: use 'schedule_policy'", DeprecationWarning, stacklevel=3
-            )
-            settings.setdefault("schedule_policy", settings.pop("policy"))
+        """From keyword settings; None means "the default"."""
         return cls(**{k: v for k, v in settings.items() if v is not None})

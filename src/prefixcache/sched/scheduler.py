@@ -15,12 +15,9 @@ One step spends at most ``max_num_batched_tokens`` tokens over at most ``max_num
 
 With several isolation domains, waiting requests are taken round-robin across them, and a
 domain over its equal share waits and is preempted first (``fairness.py``); with one, inert.
+The scheduler hands the cache the same shares as its ``protection`` (`fairness.QuietDomains`).
 
-Policies: ``fcfs`` (arrival order) and ``lpm`` (longest cached prefix first, aged). Under ``lpm`` a
-request's score is ``hit_blocks + steps_waited``; once it has waited ``lpm_max_wait_steps`` steps
-it is promoted, and promoted requests go before all others in arrival order. Starvation bound: a
-request is overtaken by later arrivals during at most ``lpm_max_wait_steps`` steps; after that it
-waits only for earlier arrivals (as under FCFS) — and for blocks to free up.
+The waiting queue's order is the policy's (``policy.py``: ``fcfs``, ``lpm``).
 
 After the runner: `update_from_step` commits the computed tokens (full blocks become hittable;
 the cache advances each sequence's ``num_computed_tokens``), and forks ``n - 1`` children off a
@@ -32,12 +29,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 from prefixcache.cache import CacheHit, PrefixCache
 from prefixcache.sched.config import SCHEDULE_POLICIES, SchedulerConfig
-from prefixcache.sched.fairness import DomainLimits, fair_order
+from prefixcache.sched.fairness import DomainLimits, QuietDomains, Shares, fair_order
+from prefixcache.sched.policy import make_policy
 from prefixcache.sched.request import RequestStatus, SchedRequest, ScheduledChunk, SchedulerOutput
 
 __all__ = ["SCHEDULE_POLICIES", "Scheduler"]
@@ -59,6 +56,10 @@ class Scheduler(Generic[R]):
             raise TypeError("give a SchedulerConfig or keyword settings, not both")
         self.config = config
         self.cache = cache
+        self.policy = make_policy(config.schedule_policy, config.lpm_max_wait_steps)
+        self.protection = QuietDomains(cache)  # the cache evicts by the same shares
+        cache.protection = self.protection
+        self._dedup = config.dedup and cache.enable_prefix_caching
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: deque[R] = deque()
@@ -107,7 +108,7 @@ class Scheduler(Generic[R]):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.step_index)
-        shares = _Shares.of(self) if len(self._domains) > 1 else None
+        shares = self._shares() if len(self._domains) > 1 else None
         if shares is not None:
             self._preempt_for_fairness(out, shares)
         num_fair = len(out.preempted)
@@ -121,7 +122,11 @@ class Scheduler(Generic[R]):
         self.step_index += 1
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, shares: _Shares | None) -> int:
+    def _shares(self) -> Shares:
+        return Shares.of(self._domains, self._seqs, self.cache, self.max_num_seqs,
+                         self.max_num_batched_tokens)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, shares: Shares | None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -141,7 +146,7 @@ class Scheduler(Generic[R]):
         return budget
 
     def _allocate_or_preempt(
-        self, request: R, num_new: int, out: SchedulerOutput, index: int, shares: _Shares | None
+        self, request: R, num_new: int, out: SchedulerOutput, index: int, shares: Shares | None
     ) -> list[int] | None:
         """Allocate, preempting not-yet-scheduled running requests (from ``index`` on) until it
         fits: the newest of the domain most over its share, else the newest of all."""
@@ -156,7 +161,7 @@ class Scheduler(Generic[R]):
             if victim is request:
                 return None
 
-    def _preempt_for_fairness(self, out: SchedulerOutput, shares: _Shares) -> None:
+    def _preempt_for_fairness(self, out: SchedulerOutput, shares: Shares) -> None:
         """Let each under-share domain's first waiting request start: preempt the newest
         sequences of over-share domains until it has a sequence slot and blocks for its first
         chunk, or no domain is over its share."""
@@ -191,7 +196,7 @@ class Scheduler(Generic[R]):
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: _Shares | None) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: Shares | None) -> None:
         in_flight = self._digests_in_flight(out.chunks)
         num_seqs = sum(self._seqs.values())
         blocked: set[str] = set()  # domains whose next request cannot start this step
@@ -225,7 +230,7 @@ class Scheduler(Generic[R]):
         self.num_deferred += out.num_deferred
 
     def _within_limits(
-        self, request: R, shares: _Shares | None, waiting_domains: set[str]
+        self, request: R, shares: Shares | None, waiting_domains: set[str]
     ) -> bool:
         """The domain's hard caps allow one more request, and (several domains having work)
         it is not at or over its share while another domain waits."""
@@ -240,15 +245,15 @@ class Scheduler(Generic[R]):
             return True
         return not shares.is_over(domain, at_share=True)
 
-    def _waiting_in_fair_order(self, shares: _Shares | None) -> Iterable[tuple[R, CacheHit]]:
-        """Policy order, interleaved across domains. Under FCFS the cache is peeked lazily, only
-        for the requests the step reaches (one domain: exactly `_waiting_in_order`)."""
+    def _waiting_in_fair_order(self, shares: Shares | None) -> Iterable[tuple[R, CacheHit]]:
+        """Policy order, interleaved across domains (one domain: exactly the policy's)."""
+        ordered = self.policy.order(self.waiting, self.cache.match, self.step_index)
         if shares is None or len({r.domain for r in self.waiting}) < 2:
-            return self._waiting_in_order()
-        if self.config.schedule_policy == "fcfs":
+            return ordered
+        if self.policy.steady:  # its order is the queue's: fair order, the cache peeked lazily
             fair = fair_order(list(self.waiting), self._seqs)
             return ((r, self.cache.match(r.seq)) for r in fair)
-        ordered = list(self._waiting_in_order())
+        ordered = list(ordered)
         hits = {id(r): hit for r, hit in ordered}
         return [(r, hits[id(r)]) for r in fair_order([r for r, _ in ordered], self._seqs)]
 
@@ -271,41 +276,24 @@ class Scheduler(Generic[R]):
         out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
         return num_new
 
-    def _waiting_in_order(self) -> Iterable[tuple[R, CacheHit]]:
-        """Waiting requests in policy order, each with its (uncounted) cache hit."""
-        match = self.cache.match
-        if self.config.schedule_policy == "fcfs":
-            return ((r, match(r.seq)) for r in list(self.waiting))
-        scored = [(r, match(r.seq)) for r in self.waiting]
-        scored.sort(key=lambda item: self._lpm_key(*item))
-        return scored
-
-    def _lpm_key(self, request: R, hit: CacheHit) -> tuple[int, int, int]:
-        waited = self.step_index - request.arrival_step
-        if request.num_preemptions or waited >= self.config.lpm_max_wait_steps:
-            return (0, 0, request.arrival_index)
-        return (1, -(hit.num_blocks + waited), request.arrival_index)
-
     # ---- in-batch dedup ----------------------------------------------------------------------
 
     def _first_miss_digest(self, request: R, hit: CacheHit) -> bytes | None:
         seq = request.seq
-        if not (self.config.dedup and self.cache.enable_prefix_caching and seq.use_cache):
-            return None
-        if not seq.read_cache:
+        if not (self._dedup and seq.reads_cache):
             return None  # a sequence that reads no hit gains nothing by waiting
         digests = self.cache.identity.block_digests(seq)
         return digests[hit.num_blocks] if hit.num_blocks < len(digests) else None
 
     def _digests_in_flight(self, chunks: list[ScheduledChunk]) -> set[bytes]:
-        if not (self.config.dedup and self.cache.enable_prefix_caching):
+        if not self._dedup:
             return set()
         return {digest for chunk in chunks for digest in self._chunk_digests(chunk)}
 
     def _chunk_digests(self, chunk: ScheduledChunk) -> list[bytes]:
         """Digests of the complete blocks this chunk writes into (empty for decodes)."""
         seq = chunk.request.seq
-        if not (self.config.dedup and seq.use_cache) or chunk.num_new_tokens == 1:
+        if not (self._dedup and seq.writes_cache) or chunk.num_new_tokens == 1:
             return []
         bs = self.cache.block_size
         digests = self.cache.identity.block_digests(seq)
@@ -332,10 +320,10 @@ class Scheduler(Generic[R]):
     def repeatable_steps(self, out: SchedulerOutput) -> int:
         """How many more steps would schedule exactly ``out``'s decode-only batch again (after
         each running request got its sampled token): nothing can be admitted, nobody changes
-        blocks. 0 when the next step may differ. FCFS with one domain only: LPM's aging and
-        fairness reorder the queue from step to step."""
+        blocks. 0 when the next step may differ. A steady policy (FCFS) with one domain only:
+        LPM's aging and fairness reorder the queue from step to step."""
         if (
-            self.config.schedule_policy != "fcfs"
+            not self.policy.steady
             or out.preempted
             or out.num_admitted
             or out.num_deferred
@@ -378,50 +366,3 @@ class Scheduler(Generic[R]):
         position = self.running.index(parent) + 1
         self.running[position:position] = children
         return children
-
-
-
-@dataclass(slots=True)
-class _Shares:
-    """A step's equal shares while several domains have work: of the sequences, of the KV pool,
-    and of the step's prefill tokens (a decode token, one per sequence, always goes: a flood's
-    long prefills cannot make every step slow). What a domain holds is read live: its
-    sequences from the scheduler, its blocks from the cache."""
-
-    seqs: Counter[str]
-    cache: PrefixCache
-    fair_seqs: float
-    fair_blocks: float
-    tokens_left: dict[str, int]
-
-    @classmethod
-    def of(cls, scheduler: Scheduler[Any]) -> _Shares:
-        k = len(scheduler._domains)
-        tokens = max(1, scheduler.config.max_num_batched_tokens // k)
-        cache = scheduler.cache
-        fair_seqs = scheduler.max_num_seqs / k
-        tokens_left = dict.fromkeys(scheduler._domains, tokens)
-        return cls(scheduler._seqs, cache, fair_seqs, cache.num_blocks / k, tokens_left)
-
-    def cap_tokens(self, domain: str, num_new: int) -> int:
-        """``num_new`` limited to the domain's prefill share left; one token always passes."""
-        return num_new if num_new <= 1 else max(0, min(num_new, self.tokens_left.get(domain, 0)))
-
-    def spend_tokens(self, domain: str, num_new: int) -> None:
-        if num_new > 1:
-            self.tokens_left[domain] = self.tokens_left.get(domain, 0) - num_new
-
-    def is_over(self, domain: str, at_share: bool = False) -> bool:
-        """Holding more than its share (``at_share``: or exactly its share) of either."""
-        seqs, blocks = self.seqs[domain], self.cache.blocks_held(domain)
-        if at_share:
-            return seqs >= self.fair_seqs or blocks >= self.fair_blocks
-        return seqs > self.fair_seqs or blocks > self.fair_blocks
-
-    def most_over_share(self, domains: set[str]) -> str | None:
-        """Of ``domains``, the one furthest over its share (by its larger ratio), if any."""
-        return max((d for d in domains if self.is_over(d)), key=self._ratio, default=None)
-
-    def _ratio(self, domain: str) -> float:
-        blocks = self.cache.blocks_held(domain)
-        return max(self.seqs[domain] / self.fair_seqs, blocks / self.fair_blocks)

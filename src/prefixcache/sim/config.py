@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from prefixcache.cache import PREFIX_CACHES, CacheConfig, PrefixCache, make_prefix_cache
 from prefixcache.cache.config import EVICTION_POLICIES
+from prefixcache.sched.fairness import QuietDomains
 from prefixcache.sim.trace import Trace
 
 
@@ -92,8 +93,9 @@ def unlimited_blocks(trace: Trace, with_output: bool, n: int = 1) -> int:
 def build_cache(
     spec: RunSpec, num_blocks: int, block_size: int, with_events: bool, hash_algo: str = "sha256"
 ) -> PrefixCache:
-    """A cache for one replica (events only for a router that reads them, never token ids)."""
-    return make_prefix_cache(
+    """A cache for one replica (events only for a router that reads them, never token ids),
+    keeping quiet tenants' cache from a flood as the engine's scheduler does."""
+    cache = make_prefix_cache(
         CacheConfig(
             spec.prefix_cache,
             num_blocks,
@@ -104,3 +106,5 @@ def build_cache(
             eviction_policy=spec.eviction_policy,
         )
     )
+    cache.protection = QuietDomains(cache)
+    return cache

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
-from prefixcache.cache import PrefixCache, Sequence
+from prefixcache.cache import PrefixCache, Sequence, adopt
 from prefixcache.cache.pins import PinTable
 from prefixcache.sim.config import RunSpec, build_cache, unlimited_blocks
 from prefixcache.sim.cost_model import CostModel
@@ -132,7 +132,7 @@ class SequentialRun:
             n = tier.read_run(digests, start, top)
             runs.append((tier, n))
             start += n
-        if start == have or not cache.adopt(seq, have, start - have, _no_kv):
+        if start == have or not adopt(cache, seq, have, start - have, _no_kv):
             return 0.0
         seconds = 0.0
         tally = replica.tally.tier_tokens

@@ -114,7 +114,7 @@ class CacheDecisionLog:
     def on_admit(self, seq: Sequence, hit: CacheHit | None, block_ids: list[int]) -> None:
         if not logger.isEnabledFor(logging.DEBUG):
             return
-        if not seq.use_cache or not self._cache.enable_prefix_caching:
+        if not self._cache.writes(seq):
             logger.debug("lookup skipped", extra={"event": "lookup", "cache": False})
             return
         root, digests = self._chain(seq)
