@@ -1,7 +1,8 @@
 """`ModelConfig`: the decoder's shape and numerics, read from a checkpoint's config.json.
 
 Reads both the transformers 4 layout (``rope_theta``, ``rope_scaling``) and the transformers 5
-layout (``rope_parameters``); eos ids come from generation_config.json, else config.json.
+layout (``rope_parameters``); eos ids come from generation_config.json, else config.json; what
+config.json leaves to the architecture comes from its `prefixcache.model.arch` entry.
 Knows nothing about weights or tokenizers.
 """
 
@@ -12,15 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ConfigError", "ModelConfig", "RopeConfig"]
+from prefixcache.model.arch import ARCHITECTURES, Architecture, by_model_type
 
-# architecture -> family; the family selects qkv bias / q-k norm defaults
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+__all__ = ["ConfigError", "ModelConfig", "RopeConfig"]
+
 _ROPE_TYPES = ("default", "llama3")
 
 
@@ -88,11 +84,7 @@ class ModelConfig:
     torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {self.architecture!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        _registered(self.architecture)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -118,7 +110,8 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+        """The decoder family (`Architecture.family`): "llama" for Llama and Mistral."""
+        return ARCHITECTURES[self.architecture].family
 
     @property
     def max_model_len(self) -> int:
@@ -147,10 +140,9 @@ class ModelConfig:
     def from_dict(
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
-        architecture = _architecture(raw)
-        family = SUPPORTED_ARCHITECTURES.get(architecture, "llama")
+        arch = _registered(_architecture_name(raw))
         try:
-            return cls._from_fields(raw, generation or {}, architecture, family)
+            return cls._from_fields(raw, generation or {}, arch)
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -160,7 +152,7 @@ class ModelConfig:
 
     @classmethod
     def _from_fields(
-        cls, raw: dict[str, Any], generation: dict[str, Any], architecture: str, family: str
+        cls, raw: dict[str, Any], generation: dict[str, Any], arch: Architecture
     ) -> ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
@@ -168,9 +160,9 @@ class ModelConfig:
         if float(raw.get("partial_rotary_factor", 1.0)) != 1.0 or raw.get("mlp_bias"):
             raise ConfigError("unsupported: partial_rotary_factor != 1 or mlp_bias")
         heads = int(raw["num_attention_heads"])
-        use_window = raw.get("use_sliding_window", family == "llama")
+        use_window = raw.get("use_sliding_window", arch.sliding_window_by_default)
         return cls(
-            architecture=architecture,
+            architecture=arch.name,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
@@ -182,8 +174,8 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            attention_bias=bool(raw.get("attention_bias", arch.attention_bias)),
+            qk_norm=arch.qk_norm,
             sliding_window=int(raw["sliding_window"])
             if use_window and raw.get("sliding_window")
             else None,
@@ -193,27 +185,28 @@ class ModelConfig:
         )
 
 
-# model_type -> architecture, for a config.json without "architectures" (transformers falls back
-# the same way through its auto classes)
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+def _registered(name: str) -> Architecture:
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise ConfigError(
+            f"unsupported architecture {name!r} (supported: {', '.join(ARCHITECTURES)})"
+        )
+    return arch
 
 
-def _architecture(raw: dict[str, Any]) -> str:
+def _architecture_name(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures")
     if archs:
         return str(archs[0])
     model_type = raw.get("model_type")
-    if model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
+    arch = by_model_type(model_type) if isinstance(model_type, str) else None
+    if arch is not None:
+        return arch.name
     if model_type:
+        supported = ", ".join(a.model_type for a in ARCHITECTURES.values())
         raise ConfigError(
             f"config.json has no 'architectures' and an unsupported model_type {model_type!r} "
-            f"(supported: {', '.join(_MODEL_TYPES)})"
+            f"(supported: {supported})"
         )
     raise ConfigError("config.json has neither 'architectures' nor 'model_type'")
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefixcache.model.arch import ARCHITECTURES, by_gguf_name
 from prefixcache.model.config import ConfigError, ModelConfig
 from prefixcache.model.decoder import CausalLM
 from prefixcache.model.gguf_layout import GGUFError, check_gguf_layout
@@ -26,22 +27,12 @@ from prefixcache.model.tokenizer import Tokenizer, TokenizerError
 from prefixcache.model.weights import load_tensors
 
 __all__ = [
-    "GGUF_ARCHITECTURES",
     "GGUF_PRE_TOKENIZERS",
     "GGUFCheckpoint",
     "GGUFError",
     "convert_to_directory",
     "find_gguf",
 ]
-
-# GGUF `general.architecture` -> the transformers architecture our decoder implements
-GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",  # llama.cpp writes Mistral 7B as "llama" too
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# llama.cpp stores q/k rows of these architectures permuted for its interleaved rotary kernel
-_PERMUTED_QK = ("llama",)
 
 # The splits llama.cpp's BPE pre-tokenizer applies for each `tokenizer.ggml.pre` value
 # (llama-vocab.cpp), as `tokenizers` regexes applied in sequence, each splitting the pieces the
@@ -111,11 +102,13 @@ class GGUFCheckpoint:
         except Exception as exc:  # the reader raises bare ValueError/struct errors on bad bytes
             raise GGUFError(f"cannot read GGUF file {self.path}: {exc}") from None
         self.arch = str(self._field("general.architecture", required=True))
-        if self.arch not in GGUF_ARCHITECTURES:
+        architecture = by_gguf_name(self.arch)
+        if architecture is None:
+            supported = [a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name]
             raise GGUFError(
-                f"unsupported GGUF architecture {self.arch!r} "
-                f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+                f"unsupported GGUF architecture {self.arch!r} (supported: {', '.join(supported)})"
             )
+        self.architecture = architecture
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     # ---- metadata -------------------------------------------------------------------------------
@@ -160,8 +153,8 @@ class GGUFCheckpoint:
             )
         embed = self._tensor("token_embd.weight")
         raw: dict[str, Any] = {
-            "architectures": [GGUF_ARCHITECTURES[self.arch]],
-            "model_type": self.arch,  # transformers' name for these three is the GGUF one
+            "architectures": [self.architecture.name],
+            "model_type": self.architecture.model_type,
             "vocab_size": int(embed.shape[-1]),  # ggml order: [hidden, vocab]
             "hidden_size": hidden,
             "intermediate_size": int(self._arch_field("feed_forward_length", required=True)),
@@ -283,7 +276,7 @@ class GGUFCheckpoint:
                 raise GGUFError(f"{self.path.name}: unexpected tensor {name!r}")
             values = self._dequantize(tensor)
             module = hf_name.rsplit(".", 2)[-2]
-            if self.arch in _PERMUTED_QK and module in heads:
+            if self.architecture.gguf_permuted_qk and module in heads:
                 values = _unpermute_rows(values, heads[module])
             yield hf_name, torch.from_numpy(values)
 
@@ -318,7 +311,7 @@ class GGUFCheckpoint:
                 if m is None:
                     m = np.zeros_like(d)
                 kind_name = tensor_name.split(".")[-2]
-                if self.arch in _PERMUTED_QK and kind_name in heads:
+                if self.architecture.gguf_permuted_qk and kind_name in heads:
                     q, d, m = (_unpermute_rows(a, heads[kind_name]) for a in (q, d, m))
                 parts.append((q, d, m, kind))
             q, d, m = (np.concatenate([p[i] for p in parts]) for i in range(3))
