@@ -161,6 +161,10 @@ def test_fused_where_it_applies() -> None:
     assert _prepare(model, h[:0], cos_sin, cache, meta) is None
     qwen3 = _model(qkv_bias=False, qk_norm=True)  # q/k norm: the separate steps
     assert _prepare(qwen3, h, cos_sin, cache, meta) is None
+    assert model.kernels()["layers"] == "compiled"
+    assert qwen3.kernels()["layers"].startswith("torch modules (q/k norm")  # and it says so
+    expected = decoder.expected_kernels(qwen3.config, torch.float32, "float32")
+    assert expected["layers"] == qwen3.kernels()["layers"]
     native_layers.set_enabled(False)
     try:
         assert _prepare(model, h, cos_sin, cache, meta) is None

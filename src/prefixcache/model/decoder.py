@@ -1,4 +1,5 @@
-"""The decoder: Llama / Mistral / Qwen2 / Qwen3 as one PyTorch module over paged KV.
+"""The decoder: every architecture of `prefixcache.model.arch` as one PyTorch module over paged
+KV (an architecture's differences are `ModelConfig` fields: qkv bias, q/k norm).
 
 ``CausalLM(input_ids [T], positions [T], kv_cache, attn_metadata) -> logits [B, vocab]``:
 linear layers run over all T tokens of the step at once (the MLP over at most
@@ -9,7 +10,8 @@ projections also hold a packed copy of their weight (`Projection`: the panel GEM
 oneDNN's), and the element-wise steps (residual add + RMSNorm, rotary, SwiGLU) run as
 compiled one-pass kernels (`native_layers`) where they build; the residual stream is updated in
 place, each add fused with the norm after it.
-With both, each layer runs as one or two compiled calls (`fused_layers`).
+With both, each layer runs as one or two compiled calls (`fused_layers`), where they run the
+model (`fused_layers.unsupported`; the kernels report says which and why).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from torch import nn
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, native_attention
 from prefixcache.attention.plan import build_plan
-from prefixcache.model import panel_gemm, quant_gemm
+from prefixcache.model import native_layers, panel_gemm, quant_gemm
 from prefixcache.model.config import ModelConfig
-from prefixcache.model.fused_layers import FusedLayers
+from prefixcache.model.fused_layers import FusedLayers, unsupported
 from prefixcache.model.layers import (
     PACKED_DTYPES,
     DecoderLayer,
@@ -111,8 +113,10 @@ class CausalLM(nn.Module):
     def kernels(self) -> dict[str, Any]:
         """Which kernels run this model's steps here (`kernels_report`), from the packed copies
         its projections hold."""
-        gemms = {_gemm_name(p) for p in [*self.projections(), self.lm_head]}
-        return kernels_report(gemms, self.config.head_dim, self.lm_head.weight.dtype)
+        layer_gemms = {_gemm_name(p) for p in self.projections()}
+        gemms = layer_gemms | {_gemm_name(self.lm_head)}
+        layers = _layers_kernel(self.config, layer_gemms)
+        return kernels_report(gemms, self.config.head_dim, self.lm_head.weight.dtype, layers)
 
     def prepare_cpu_projections(self, pack: bool = True) -> None:
         """CPU only: float32 weights laid out for MKL's sgemm, and with ``pack`` every
@@ -205,17 +209,36 @@ class CausalLM(nn.Module):
 
 
 
-def kernels_report(gemms: set[str], head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
+def kernels_report(
+    gemms: set[str], head_dim: int, dtype: torch.dtype, layers: str
+) -> dict[str, Any]:
     """The projections' GEMMs (`_gemm_name`'s names), the attention path for ``head_dim`` and
-    the activations' ``dtype``, and whether both keep a row's result independent of the rest of
-    its batch: the panel and quantized GEMMs and the compiled direct attention path do by
-    construction, the libraries' GEMMs and the other attention paths promise nothing;
-    ``batch_invariant`` is both, with `invariance` on."""
+    the activations' ``dtype``, how the layers run (``layers``: `_layers_kernel`), and whether
+    the GEMMs and attention keep a row's result independent of the rest of its batch: the panel
+    and quantized GEMMs and the compiled direct attention path do by construction, the
+    libraries' GEMMs and the other attention paths promise nothing; ``batch_invariant`` is
+    both, with `invariance` on."""
     attention = native_attention.kernel_name(head_dim, dtype)
     invariant_gemm = all(name.startswith(("panel", "quantized")) for name in gemms)
     invariant = invariance.enabled() and invariant_gemm and attention.startswith("direct")
-    return {"gemm": ", ".join(sorted(gemms)), "attention": attention,
+    return {"gemm": ", ".join(sorted(gemms)), "attention": attention, "layers": layers,
             "batch_invariant": invariant}  # fmt: skip
+
+
+# the GEMMs (`_gemm_name`'s names) the compiled layer calls multiply through
+_COMPILED_LAYER_GEMMS = ("panel GEMM", "quantized blocks", "MKL")
+
+
+def _layers_kernel(config: ModelConfig, layer_gemms: set[str]) -> str:
+    """``compiled``: each layer one or two calls into layers.c (`FusedLayers`), or ``torch
+    modules`` and why not: a model the calls do not run (`fused_layers.unsupported`), the
+    native layers off or not built here, or a GEMM of the layers' the calls do not call."""
+    why = unsupported(config)
+    if why is None and not native_layers.enabled():
+        why = "the native layers are off or do not build here"
+    if why is None and not all(g.startswith(_COMPILED_LAYER_GEMMS) for g in layer_gemms):
+        why = f"the calls do not multiply through {', '.join(sorted(layer_gemms))}"
+    return "compiled" if why is None else f"torch modules ({why})"
 
 
 def expected_kernels(config: ModelConfig, dtype: torch.dtype, weights: str) -> dict[str, Any]:
@@ -230,7 +253,7 @@ def expected_kernels(config: ModelConfig, dtype: torch.dtype, weights: str) -> d
         onednn, panel = choose_gemm(config.hidden_size, 2 * config.intermediate_size, dtype)
         gemm = (f"panel GEMM ({panel_gemm.kernel_name(dtype)})" if panel
                 else "oneDNN" if onednn or dtype == torch.bfloat16 else "MKL")  # fmt: skip
-    return kernels_report({gemm}, config.head_dim, dtype)
+    return kernels_report({gemm}, config.head_dim, dtype, _layers_kernel(config, {gemm}))
 
 
 def _quant_name() -> str:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from prefixcache.model.config import ModelConfig
     from prefixcache.model.layers import LayerParts, Projection, RMSNorm
 
-__all__ = ["FusedLayers"]
+__all__ = ["FusedLayers", "unsupported"]
 
 
 _P, _F, _I = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -70,6 +70,14 @@ class LayerArgs(ctypes.Structure):
         *[(name, _I) for name in ("shared", "max_tail", "decode_chunk", "products")],
         *[(name, _P) for name in ("q32", "out32")],
     ]
+
+
+def unsupported(config: ModelConfig) -> str | None:
+    """Why the compiled calls never run a model of ``config`` (its layers then run as the
+    PyTorch modules of `layers.py`, step by step), or None."""
+    if config.qk_norm:
+        return "q/k norm: the compiled calls have no per-head norm of q and k"
+    return None
 
 
 class FusedLayers:
@@ -117,12 +125,12 @@ class FusedLayers:
     ) -> FusedLayers | None:
         """Check the step and fill each layer's arguments; None where the calls do not apply
         (not float32 or bfloat16 on the CPU, no packed weights of a kind the calls multiply
-        through, no native layers, q/k norm, an empty step)."""
+        through, no native layers, a model they do not run (`unsupported`), an empty step)."""
         c = config
         library = native_layers.library()
         if (
             library is None
-            or c.qk_norm
+            or unsupported(c) is not None
             or h.dim() != 2
             or not h.is_contiguous()
             or h.shape[0] == 0
