@@ -128,44 +128,25 @@ class FusedLayers:
         through, no native layers, a model they do not run (`unsupported`), an empty step)."""
         c = config
         library = native_layers.library()
-        if (
-            library is None
-            or unsupported(c) is not None
-            or h.dim() != 2
-            or not h.is_contiguous()
-            or h.shape[0] == 0
-            or h.dtype not in (torch.float32, torch.bfloat16)
-            or not native_layers.applies(h)
-        ):
+        if library is None or unsupported(c) is not None or not _takes(h):
             return None
         static = _static_parts(c, layers, h.dtype, kv_cache)
         if static is None:
             return None
-        parts, gemm = static.parts, static.gemm
         _check_step(c, h, cos_sin, kv_cache, metadata)
-        for w in parts[0].packed:
+        for w in static.parts[0].packed:
             if isinstance(w, QuantWeight):  # its scratch, for the calls from C
                 w.reserve(h.shape[0])
-        rows, heads, kv_heads, head_dim = (
-            h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        )  # fmt: skip
-        chunk = min(rows, tuning.mlp_chunk_rows(c.intermediate_size, h.element_size()))
-        buffers = {
-            "x": torch.empty_like(h),
-            "o": torch.empty_like(h),
-            "out": torch.empty_like(h),
-            "qkv": h.new_empty(rows, heads + 2 * kv_heads, head_dim),
-            "gate_up": h.new_empty(chunk, 2 * c.intermediate_size),
-            "act": h.new_empty(chunk, c.intermediate_size),
-            "attn": h.new_empty(rows, heads, head_dim),
-        }
+        buffers = _step_buffers(c, h)
+        heads = c.num_attention_heads
         attention = _whole_step_kernel(  # the attention kernel inside the call
             buffers["qkv"][:, :heads], kv_cache, metadata, plan, buffers["attn"]
         )
         template = LayerArgs(
-            gemm=gemm, h=h.data_ptr(), eps=parts[0].norm.eps,
-            rows=rows, hidden=c.hidden_size, H=heads, KV=kv_heads, D=head_dim,
-            I=c.intermediate_size, chunk=chunk, nthreads=torch.get_num_threads(),
+            gemm=static.gemm, h=h.data_ptr(), eps=static.parts[0].norm.eps,
+            rows=h.shape[0], hidden=c.hidden_size, H=heads, KV=c.num_key_value_heads,
+            D=c.head_dim, I=c.intermediate_size, chunk=buffers["act"].shape[0],
+            nthreads=torch.get_num_threads(),
             cos=cos_sin[0].data_ptr(), signed_sin=cos_sin[1].data_ptr(),
             slot_mapping=metadata.slot_mapping.data_ptr(),
             **{name: t.data_ptr() for name, t in buffers.items()},
@@ -173,15 +154,9 @@ class FusedLayers:
         if attention is not None:
             for name, value in attention.kernel_arguments(buffers["attn"]).items():
                 setattr(template, name, value)
-        args = []
-        for i, fields in enumerate(static.fields):
-            a = LayerArgs.from_buffer_copy(template)
-            a.delta = None if i == 0 else template.out  # the previous layer's MLP output
-            (a.norm_w, a.post_norm_w, a.w_qkv, a.w_o, a.w_gate_up, a.w_down, a.qkv_bias,
-             a.k_cache, a.v_cache, a.scale) = fields  # fmt: skip
-            args.append(a)
-        return cls(library, args, layers, (heads, kv_heads), kv_cache, metadata, plan, buffers,
-                   attention)
+        args = _layer_args(template, static.fields)
+        return cls(library, args, layers, (heads, c.num_key_value_heads), kv_cache, metadata,
+                   plan, buffers, attention)  # fmt: skip
 
     def run(self, i: int) -> torch.Tensor:
         """Layer i: the residual stream h updated in place; returns the layer's MLP output, a
@@ -199,6 +174,48 @@ class FusedLayers:
         attended = attended.reshape(qkv.shape[0], heads * qkv.shape[2]).contiguous()
         self._outputs(address, attended.data_ptr())
         return buffers["out"]
+
+
+def _takes(h: torch.Tensor) -> bool:
+    """Whether the calls take a step whose residual stream is ``h``: [rows, hidden], contiguous,
+    at least one row, float32 or bfloat16, on the CPU with the native layers on."""
+    return (
+        h.dim() == 2
+        and h.is_contiguous()
+        and h.shape[0] > 0
+        and h.dtype in (torch.float32, torch.bfloat16)
+        and native_layers.applies(h)
+    )
+
+
+def _step_buffers(config: ModelConfig, h: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The step's intermediates, by `LayerArgs` field name, shared by every layer; the MLP's
+    over row chunks of at most `tuning.mlp_chunk_rows`."""
+    c, rows = config, h.shape[0]
+    heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    chunk = min(rows, tuning.mlp_chunk_rows(c.intermediate_size, h.element_size()))
+    return {
+        "x": torch.empty_like(h),
+        "o": torch.empty_like(h),
+        "out": torch.empty_like(h),
+        "qkv": h.new_empty(rows, heads + 2 * kv_heads, head_dim),
+        "gate_up": h.new_empty(chunk, 2 * c.intermediate_size),
+        "act": h.new_empty(chunk, c.intermediate_size),
+        "attn": h.new_empty(rows, heads, head_dim),
+    }
+
+
+def _layer_args(template: LayerArgs, fields: list[tuple[Any, ...]]) -> list[LayerArgs]:
+    """Each layer's arguments: the step's ``template`` with the layer's static ``fields``
+    (`_Static.fields`), and from the second layer on the previous layer's MLP output to add."""
+    args = []
+    for i, layer_fields in enumerate(fields):
+        a = LayerArgs.from_buffer_copy(template)
+        a.delta = None if i == 0 else template.out
+        (a.norm_w, a.post_norm_w, a.w_qkv, a.w_o, a.w_gate_up, a.w_down, a.qkv_bias,
+         a.k_cache, a.v_cache, a.scale) = layer_fields  # fmt: skip
+        args.append(a)
+    return args
 
 
 class _Parts(NamedTuple):
