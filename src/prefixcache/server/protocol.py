@@ -5,7 +5,7 @@ Requests are lenient about *names* and strict about *values*, as vLLM's server i
 server does not know is accepted and ignored (`Lenient.ignored_fields` lists them; the server
 logs their names, or rejects them under ``--strict-api``); a known field keeps its type and range
 checks (400 with ``param`` set). An explicit ``null`` means the field's default. Responses are
-plain dicts. No engine types here; `serving` translates between the two.
+plain dicts. No engine types here; each API's serving object translates between the two.
 """
 
 from __future__ import annotations
