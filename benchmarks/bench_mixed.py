@@ -46,7 +46,7 @@ class Workload:
         self.engine = engine
         self.args = args
         self.rng = random.Random(0)
-        self.vocab = engine.config.vocab_size
+        self.vocab = engine.model_config.vocab_size
         self.params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         self.count = 0
 

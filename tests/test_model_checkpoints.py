@@ -84,7 +84,7 @@ def test_embedding_rows_past_the_tokenizer_decode_to_nothing(classes, tmp_path):
         model.lm_head.weight[376] = model.lm_head.weight.abs().max() * 40
     model.save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), num_kv_blocks=16)
-    assert llm.tokenizer.vocab_size == 264 < llm.engine.config.vocab_size == 384
+    assert llm.tokenizer.vocab_size == 264 < llm.engine.model_config.vocab_size == 384
     (out,) = llm.generate(["hello"], SamplingParams(max_tokens=5, temperature=0.0))
     assert 376 in out.token_ids and out.finish_reason == "length"
     assert out.text == llm.tokenizer.decode([t for t in out.token_ids if t < 264])
@@ -98,7 +98,7 @@ def test_generation_config_eos_list_stops_on_any_of_its_ids(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [263, ids[1]]}))
     llm = LLM(model=str(tmp_path))
     assert llm.tokenizer.eos_token_ids == (263, ids[1])
-    assert llm.engine.config.eos_token_ids == (263, ids[1])
+    assert llm.engine.model_config.eos_token_ids == (263, ids[1])
     assert _greedy_first(llm, "abc", max_tokens=4) == (ids[:2], "stop")
 
 

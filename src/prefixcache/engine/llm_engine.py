@@ -19,37 +19,28 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
 from typing import Any, cast
 
-import torch
-
 from prefixcache.attention.kv_cache import PagedKVCache
-from prefixcache.cache import (
-    CacheIdentity,
-    PrefixCache,
-    Sequence,
-    adopt,
-    evict_domain,
-    make_prefix_cache,
-)  # fmt: skip
-from prefixcache.cache.pins import TTLS, PinTable
+from prefixcache.cache import CacheIdentity, PrefixCache, evict_domain, make_prefix_cache
+from prefixcache.cache.events import KVCacheEvent
+from prefixcache.cache.pins import PinTable
+from prefixcache.engine import observation
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
+from prefixcache.engine.groups import RequestGroups
 from prefixcache.engine.input_processor import InputProcessor
-from prefixcache.engine.offload import KVOffload, Load
+from prefixcache.engine.offload import KVOffload
 from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
 from prefixcache.engine.request import Request
 from prefixcache.engine.runner import ModelRunner
-from prefixcache.engine.sampler import Sampler, derive_seed, make_generator
+from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.engine.step_sampling import NoTokenAllowed, StepSampler, record_prompt_logprobs
+from prefixcache.engine.step_sampling import StepSampler, record_prompt_logprobs
 from prefixcache.engine.structured import GrammarCompiler
-from prefixcache.errors import describe_exception
+from prefixcache.engine.tiering import TierTraffic
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.loader import LoadedModel
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.sched import Scheduler, SchedulerOutput
-from prefixcache.sched.request import RequestStatus
-
-PERSISTENT_PIN_S = TTLS["1h"]  # a pin this long is written through to the lower tiers
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLMEngine"]
 
@@ -99,15 +90,15 @@ class LLMEngine:
         )
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
         # the lower tiers (disk, Valkey): written behind each step, read ahead of admission
-        self.offload: KVOffload | None = None
+        self.tiers: TierTraffic | None = None
         if config.tiers.enabled and self.cache.enable_prefix_caching:
-            self.offload = KVOffload.open(config.tiers, self.loaded.identity,
-                                          self.runner.kv_cache, self.cache.identity)
-            self.offload.emit_events = self.cache.events.enabled
+            offload = KVOffload.open(config.tiers, self.loaded.identity, self.runner.kv_cache,
+                                     self.cache.identity)
+            offload.emit_events = self.cache.events.enabled
             # its threads must not outlive the engine; not at exit, where waking them would run
             # tensor work while the interpreter (and torch's thread pool) is being torn down
-            weakref.finalize(self, self.offload.stop).atexit = False
-        self._loading: dict[str, Request] = {}  # requests whose blocks a tier is reading
+            weakref.finalize(self, offload.stop).atexit = False
+            self.tiers = TierTraffic(offload, self.cache, self.runner.kv_cache, self.scheduler)
         # prefixes kept from eviction for a time (cache_control), per domain within a budget
         max_pinned = config.max_pinned_blocks
         self.pins = PinTable(self.cache, num_blocks // 4 if max_pinned is None else max_pinned,
@@ -125,18 +116,24 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.check_integrity = config.check_integrity
         self._seed_rng = random.Random(config.seed)
-        self._groups: dict[str, Request] = {}  # request id -> its first choice (the parent)
-        self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step
+        self.groups = RequestGroups(self.scheduler, self.step_sampler, self.output_processor,
+                                    self._retired)
         self._num_added = 0
         self.num_steps = 0
         self.last_scheduled: SchedulerOutput | None = None  # the latest step's batch
         # called on the engine's thread with the first choice of each finished request
         self.on_request_finished: Callable[[Request], None] | None = None
+        self.limits: EngineLimits = observation.limits_of(self)  # fixed once it is loaded
 
     @property
-    def config(self) -> ModelConfig:
-        """The model's config (older name of ``model_config``)."""
-        return self.model_config
+    def offload(self) -> KVOffload | None:
+        """The lower tiers' mover (None without tiers)."""
+        return self.tiers.offload if self.tiers is not None else None
+
+    @property
+    def precision(self) -> dict[str, Any]:
+        """What the model runs in (`observation.precision_of`)."""
+        return dict(self.limits.precision)
 
     @property
     def block_bytes(self) -> int:
@@ -170,10 +167,14 @@ class LLMEngine:
         prefixes of the prompt to keep from eviction once the request is done (cache
         breakpoints; `PinTable`)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if request_id in self._groups:
+        if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self.inputs.process(prompt, prompt_token_ids, params, domain)
-        request = self._new_request(request_id, token_ids, params, cache_salt, use_cache, domain)
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        self._num_added += 1
+        request = Request.new(request_id, token_ids, params, base_seed, self._num_added,
+                              cache_salt=cache_salt, use_cache=use_cache, domain=domain,
+                              external=self.tiers is not None)
         if params.structured_outputs is not None:  # compiled (or refused) before it queues
             request.matcher = self.grammars.matcher(params.structured_outputs)
         if arrival_time is not None:
@@ -184,108 +185,25 @@ class LLMEngine:
                                  f"{(num_tokens, ttl_s)}")
         request.pin_requests = [(min(n, request.num_prompt_tokens - 1), t) for n, t in pins]
         self.pins.refresh(request.seq)  # a request through a pinned prefix extends the pin
-        self._groups[request_id] = request
-        if not self._start_load(request):
+        self.groups.add(request)
+        if self.tiers is None or not self.tiers.start_load(request):
             self.scheduler.add(request)
-        return request
-
-    def _start_load(self, request: Request) -> bool:
-        """Send ``request`` to the tiers' loader if its prompt runs past the RAM cache's hit
-        (it then waits in ``WAITING_FOR_REMOTE_KVS``, outside the scheduler)."""
-        seq = request.seq
-        if self.offload is None or not seq.reads_cache:
-            return False
-        end = (request.num_prompt_tokens - 1) // self.block_size
-        start = len(self.cache.match(seq).block_ids)
-        if start >= end:
-            return False
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._loading[request.request_id] = request
-        self.offload.submit_load(request, start, end)
-        return True
-
-    def _admit_loaded(self) -> None:
-        """Adopt the blocks the loader found into the pool and queue their requests (waiting
-        a moment for one when nothing else can run)."""
-        assert self.offload is not None
-        idle = not self.scheduler.has_unfinished() and not self._pending
-        for load in self.offload.finished_loads(timeout=0.05 if idle else 0.0):
-            request = self._loading.pop(load.request.request_id, None)
-            if request is not load.request:
-                continue  # aborted while loading
-            if load.data is not None:
-                adopted = self._adopt(load)
-                request.num_external_cached_tokens = adopted * self.block_size
-            self.scheduler.add(request)
-
-    def _adopt(self, load: Load) -> int:
-        kv, data = self.runner.kv_cache, load.data
-        assert data is not None
-
-        def fill(block_ids: list[int], first: int) -> None:
-            offset = first - load.start
-            kv.write_blocks(block_ids, data[offset : offset + len(block_ids)])
-
-        try:
-            adopted = adopt(self.cache, load.request.seq, load.start, load.num_blocks, fill)
-        except Exception as exc:  # noqa: BLE001 - a block that cannot be adopted is a miss
-            logger.error("adopting tier blocks failed: %s", describe_exception(exc))
-            return 0
-        assert self.offload is not None
-        self.offload.note_loaded(load, adopted)
-        return adopted
-
-    def _new_request(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | bytes | None,
-        use_cache: bool,
-        domain: str,
-    ) -> Request:
-        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        # prompt logprobs need logits at every prompt position: compute them all (no cache
-        # read), still caching the blocks for others
-        seq = Sequence(request_id, token_ids, cache_salt, use_cache=use_cache, domain=domain,
-                       read_cache=params.prompt_logprobs is None)
-        generator = None if params.greedy else make_generator(derive_seed(base_seed, 0))
-        self._num_added += 1
-        request = Request(
-            request_id=request_id,
-            seq=seq,
-            params=params,
-            generator=generator,
-            base_seed=base_seed,
-            arrival_index=self._num_added,
-            domain=domain,
-        )
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None] * len(token_ids)
-        if self.offload is not None:
-            request.num_external_cached_tokens = 0
         return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output comes with the next step.
         Returns False for an unknown (or already finished) request."""
-        parent = self._groups.get(request_id)
-        if parent is None:
+        if not self.groups.abort(request_id):
             return False
-        now = time.monotonic()
-        self._loading.pop(request_id, None)
-        for request in parent.choices:
-            if not request.is_finished:
-                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-                request.timing.finish_time = now
-                self._pending.append(self._output(request, [], []))
-        self._retire_if_done(request_id)
+        if self.tiers is not None:
+            self.tiers.loading.pop(request_id, None)
         if self.check_integrity:
             self.cache.check_integrity()
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._loading)
+        loading = self.tiers is not None and bool(self.tiers.loading)
+        return self.scheduler.has_unfinished() or bool(self.groups.pending) or loading
 
     def running_requests(self) -> list[Request]:
         """The choices running now (a copy; for inspection between steps)."""
@@ -298,31 +216,21 @@ class LLMEngine:
 
     def inspect(self) -> EngineView:
         """What runs, waits and was last scheduled, and the pool's levels (between steps)."""
-        cache = self.cache
-        return EngineView(
-            running=tuple(self.scheduler.running),
-            waiting=tuple(self.scheduler.waiting),
-            last_batch=self.last_scheduled,
-            num_steps=self.num_steps,
-            kv_cache_usage=cache.usage,
-            num_free_blocks=cache.num_free_blocks,
-            num_cached_blocks=cache.num_cached_blocks,
-            kv_cache=self.runner.kv_cache,
-        )
+        return observation.view_of(self)
 
     def get_request(self, request_id: str) -> list[Request]:
         """The live choices of a request (empty once it finished)."""
-        parent = self._groups.get(request_id)
-        return parent.choices if parent is not None else []
+        return self.groups.choices(request_id)
 
     # ---- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one batch; returns what each touched choice gained."""
         self.pins.expire()
-        if self.offload is not None:
-            self._admit_loaded()
-        outputs, self._pending = self._pending, []
+        if self.tiers is not None:
+            idle = not self.scheduler.has_unfinished() and not self.groups.pending
+            self.tiers.admit_loaded(idle)
+        outputs = self.groups.take_pending()
         out = self.scheduler.schedule()
         if out.is_empty and out.admission_blocked and not self.scheduler.running:
             out = self._unblock()
@@ -332,11 +240,11 @@ class LLMEngine:
             self._mark_scheduled(out)
             logits = self.runner.execute_step(out)
             targets = self.scheduler.update_from_step(out)
-            if self.offload is not None:
-                self.offload.write_behind(out)
+            if self.tiers is not None:
+                self.tiers.write_behind(out)
             if logits.every_token:
                 record_prompt_logprobs(out, logits)
-            outputs.extend(self._sample(logits.last, targets))
+            outputs.extend(self.groups.update(logits.last, targets))
         if self.check_integrity:
             self.cache.check_integrity()
         return outputs
@@ -360,153 +268,22 @@ class LLMEngine:
             if timing.first_scheduled_time is None:
                 timing.first_scheduled_time = now
 
-    def _sample(
-        self, logits: torch.Tensor, targets: list[tuple[Request, int]]
-    ) -> list[RequestOutput]:
-        """Sample, detokenize and apply stop rules per target row. A failure in any of these
-        ends that row's request (finish reason ``error``); the step's other requests go on."""
-        if not targets:
-            return []
-        rows = torch.tensor([row for _, row in targets], dtype=torch.long)
-        sampled = self.step_sampler.sample(logits, rows, [r for r, _ in targets])
-        now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        for (request, _), token in zip(targets, sampled, strict=True):
-            if request.is_finished:  # another choice of its request failed earlier this step
-                continue
-            try:
-                if isinstance(token, NoTokenAllowed):
-                    stopped = self.output_processor.stopped_by_grammar(request)
-                    outputs.append(self._finish_output(request, stopped, [], [], now))
-                    continue
-                if isinstance(token, Exception):
-                    raise token
-                status, new_logprobs = self.output_processor.add_token(request, token, now)
-                outputs.append(
-                    self._finish_output(request, status, [token.token_id], new_logprobs, now)
-                )
-            except Exception as exc:  # noqa: BLE001 - isolated to this request, reported in it
-                outputs.extend(self._fail_request(request, exc, now))
-        return outputs
-
-    def _finish_output(
-        self,
-        request: Request,
-        status: RequestStatus | None,
-        new_token_ids: list[int],
-        new_logprobs: list[dict[str, Any]],
-        now: float,
-    ) -> RequestOutput:
-        """The step's output for ``request``, ending it first where ``status`` says so."""
-        if status is not None:
-            self.scheduler.finish(request, status)
-            request.timing.finish_time = now
-        output = self._output(request, new_token_ids, new_logprobs)
-        if status is not None:
-            output.request_finished = self._retire_if_done(request.request_id)
-        return output
-
-    def _fail_request(self, request: Request, exc: Exception, now: float) -> list[RequestOutput]:
-        """End every unfinished choice of ``request``'s group with finish reason ``error``."""
-        # the type and code location only: an exception's message may quote prompt text
-        message = f"the request failed inside the engine: {describe_exception(exc)}"
-        logger.error("request %s failed: %s", request.request_id, describe_exception(exc))
-        parent = self._groups.get(request.request_id)
-        outputs = []
-        for choice in parent.choices if parent is not None else [request]:
-            if choice.is_finished:
-                continue
-            self.scheduler.finish(choice, RequestStatus.FINISHED_ERROR)
-            choice.timing.finish_time = now
-            output = self._output(choice, [], [])
-            output.error = message
-            outputs.append(output)
-        if outputs:
-            outputs[-1].request_finished = self._retire_if_done(request.request_id)
-        return outputs
-
-    def _output(
-        self, request: Request, new_token_ids: list[int], new_logprobs: list[dict[str, Any]]
-    ) -> RequestOutput:
-        done = self._group_done(request.request_id)
-        return self.output_processor.output(request, new_token_ids, new_logprobs, done)
-
-    def _group_done(self, request_id: str) -> bool:
-        parent = self._groups.get(request_id)
-        return parent is None or parent.all_finished
-
-    def _pin(self, seq: Sequence, num_tokens: int, ttl_s: float) -> None:
-        """Pin ``seq``'s prefix; a pin of an hour or more also writes it through to the lower
-        tiers (`KVOffload.write_through`), where they keep it past a restart."""
-        pin = self.pins.pin(seq, num_tokens, ttl_s)
-        if pin is not None and self.offload is not None and ttl_s >= PERSISTENT_PIN_S:
-            self.offload.write_through(pin.seq, self.cache.block_table(pin.seq))
-
-    def _retire_if_done(self, request_id: str) -> bool:
-        if not self._group_done(request_id):
-            return False
-        parent = self._groups.pop(request_id, None)
-        if parent is not None:
-            if parent.pin_requests and parent.finish_reason in ("stop", "length"):
-                for num_tokens, ttl_s in parent.pin_requests:
-                    self._pin(parent.seq, num_tokens, ttl_s)
-            self.output_processor.record(parent)
-            if self.on_request_finished is not None:
-                self.on_request_finished(parent)
-        return True
+    def _retired(self, parent: Request) -> None:
+        """``parent``'s request is done: pin what it asked to keep (if it ended well; a pin of
+        an hour or more is written through to the lower tiers), then tell the listener."""
+        if parent.pin_requests and parent.finish_reason in ("stop", "length"):
+            for num_tokens, ttl_s in parent.pin_requests:
+                pin = self.pins.pin(parent.seq, num_tokens, ttl_s)
+                if pin is not None and self.tiers is not None:
+                    self.tiers.pinned(pin.seq, ttl_s)
+        if self.on_request_finished is not None:
+            self.on_request_finished(parent)
 
     # ---- cache control and stats ----------------------------------------------------------------
 
-    @property
-    def limits(self) -> EngineLimits:
-        """What this engine accepts (for a server's request validation)."""
-        return EngineLimits(
-            max_num_seqs=self.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size,
-            block_size=self.block_size,
-            num_kv_blocks=self.cache.num_blocks,
-            precision=self.precision,
-        )
-
-    @property
-    def precision(self) -> dict[str, Any]:
-        """What the model runs in: activations and KV ``dtype``, how the projections keep their
-        ``weights``, which ``kernels`` run them (`CausalLM.kernels`: the GEMM, the attention
-        path, whether a row's result is batch invariant), and what ``--dtype auto`` measured
-        where it chose them."""
-        loaded = self.loaded
-        dtype = str(loaded.dtype).removeprefix("torch.")
-        out: dict[str, Any] = {"dtype": dtype, "weights": loaded.weight_dtype or dtype,
-                               "precision": loaded.precision,
-                               "kernels": dict(self.kernels)}  # fmt: skip
-        if loaded.choice is not None:
-            out["dtype_auto"] = loaded.choice.as_dict()
-        return out
-
     def snapshot(self) -> EngineSnapshot:
         """Counters and levels now (call between steps, on the engine's thread)."""
-        stats = self.cache.stats
-        free = self.cache.num_free_blocks
-        return EngineSnapshot(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.cache.usage,
-            num_free_blocks=free,
-            min_free_blocks=stats.min_free_blocks if stats.min_free_blocks >= 0 else free,
-            num_blocks=self.cache.num_blocks,
-            num_cached_free_blocks=sum(self.cache.pool.free_cached_by_domain().values()),
-            num_cached_blocks=self.cache.num_cached_blocks,
-            num_pinned_blocks=sum(p.num_blocks for p in self.pins.pins.values()),
-            num_steps=self.num_steps,
-            last_step_tokens=sum(c.num_new_tokens for c in self.last_scheduled.chunks)
-            if self.last_scheduled is not None else 0,
-            queried_tokens=stats.num_queried_tokens,
-            hit_tokens=stats.num_hit_tokens,
-            evictions=stats.num_evictions,
-            preemptions=self.scheduler.num_preemptions,
-            duplicate_blocks=stats.num_duplicate_blocks,
-        )
+        return observation.snapshot_of(self)
 
     @property
     def cache_identity(self) -> CacheIdentity:
@@ -518,19 +295,19 @@ class LLMEngine:
         num_blocks = request.num_prompt_tokens // self.block_size
         return self.cache.identity.block_digests(request.seq)[:num_blocks]
 
-    def take_kv_events(self) -> list[Any]:
+    def take_kv_events(self) -> list[KVCacheEvent]:
         """Drain the KV events buffered since the last call (empty unless ``kv_events``): the
         cache's, then the shared tier's (`BlockStored` with ``medium="VALKEY"``)."""
         events = self.cache.take_events()
-        if self.offload is not None and self.offload.emit_events:
-            events += self.offload.take_events()
+        if self.tiers is not None:
+            events += self.tiers.take_events()
         return events
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block, pinned ones included (``num_pins_released_by_reset`` says
         how many pins went); refused (False, nothing changed) while requests hold blocks."""
         self.num_pins_released_by_reset = 0
-        if self.scheduler.has_unfinished() or self._loading:
+        if self.has_unfinished():
             return False
         pins = list(self.pins.pins.values())
         self.pins.release_all()
@@ -543,30 +320,12 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Cache counters, scheduler counters and per-request timing of finished requests."""
-        stats = self.cache.stats
-        return {
-            "hit_tokens": stats.num_hit_tokens,
-            "queried_tokens": stats.num_queried_tokens,
-            "queries": stats.num_requests,
-            "hit_requests": stats.num_hit_requests,
-            "hit_rate": stats.hit_rate,
-            "evictions": stats.num_evictions,
-            "preemptions": self.scheduler.num_preemptions,
-            "deferred_by_dedup": self.scheduler.num_deferred,
-            "num_steps": self.num_steps,
-            "num_kv_blocks": self.cache.num_blocks,
-            "num_free_blocks": self.cache.num_free_blocks,
-            "kv_cache_usage": self.cache.usage,
-            "ttft": {rid: h["ttft"] for rid, h in self.output_processor.history.items()},
-            "requests": dict(self.output_processor.history),
-            "cache": stats.as_dict(),
-            "tiers": self.offload.stats_dict() if self.offload is not None else None,
-        }
+        return observation.stats_of(self)
 
     def purge_domain(self, domain: str) -> dict[str, int]:
         """Remove ``domain``'s blocks from every lower tier (records removed per tier); thread
         safe, it does not touch the RAM cache (`drop_domain`)."""
-        return self.offload.store.purge_domain(domain) if self.offload is not None else {}
+        return self.tiers.purge_domain(domain) if self.tiers is not None else {}
 
     def drop_domain(self, domain: str) -> int:
         """Evict ``domain``'s free cached blocks from the RAM cache and zero their KV (between

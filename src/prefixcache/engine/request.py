@@ -71,6 +71,26 @@ class Request(SchedRequest):
     # (num_tokens, ttl_s): prompt prefixes to pin when the request is done (cache breakpoints)
     pin_requests: list[tuple[int, float]] = field(default_factory=list, kw_only=True)
 
+    @classmethod
+    def new(
+        cls, request_id: str, token_ids: list[int], params: SamplingParams, base_seed: int,
+        arrival_index: int, *, cache_salt: str | bytes | None = None, use_cache: bool = True,
+        domain: str = "", external: bool = False,
+    ) -> Request:  # fmt: skip
+        """A request's first choice. A request asking for prompt logprobs needs logits at every
+        prompt position: it computes them all (no cache read), still caching the blocks for
+        others. ``external``: the engine has lower tiers (their share of the hit is counted)."""
+        seq = Sequence(request_id, token_ids, cache_salt, use_cache=use_cache, domain=domain,
+                       read_cache=params.prompt_logprobs is None)
+        generator = None if params.greedy else make_generator(derive_seed(base_seed, 0))
+        request = cls(request_id=request_id, seq=seq, params=params, generator=generator,
+                      base_seed=base_seed, arrival_index=arrival_index, domain=domain)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(token_ids)
+        if external:
+            request.num_external_cached_tokens = 0
+        return request
+
     def __post_init__(self) -> None:
         self.n = self.params.num_choices
         self.prompt_logits = self.params.prompt_logprobs is not None

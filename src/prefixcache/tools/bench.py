@@ -77,7 +77,7 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
         llm = LLM(model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                   enable_prefix_caching=kind is not None, prefix_cache=kind or "hash")
         prompts = make_workload(args.num_prefixes, args.requests_per_prefix, args.prefix_len,
-                                args.suffix_len, llm.engine.config.vocab_size, args.seed)
+                                args.suffix_len, llm.engine.model_config.vocab_size, args.seed)
         _measure(llm, prompts[:2], 2)  # warm-up
         runs = [_measure(llm, prompts, args.max_tokens) for _ in range(args.repeats)]
         outputs = runs[-1][3]

@@ -93,7 +93,7 @@ class _Driver:
             seed=config.seed,
             check_integrity=True,  # the engine checks after each step and abort
         )
-        vocab = self.engine.config.vocab_size
+        vocab = self.engine.model_config.vocab_size
         self.families = [
             [self.rng.randrange(vocab) for _ in range(config.capacity_tokens)]
             for _ in range(NUM_FAMILIES)

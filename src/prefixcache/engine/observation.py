@@ -1,0 +1,129 @@
+"""What an engine shows of itself: its limits and precision (fixed at load), its counters and
+levels now (`EngineSnapshot`), what runs and waits (`EngineView`), and the offline API's
+``stats()`` dict. Read between steps, on the engine's thread."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prefixcache.cache import PrefixCache
+from prefixcache.cache.pins import PinTable
+from prefixcache.engine.output_processor import OutputProcessor
+from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView
+from prefixcache.engine.request import Request
+from prefixcache.engine.runner import ModelRunner
+from prefixcache.engine.tiering import TierTraffic
+from prefixcache.sched import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from prefixcache.model.config import ModelConfig
+    from prefixcache.model.loader import LoadedModel
+
+
+class Observed(Protocol):
+    """The parts of an engine (`LLMEngine`) this module reads."""
+
+    loaded: LoadedModel
+    kernels: dict[str, Any]
+    model_config: ModelConfig
+    max_model_len: int
+    block_size: int
+    cache: PrefixCache
+    scheduler: Scheduler[Request]
+    runner: ModelRunner
+    pins: PinTable
+    tiers: TierTraffic | None
+    output_processor: OutputProcessor
+    num_steps: int
+    last_scheduled: SchedulerOutput | None
+
+__all__ = ["Observed", "limits_of", "precision_of", "snapshot_of", "stats_of", "view_of"]
+
+
+def precision_of(loaded: LoadedModel, kernels: dict[str, Any]) -> dict[str, Any]:
+    """What the model runs in: activations and KV ``dtype``, how the projections keep their
+    ``weights``, which ``kernels`` run them (`CausalLM.kernels`: the GEMM, the attention path,
+    whether a row's result is batch invariant), and what ``--dtype auto`` measured where it
+    chose them."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    out: dict[str, Any] = {"dtype": dtype, "weights": loaded.weight_dtype or dtype,
+                           "precision": loaded.precision, "kernels": dict(kernels)}  # fmt: skip
+    if loaded.choice is not None:
+        out["dtype_auto"] = loaded.choice.as_dict()
+    return out
+
+
+def limits_of(engine: Observed) -> EngineLimits:
+    """What ``engine`` accepts (for a server's request validation)."""
+    return EngineLimits(
+        max_num_seqs=engine.scheduler.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
+        block_size=engine.block_size,
+        num_kv_blocks=engine.cache.num_blocks,
+        precision=precision_of(engine.loaded, engine.kernels),
+    )
+
+
+def view_of(engine: Observed) -> EngineView:
+    cache = engine.cache
+    return EngineView(
+        running=tuple(engine.scheduler.running),
+        waiting=tuple(engine.scheduler.waiting),
+        last_batch=engine.last_scheduled,
+        num_steps=engine.num_steps,
+        kv_cache_usage=cache.usage,
+        num_free_blocks=cache.num_free_blocks,
+        num_cached_blocks=cache.num_cached_blocks,
+        kv_cache=engine.runner.kv_cache,
+    )
+
+
+def snapshot_of(engine: Observed) -> EngineSnapshot:
+    cache, scheduler = engine.cache, engine.scheduler
+    stats = cache.stats
+    size = cache.size()
+    last = engine.last_scheduled
+    return EngineSnapshot(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        kv_cache_usage=size.usage,
+        num_free_blocks=size.num_free,
+        min_free_blocks=stats.min_free_blocks if stats.min_free_blocks >= 0 else size.num_free,
+        num_blocks=size.num_blocks,
+        num_cached_free_blocks=sum(cache.pool.free_cached_by_domain().values()),
+        num_cached_blocks=size.num_cached,
+        num_pinned_blocks=sum(p.num_blocks for p in engine.pins.pins.values()),
+        num_steps=engine.num_steps,
+        last_step_tokens=sum(c.num_new_tokens for c in last.chunks) if last is not None else 0,
+        queried_tokens=stats.num_queried_tokens,
+        hit_tokens=stats.num_hit_tokens,
+        evictions=stats.num_evictions,
+        preemptions=scheduler.num_preemptions,
+        duplicate_blocks=stats.num_duplicate_blocks,
+    )
+
+
+def stats_of(engine: Observed) -> dict[str, Any]:
+    """Cache counters, scheduler counters and per-request timing of finished requests."""
+    cache, scheduler, history = engine.cache, engine.scheduler, engine.output_processor.history
+    stats = cache.stats
+    tiers = engine.tiers
+    return {
+        "hit_tokens": stats.num_hit_tokens,
+        "queried_tokens": stats.num_queried_tokens,
+        "queries": stats.num_requests,
+        "hit_requests": stats.num_hit_requests,
+        "hit_rate": stats.hit_rate,
+        "evictions": stats.num_evictions,
+        "preemptions": scheduler.num_preemptions,
+        "deferred_by_dedup": scheduler.num_deferred,
+        "num_steps": engine.num_steps,
+        "num_kv_blocks": cache.num_blocks,
+        "num_free_blocks": cache.num_free_blocks,
+        "kv_cache_usage": cache.usage,
+        "ttft": {rid: h["ttft"] for rid, h in history.items()},
+        "requests": dict(history),
+        "cache": stats.as_dict(),
+        "tiers": tiers.offload.stats_dict() if tiers is not None else None,
+    }
