@@ -127,3 +127,11 @@ def test_kv_cache_space_flag_sizes_the_pool(capsys: pytest.CaptureFixture[str]) 
         with pytest.raises(SystemExit):
             parser.parse_args([f"--kv-cache-memory-bytes={bad}"])
         assert "not a size in bytes" in capsys.readouterr().err
+
+
+def test_a_valkey_ttl_under_a_second_is_refused() -> None:
+    from prefixcache.tiers import TierConfig
+
+    with pytest.raises(ValueError, match="kv-valkey-ttl"):
+        TierConfig(valkey_url="redis://127.0.0.1:6379/0", valkey_ttl_s=0)
+    assert TierConfig(valkey_url="redis://127.0.0.1:6379/0", valkey_ttl_s=1).valkey_ttl_s == 1

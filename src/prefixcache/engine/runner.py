@@ -35,10 +35,6 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.kv_cache = kv_cache
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [num_chunks, vocab] at each chunk's last token (empty step: [0, 0])."""
-        return self.execute_step(out).last
-
     def execute_step(self, out: SchedulerOutput) -> StepLogits:
         """The step's logits: at each chunk's last token, and at every token of the chunks
         whose request needs prompt logprobs (`ScheduledChunk.logits_every_token`)."""

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prefixcache.errors import describe_exception
 from prefixcache.model.host_memory import TRIM_INTERVAL_S, FreedMemoryTrimmer
@@ -185,12 +185,6 @@ class AsyncEngine:
         removed = {"ram": await self.call(lambda: self.engine.drop_domain(domain))}
         removed.update(await asyncio.to_thread(self.engine.purge_domain, domain))
         return removed
-
-    @property
-    def tier_stats(self) -> dict[str, Any] | None:
-        """The lower tiers' counters (None without tiers); safe from any thread."""
-        offload = self.engine.offload
-        return offload.stats_dict() if offload is not None else None
 
     # ---- event-loop API -------------------------------------------------------------------------
 

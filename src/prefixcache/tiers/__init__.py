@@ -55,14 +55,14 @@ class TierConfig:
             raise ValueError(f"max_pending_blocks must be >= 1, got {self.max_pending_blocks}")
         if self.max_pending_bytes < 1:
             raise ValueError(f"max_pending_bytes must be >= 1, got {self.max_pending_bytes}")
+        if self.valkey_ttl_s is not None and self.valkey_ttl_s < 1:
+            raise ValueError(f"--kv-valkey-ttl must be >= 1 s, got {self.valkey_ttl_s}")
 
     def pending_blocks(self, block_bytes: int) -> int:
         """How many blocks of ``block_bytes`` may wait for the writer."""
         if self.max_pending_blocks is not None:
             return self.max_pending_blocks
         return max(1, self.max_pending_bytes // block_bytes)
-        if self.valkey_ttl_s is not None and self.valkey_ttl_s < 1:
-            raise ValueError(f"--kv-valkey-ttl must be >= 1 s, got {self.valkey_ttl_s}")
 
     @property
     def enabled(self) -> bool:

@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     kernels = precision["kernels"]
     print(f"kernels: {kernels['gemm']}; {kernels['attention']} attention; a row's result "
           + ("does not depend" if kernels["batch_invariant"] else "may depend")
-          + " on the rest of its batch")
+          + " on the rest of its batch; layers: " + str(kernels.get("layers", "compiled")))
     if tiers is not None:
         print(*tier_lines(ex, tiers), sep="\n")
     return 0
