@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make serve  -- set up .venv, install, serve the built-in smollm2 model on 127.0.0.1:8000
-#   make test   -- set up .venv with test extras, run ruff, mypy (strict: cache, sched, engine, server) and pytest
+#   make test   -- set up .venv with test extras, run ruff, mypy (strict, all of src/) and pytest
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
