@@ -124,7 +124,7 @@ def _ours(model: str, cache: bool, precision: str) -> Any:
 
     dtype, _, weights = precision.partition("+")
     return LLM(model=model, enable_prefix_caching=cache, dtype=dtype, seed=0,
-               weight_dtype=weights or "auto", kv_memory_bytes=KV_CACHE_GIB << 30)
+               weight_dtype=weights or "auto", kv_cache_memory_bytes=KV_CACHE_GIB << 30)
 
 
 def worker_ours(model: str, cache: bool, dtype: str, repeats: int) -> None:

@@ -89,7 +89,7 @@ def prefill_time(engine: LLMEngine, batch: list[list[int]], fields: dict[str, An
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     engine = LLMEngine(args.model, max_num_seqs=args.seqs, max_num_batched_tokens=2048,
-                       kv_memory_bytes=1 << 30)
+                       kv_cache_memory_bytes=1 << 30)
     vocab = engine.model_config.vocab_size
     batch = prompts(vocab, args.seqs, args.prompt_len, seed=0)
     decode_step_time(engine, batch, GREEDY, 2)  # warm-up: caches the prompts, builds kernels

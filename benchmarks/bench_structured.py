@@ -50,7 +50,7 @@ def schema20() -> dict[str, Any]:
 
 def engine_cases(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(args.model, max_num_seqs=max(args.seqs), kv_memory_bytes=1 << 30)
+    engine = LLMEngine(args.model, max_num_seqs=max(args.seqs), kv_cache_memory_bytes=1 << 30)
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
     spec = StructuredOutputs.of(json=schema20())

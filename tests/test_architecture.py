@@ -24,7 +24,7 @@ ALLOWED = {
     "native": {"paths"},
     "attention": {"native"},
     "model": {"attention", "native", "catalog", "errors", "paths"},
-    "sim": {"cache", "sched", "errors"},
+    "sim": {"cache", "sched", "tiers", "errors"},
     "engine": {"cache", "tiers", "sched", "model", "attention", "native", "catalog", "errors",
                "paths"},
 }
@@ -163,4 +163,38 @@ def test_outer_layers_use_the_engines_and_caches_public_interface() -> None:
             wrong.append(f"{name}: engine.engine.")
         if _layer(name) != "cache" and private.search(text):
             wrong.append(f"{name}: a cache private")
+    assert wrong == []
+
+
+MAX_CLASS_LINES, MAX_PUBLIC_MEMBERS, MAX_FUNCTION_LINES = 300, 25, 60
+
+
+def test_every_owner_stays_small() -> None:
+    """No class over 300 lines or 25 public methods, no function over 60 lines: a feature
+    that grows a hub past these gets an owner of its own instead."""
+    wrong = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                public = [b.name for b in node.body
+                          if isinstance(b, ast.FunctionDef | ast.AsyncFunctionDef)
+                          and not b.name.startswith("_")]  # fmt: skip
+                if size > MAX_CLASS_LINES or len(public) > MAX_PUBLIC_MEMBERS:
+                    wrong.append(f"{name}.{node.name}: {size} lines, {len(public)} public")
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if size > MAX_FUNCTION_LINES:
+                    wrong.append(f"{name}.{node.name}: {size} lines")
+    assert wrong == []
+
+
+def test_nothing_outside_the_engine_reaches_its_members() -> None:
+    """The server, the tools and the cluster use the engine's methods (`tier_stats`,
+    `add_cache_observer`, `pins_of`, `inspect`, ...), never its parts."""
+    reach_in = re.compile(r"\bengine\.(offload|tiers|cache|pins|scheduler|runner|groups)\b"
+                          r"|\.cache\.pool\b")
+    wrong = [f"{name}: {m.group(0)}" for name, path in _modules().items()
+             if _layer(name) in ("server", "tools", "cluster")
+             for m in reach_in.finditer(path.read_text())]  # fmt: skip
     assert wrong == []

@@ -118,11 +118,11 @@ def test_kv_cache_space_flag_sizes_the_pool(capsys: pytest.CaptureFixture[str]) 
     add_engine_arguments(parser)
     for text, expected in (("4G", 4 << 30), ("512MiB", 512 << 20), ("1048576", 1 << 20)):
         args = parser.parse_args(["--kv-cache-memory-bytes", text])
-        assert EngineConfig.from_args(args).kv_memory_bytes == expected
-    assert EngineConfig.from_args(parser.parse_args([])).kv_memory_bytes == 256 << 20
+        assert EngineConfig.from_args(args).kv_cache_memory_bytes == expected
+    assert EngineConfig.from_args(parser.parse_args([])).kv_cache_memory_bytes == 256 << 20
     small = EngineConfig.from_args(parser.parse_args(["--kv-cache-memory-bytes", "64K"]))
     assert LLMEngine(config=small).limits.num_kv_blocks < LLMEngine(config=dataclasses.replace(
-        small, kv_memory_bytes=1 << 20)).limits.num_kv_blocks
+        small, kv_cache_memory_bytes=1 << 20)).limits.num_kv_blocks
     for bad in ("0", "-1G", "lots", "inf", ""):
         with pytest.raises(SystemExit):
             parser.parse_args([f"--kv-cache-memory-bytes={bad}"])
@@ -132,6 +132,9 @@ def test_kv_cache_space_flag_sizes_the_pool(capsys: pytest.CaptureFixture[str]) 
 def test_a_valkey_ttl_under_a_second_is_refused() -> None:
     from prefixcache.tiers import TierConfig
 
+    url = "redis://127.0.0.1:6379/0"
     with pytest.raises(ValueError, match="kv-valkey-ttl"):
-        TierConfig(valkey_url="redis://127.0.0.1:6379/0", valkey_ttl_s=0)
-    assert TierConfig(valkey_url="redis://127.0.0.1:6379/0", valkey_ttl_s=1).valkey_ttl_s == 1
+        TierConfig({"kv_valkey": url, "kv_valkey_ttl": 0})
+    assert TierConfig({"kv_valkey": url, "kv_valkey_ttl": 1}).settings["kv_valkey_ttl"] == 1
+    with pytest.raises(TypeError, match="kv_valkey_ttl_s"):  # a setting is its flag's name
+        TierConfig({"kv_valkey_ttl_s": 1})

@@ -29,7 +29,7 @@ def conversation() -> Trace:
 def test_a_disk_under_a_small_pool_recovers_the_unbounded_hit_ratio(conversation: Trace) -> None:
     unbounded, small, tiered = replay_sequential(conversation, [
         RunSpec("hash", "lru", None), RunSpec("hash", "lru", 775),  # 10% of the working set
-        RunSpec("hash", "lru", 775, disk_gib=64.0)], COST)
+        RunSpec("hash", "lru", 775, tier_gib=(("disk", 64.0),))], COST)
     assert small.hit_ratio < unbounded.hit_ratio - 0.03
     assert abs(tiered.hit_ratio - unbounded.hit_ratio) <= 0.02
     split = tiered.tier_hit_ratios
@@ -40,8 +40,8 @@ def test_a_disk_under_a_small_pool_recovers_the_unbounded_hit_ratio(conversation
 
 def test_a_small_disk_keeps_only_its_capacity(conversation: Trace) -> None:
     big, tiny = replay_sequential(conversation, [
-        RunSpec("hash", "lru", 775, disk_gib=64.0),
-        RunSpec("hash", "lru", 775, disk_gib=800 * 512 * 1024 / (1 << 30))], COST)
+        RunSpec("hash", "lru", 775, tier_gib=(("disk", 64.0),)),
+        RunSpec("hash", "lru", 775, tier_gib=(("disk", 800 * 512 * 1024 / (1 << 30)),))], COST)
     assert tiny.tier_hit_ratios.get("disk", 0.0) < big.tier_hit_ratios["disk"]
 
 
@@ -50,9 +50,9 @@ def test_tier_reads_cost_time_to_first_token() -> None:
     trace = Trace("two", block)
     ids = list(range(8))
     trace.requests = [TraceRequest(f"r{i}", float(i), 8 * block + 1, 1, ids) for i in range(2)]
-    slow = replace(COST, disk_read_bytes_per_s=1e3, disk_latency_s=0.5)
-    fast = replace(COST, disk_read_bytes_per_s=1e12, disk_latency_s=0.0)
-    spec = RunSpec("hash", "lru", 9, disk_gib=1.0)  # the pool holds one prompt: then it evicts
+    slow = replace(COST, tier_reads={"disk": (1e3, 0.5)})
+    fast = replace(COST, tier_reads={"disk": (1e12, 0.0)})
+    spec = RunSpec("hash", "lru", 9, tier_gib=(("disk", 1.0),))  # the pool holds one prompt
     other = TraceRequest("x", 0.5, 8 * block + 1, 1, list(range(100, 108)))
     trace.requests.insert(1, other)
     (slow_run,) = replay_sequential(trace, [spec], slow)
@@ -64,8 +64,8 @@ def test_tier_reads_cost_time_to_first_token() -> None:
 def test_valkey_is_shared_by_the_replicas_and_a_disk_is_not(conversation: Trace) -> None:
     runs = replay_sequential(conversation, [
         RunSpec("hash", "lru", 600, 2, "round-robin"),
-        RunSpec("hash", "lru", 600, 2, "round-robin", disk_gib=64.0),
-        RunSpec("hash", "lru", 600, 2, "round-robin", valkey_gib=64.0)], COST)
+        RunSpec("hash", "lru", 600, 2, "round-robin", tier_gib=(("disk", 64.0),)),
+        RunSpec("hash", "lru", 600, 2, "round-robin", tier_gib=(("valkey", 64.0),))], COST)
     alone, disks, valkey = runs
     assert alone.hit_ratio < disks.hit_ratio < valkey.hit_ratio
     assert valkey.tier_hit_ratios["valkey"] > 0
@@ -73,11 +73,12 @@ def test_valkey_is_shared_by_the_replicas_and_a_disk_is_not(conversation: Trace)
 
 def test_the_tiers_refuse_what_they_cannot_model(conversation: Trace) -> None:
     with pytest.raises(ValueError, match="sequential mode only"):
-        replay_timed(conversation, RunSpec("hash", "lru", 300, disk_gib=1.0), COST)
+        replay_timed(conversation, RunSpec("hash", "lru", 300, tier_gib=(("disk", 1.0),)), COST)
     with pytest.raises(ValueError, match="--kv-disk-gib must be > 0"):
-        RunSpec("hash", "lru", 300, disk_gib=0.0)
+        RunSpec("hash", "lru", 300, tier_gib=(("disk", 0.0),))
     with pytest.raises(ValueError, match="holds no block"):
-        replay_sequential(conversation, [RunSpec("hash", "lru", 300, disk_gib=1e-9)], COST)
+        replay_sequential(conversation, [RunSpec("hash", "lru", 300, tier_gib=(("disk", 1e-9),))],
+                          COST)
     out = subprocess.run([sys.executable, "-m", "prefixcache", "simulate",
                           str(FIXTURES / "mooncake_conversation_300.jsonl"), "--mode", "timed",
                           "--kv-disk-gib", "4", "--no-progress"], capture_output=True, text=True,

@@ -290,7 +290,7 @@ def test_a_missing_file_is_a_miss_and_the_engine_goes_on_lmcache_1313(tmp_path: 
     # remove block 4 of the chain: blocks 0-3 are still a hit, the rest is computed
     chain = first.cache_identity.block_digests(_seq(first))[:10]
     assert set(chain) == set(digests)
-    os.unlink(second.offload.store.tiers[0].path_of(chain[4]))  # type: ignore[union-attr]
+    os.unlink(second.tiers.offload.store.tiers[0].path_of(chain[4]))  # type: ignore[union-attr]
     out = generate(second, PROMPT, "b")
     assert out["tokens"] == cold and out["external"] == 4 * BS
     assert second.stats()["tiers"]["tiers"]["disk"]["misses"] == 1
@@ -308,7 +308,7 @@ def test_a_corrupted_file_is_quarantined_and_computed_instead(tmp_path: Path,
     generate(first, PROMPT, "a")
     written(first)
     chain = first.cache_identity.block_digests(_seq(first))[:10]
-    path = first.offload.store.tiers[0].path_of(chain[2])  # type: ignore[union-attr]
+    path = first.tiers.offload.store.tiers[0].path_of(chain[2])  # type: ignore[union-attr]
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x55  # a flipped bit in the KV payload
     path.write_bytes(bytes(data))
@@ -374,8 +374,8 @@ def test_a_record_planted_under_another_identity_is_quarantined(tmp_path: Path) 
     generate(first, PROMPT, "a")
     written(first)
     bf16 = engine_on(tmp_path, dtype="bfloat16")
-    src = first.offload.store.tiers[0]  # type: ignore[union-attr]
-    dst = bf16.offload.store.tiers[0]  # type: ignore[union-attr]
+    src = first.tiers.offload.store.tiers[0]  # type: ignore[union-attr]
+    dst = bf16.tiers.offload.store.tiers[0]  # type: ignore[union-attr]
     chain = first.cache_identity.block_digests(_seq(first))
     # the same digests (the model id differs, so they would not even be asked for): plant
     # block 0's file where the bf16 engine looks for its own block 0
@@ -504,7 +504,7 @@ def test_a_corrupted_valkey_value_is_a_miss_and_deleted(valkey: str, cold: list[
     one = engine_on(valkey=valkey)
     generate(one, PROMPT, "a")
     written(one)
-    tier = one.offload.store.tiers[0]  # type: ignore[union-attr]
+    tier = one.tiers.offload.store.tiers[0]  # type: ignore[union-attr]
     chain = one.cache_identity.block_digests(_seq(one))
     client = connect(valkey)
     value = bytearray(client.get(tier.key_of(chain[3])))  # type: ignore[attr-defined]
@@ -539,7 +539,7 @@ def test_valkey_down_at_start_then_lost_and_back_mid_run(
 ) -> None:
     server = ValkeyProcess()  # not started: nothing listens on its port
     engine = engine_on(tmp_path, valkey=server.url)
-    tier = engine.offload.store.tiers[1]  # type: ignore[union-attr]
+    tier = engine.tiers.offload.store.tiers[1]  # type: ignore[union-attr]
     assert tier.stats.up is False
     assert generate(engine, PROMPT, "a")["tokens"] == cold  # served from RAM, written to disk
     written(engine)
@@ -637,7 +637,7 @@ def test_other_requests_keep_stepping_while_one_waits_for_its_blocks(tmp_path: P
     generate(first, PROMPT, "a")
     written(first)
     engine = engine_on(tmp_path)
-    tier = engine.offload.store.tiers[0]  # type: ignore[union-attr]
+    tier = engine.tiers.offload.store.tiers[0]  # type: ignore[union-attr]
     release = threading.Event()
     real_get_run = tier.get_run
 
@@ -673,7 +673,7 @@ def test_zero_on_reuse_and_tier_blocks_give_the_same_answer(tmp_path: Path,
 def test_valkey_records_expire_with_a_ttl(valkey: str) -> None:
     from prefixcache.tiers.valkey import connect
 
-    engine = engine_on(valkey=valkey, kv_valkey_ttl_s=120)
+    engine = engine_on(valkey=valkey, kv_valkey_ttl=120)
     generate(engine, PROMPT, "a")
     written(engine)
     client = connect(valkey)

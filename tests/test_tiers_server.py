@@ -152,7 +152,7 @@ def test_purge_needs_an_admin_and_a_known_tenant(
     assert bad.status_code == 400
     down = post("sk-ops-admin-example-key", "acme")  # Valkey is down: said, the disk purged
     assert down.status_code == 503 and "valkey" in down.json()["error"]["message"]
-    kv = Path(server.engine.engine_config.tiers.disk_dir or "")
+    kv = Path(str(server.engine.engine_config.tiers.settings.get("kv_disk", "")))
     assert len(record_files(kv)) == 10  # globex's (group partners) are kept
     valkey.start()
     done = post("sk-ops-admin-example-key", "acme")

@@ -39,7 +39,7 @@ def adopt(
     if not start <= have < end or stand_in.seq_id in cache.tables:
         return 0
     hit.epoch = cache.pool.epoch
-    block_ids = cache._allocate_first(stand_in, (end - have) * bs, hit, counted=False)
+    block_ids = cache.allocator.first(stand_in, (end - have) * bs, hit, counted=False)
     if block_ids is None:
         return 0
     filled = block_ids[have:end]

@@ -28,20 +28,21 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Protocol
+from typing import Any
 
+from prefixcache.cache.allocator import Protection, TableAllocator
 from prefixcache.cache.block_hash import BlockHasher
-from prefixcache.cache.block_pool import BlockPool, KVBlock, PoolSize, Taken
+from prefixcache.cache.block_pool import BlockPool, PoolSize
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import (
     AllBlocksCleared,
-    BlockRemoved,
     EventBuffer,
     KVCacheEvent,
     stored,
 )  # fmt: skip
 from prefixcache.cache.identity import CacheIdentity
 from prefixcache.cache.index import NOTHING_INSERTED, CacheHit, PrefixIndex, SeqBlocks
+from prefixcache.cache.observer import CacheObserver
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.tables import LiveTables
@@ -49,27 +50,6 @@ from prefixcache.cache.tables import LiveTables
 __all__ = ["CacheObserver", "PrefixCache", "Protection"]
 
 _NONE: frozenset[str] = frozenset()
-
-
-class CacheObserver(Protocol):
-    """Told about a cache's decisions as they happen (logging, tracing); adds nothing to the
-    cache's own work when none is attached. Must not call back into the cache's mutators."""
-
-    def on_admit(self, seq: Sequence, hit: CacheHit | None, block_ids: list[int]) -> None:
-        """``seq`` was admitted with ``hit``; ``block_ids`` is its new block table."""
-
-    def on_commit(self, seq: Sequence, start: int, end: int, block_ids: list[int]) -> None:
-        """Blocks ``start..end-1`` of ``seq`` (table ``block_ids``) are full and computed."""
-
-    def on_free(self, seq: Sequence, num_blocks: int) -> None:
-        """``seq`` let go of its ``num_blocks`` blocks."""
-
-
-class Protection(Protocol):
-    """Which domains' free cached blocks ``domain`` may not evict to take ``num_more`` more
-    blocks (the scheduler's fair shares, `sched.fairness.QuietDomains`)."""
-
-    def __call__(self, domain: str, num_more: int) -> frozenset[str]: ...
 
 
 class PrefixCache:
@@ -105,8 +85,10 @@ class PrefixCache:
         self.pool = BlockPool(num_blocks, block_size, zero_on_reuse=config.zero_on_reuse)
         self.index = self._make_index()
         self.tables = LiveTables()
-        self.protection: Protection | None = None
         self.observers: list[CacheObserver] = []
+        self.allocator = TableAllocator(config, self.pool, self.index, self.tables, self.stats,
+                                        self.events, self.identity, self.observers,
+                                        self._admitted, self._evicted)
 
     @classmethod
     def from_config(cls, config: CacheConfig) -> PrefixCache:
@@ -181,126 +163,19 @@ class PrefixCache:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         table = self.tables.get(seq.seq_id)
         if table is None:
-            return self._allocate_first(seq, num_new_tokens, hit)
+            return self.allocator.first(seq, num_new_tokens, hit)
         if table.seq is not seq:
             raise ValueError(f"sequence id {seq.seq_id!r} is already live in this cache")
-        return self._allocate_more(table, num_new_tokens)
+        return self.allocator.more(table, num_new_tokens)
 
-    def _allocate_first(
-        self, seq: Sequence, num_new_tokens: int, hit: CacheHit | None, *, counted: bool = True
-    ) -> list[int] | None:
-        """``counted``: a request's admission (its lookup counted, observers told); else a
-        stand-in of a pin or a tier load."""
-        given, hit = hit, hit or CacheHit()
-        hit_blocks = self._checked_hit(seq, hit)
-        num_hit = len(hit_blocks)
-        computed = num_hit * self.block_size
-        end = computed + num_new_tokens
-        num_new = -(-end // self.block_size) - num_hit
-        protected, num_protected = self._protected(seq.domain, num_hit + num_new)
-        num_free = self.pool.num_free - num_protected
-        if num_new + num_hit > num_free:  # admitting a hit consumes its free blocks
-            reused = self.index.num_free_in(hit, hit_blocks) if num_hit else 0
-            if num_new + reused > num_free:
-                return None
-        seq.num_computed_tokens = computed
-        table = SeqBlocks(seq, hit_blocks, list(hit.block_ids), end, num_hit)
-        if num_hit:
-            self._admitted(table, hit)
-        # touch before allocate (radix holds its path through the index, not by references)
-        taken = self._take(num_new, self._owner_root(seq), protected, hit_blocks[table.num_path :])
-        table.blocks += taken.blocks
-        table.block_ids += taken.block_ids
-        self.tables.add(table)
-        if counted:  # a request's lookup is counted once, when it is admitted
-            self.stats.count_lookup(len(seq.token_ids), hit.num_blocks, self.block_size,
-                                    hit.lookup_time_ns)
-            for observer in self.observers:
-                observer.on_admit(seq, given, list(table.block_ids))
-        return list(table.block_ids)
+    @property
+    def protection(self) -> Protection | None:
+        """Which domains' free cached blocks an allocation may not evict (None: none)."""
+        return self.allocator.protection
 
-    def _protected(self, domain: str, num_more: int) -> tuple[frozenset[str], int]:
-        """The domains whose free cached blocks ``domain`` may not evict for ``num_more`` more
-        blocks (``protection``'s answer), and how many blocks that keeps from it."""
-        if self.protection is None or not num_more or not self.pool.other_cache_domains(domain):
-            return _NONE, 0  # the common case: one domain
-        protected = self.protection(domain, num_more)
-        if not protected:
-            return _NONE, 0
-        free_cached = self.pool.free_cached_by_domain()
-        return protected, sum(free_cached.get(d, 0) for d in protected)
-
-    def _checked_hit(self, seq: Sequence, hit: CacheHit) -> list[KVBlock]:
-        """The hit's blocks, verified to still be cached for ``seq``."""
-        if not hit.block_ids:
-            return []
-        if not self.writes(seq):
-            raise ValueError("a cache hit was given for a sequence that does not use the cache")
-        num_hit = len(hit.block_ids)
-        if hit.num_tokens != num_hit * self.block_size:
-            raise ValueError(f"hit.num_tokens {hit.num_tokens} != {num_hit} blocks")
-        if num_hit > (len(seq.token_ids) - 1) // self.block_size:
-            raise ValueError(f"hit of {num_hit} blocks leaves no prompt token to compute")
-        return self.index.checked_hit(seq, hit)
-
-    def _allocate_more(self, table: SeqBlocks, num_new_tokens: int) -> list[int] | None:
-        bs = self.block_size
-        computed = table.num_computed_tokens
-        end = computed + num_new_tokens
-        blocks = table.blocks
-        num_new = max(0, -(-end // bs) - len(blocks))
-        shared = [
-            i
-            for i in range(computed // bs, min(len(blocks), -(-end // bs)))
-            if blocks[i].ref_cnt > 1
-        ]
-        domain = table.seq.domain
-        protected, num_protected = self._protected(domain, num_new)
-        if num_new + len(shared) > self.pool.num_free - num_protected:
-            return None
-        root = self._owner_root(table.seq)
-        for i in shared:  # a shared block is never written: the table gets its own copy
-            (dst,) = self._take(1, root, protected).blocks
-            self.pool.copy_on_write(blocks[i], dst, copy=i * bs < computed)
-            blocks[i] = dst
-            table.block_ids[i] = dst.block_id
-        taken = self._take(num_new, root, protected)
-        if taken.blocks:
-            self.tables.grew(domain, len(taken.blocks))
-            blocks += taken.blocks
-            table.block_ids += taken.block_ids
-        table.num_alloc_tokens = max(table.num_alloc_tokens, end)
-        return list(table.block_ids)
-
-    def _take(
-        self,
-        num: int,
-        owner_root: bytes | None,
-        protected: frozenset[str],
-        touch: list[KVBlock] | None = None,
-    ) -> Taken:
-        """``num`` new blocks from the pool (after a reference on each of ``touch``); evictions
-        are counted, announced and forgotten by the index here, and the free-block low watermark
-        kept."""
-        taken = self.pool.take(num, owner_root, protected, touch)
-        if taken.evicted_digests:
-            self.stats.num_evictions += len(taken.evicted_digests)
-            self._evicted(taken.evicted_digests)
-            if self.events.enabled:
-                self.events.emit(
-                    BlockRemoved(block_hashes=taken.evicted_digests, block_ids=taken.evicted_ids)
-                )
-        stats, num_free = self.stats, self.pool.num_free
-        if stats.min_free_blocks < 0 or num_free < stats.min_free_blocks:
-            stats.min_free_blocks = num_free
-        return taken
-
-    def _owner_root(self, seq: Sequence) -> bytes | None:
-        if not self.config.zero_on_reuse:
-            return None
-        if self.writes(seq):
-            return self.identity.root(seq)
-        return self.hasher.root(seq.namespace(self.model_id))
+    @protection.setter
+    def protection(self, protection: Protection | None) -> None:
+        self.allocator.protection = protection
 
     # -- commit ---------------------------------------------------------------------------------
 

@@ -15,15 +15,13 @@ if TYPE_CHECKING:
     from prefixcache.cache.identity import CacheIdentity
     from prefixcache.cache.index import SeqBlocks
 
-SHARED_MEDIA = frozenset({"VALKEY"})  # media every replica reads: a block there is everyone's
-
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """Blocks that became hittable, in chain order: ``block_hashes[0]``'s parent is
     ``parent_block_hash`` (the namespace root for a first block). ``medium`` (vLLM's field):
-    None for the replica's own KV pool, ``"VALKEY"`` for a lower tier that every replica
-    using the same server reads (`SHARED_MEDIA`)."""
+    None for the replica's own KV pool, else the shared lower tier that holds them (one every
+    replica reads, ``"VALKEY"``): a block there is every replica's."""
 
     block_hashes: list[bytes]
     parent_block_hash: bytes

@@ -16,6 +16,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prefixcache.cache.base import PrefixCache
 from prefixcache.cache.sequence import Sequence
@@ -50,7 +51,7 @@ def hold(cache: PrefixCache, seq: Sequence, num_blocks: int) -> int:
     if len(hit.block_ids) > num_blocks:  # a longer sequence than the blocks asked for
         raise ValueError(f"hold: give {seq.seq_id!r} num_blocks * block_size + 1 tokens")
     hit.epoch = cache.pool.epoch
-    block_ids = cache._allocate_first(seq, 0, hit, counted=False)
+    block_ids = cache.allocator.first(seq, 0, hit, counted=False)
     return 0 if block_ids is None else len(block_ids)
 
 
@@ -92,6 +93,13 @@ class PinTable:
     def budget(self, domain: str) -> int:
         """How many blocks ``domain`` may pin."""
         return self.budgets.get(domain, self.max_blocks_per_domain)
+
+    def describe(self, domain: str) -> list[dict[str, Any]]:
+        """``domain``'s pins as plain data: id, tokens, TTL, seconds left, last block digest."""
+        now = self.clock()
+        return [{"id": p.pin_id, "num_tokens": p.num_tokens, "ttl_s": p.ttl_s,
+                 "expires_in_s": round(max(0.0, p.expires_at - now), 3),
+                 "last_block_digest": p.last_digest.hex()} for p in self.of_domain(domain)]
 
     def blocks_pinned(self, domain: str) -> int:
         return sum(p.num_blocks for p in self.pins.values() if p.domain == domain)
@@ -178,6 +186,17 @@ class PinTable:
         for pin_id in ids:
             self.release(pin_id)
         return len(ids)
+
+    def reset_cache(self) -> int | None:
+        """Reset the cache, every pin released first: how many pins went, or None (nothing
+        changed, the pins held again) when the cache refused."""
+        pins = list(self.pins.values())
+        self.release_all()
+        if not self.cache.reset():
+            for pin in pins:  # not reset after all: hold them again
+                self.pin(pin.seq, pin.num_tokens, pin.ttl_s)
+            return None
+        return len(pins)
 
     def of_domain(self, domain: str) -> list[Pin]:
         return [p for p in self.pins.values() if p.domain == domain]

@@ -358,35 +358,9 @@ class RadixIndex(PrefixIndex):
         return len(dups)
 
     def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
-        """Make the first ``num_blocks - node.start`` blocks of ``node`` a node of their own.
-
-        Returns the node whose run ends at block ``num_blocks``; the new parent inherits the
-        locks, recency and hit count, so no block changes between evictable and protected.
-        """
-        cut = num_blocks - node.start
-        if cut >= len(node.block_ids):
-            return node
-        parent = node.parent
-        head = RadixNode(
-            parent,
-            node.key,
-            node.start,
-            node.block_ids[:cut],
-            node.blocks[:cut],
-            node.digests[:cut],
-            node.tokens[:cut],
-            {node.digests[cut]: node},
-            node.lock_ref,
-            node.last_access,
-            node.hit_count,
-            domain=node.domain,
-        )
-        parent.children[head.key] = head
-        del node.block_ids[:cut], node.blocks[:cut], node.digests[:cut], node.tokens[:cut]
-        node.parent = head
-        node.key = node.digests[0]
-        node.start = num_blocks
-        self.num_nodes += 1
+        """The node whose run ends at block ``num_blocks``: ``node``, or its head split off."""
+        head = node.split(num_blocks)
+        self.num_nodes += head is not node
         return head
 
     def clear(self) -> None:

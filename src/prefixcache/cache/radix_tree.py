@@ -51,6 +51,27 @@ class RadixNode:
     def end(self) -> int:
         return self.start + len(self.block_ids)
 
+    def split(self, num_blocks: int) -> RadixNode:
+        """Make the first ``num_blocks - start`` blocks a node of their own, this node's new
+        parent; returns the node whose run ends at block ``num_blocks`` (this one if it already
+        does). The head inherits the locks, recency and hit count, so no block changes between
+        evictable and protected."""
+        cut = num_blocks - self.start
+        if cut >= len(self.block_ids):
+            return self
+        parent = self.parent
+        head = RadixNode(
+            parent, self.key, self.start, self.block_ids[:cut], self.blocks[:cut],
+            self.digests[:cut], self.tokens[:cut], {self.digests[cut]: self}, self.lock_ref,
+            self.last_access, self.hit_count, domain=self.domain,
+        )  # fmt: skip
+        parent.children[head.key] = head
+        del self.block_ids[:cut], self.blocks[:cut], self.digests[:cut], self.tokens[:cut]
+        self.parent = head
+        self.key = self.digests[0]
+        self.start = num_blocks
+        return head
+
 
 class EvictionHeaps:
     """Per isolation domain, a heap of its unlocked leaves in eviction order (``lfu``: hit count
@@ -125,31 +146,9 @@ def check_tree(index: Tree, tables: Mapping[str, SeqBlocks]) -> None:
     tree: set[int] = set()
     parked: Counter[str] = Counter()
     for node in reversed(nodes):  # children before parents
-        parent = node.parent
-        check_invariant(
-            node.attached and parent is not None and parent.children.get(node.key) is node
-            and node.start == parent.end and node.key == node.digests[0]
-            and len(node.block_ids) == len(node.digests) == len(node.tokens)
-            and [b.block_id for b in node.blocks] == node.block_ids,
-            "node at block {} is linked, starts where its parent ends, keeps one block, "
-            "digest and token run per block and is keyed by its first",
-            node.start,
-        )  # fmt: skip
-        expected = locks[node] + sum(c.lock_ref for c in node.children.values())
-        check_invariant(
-            node.lock_ref == expected,
-            "lock_ref {} at block {} == sequences through it ({})",
-            node.lock_ref,
-            node.start,
-            expected,
-        )
+        _check_node(node, locks[node], in_heap)
         if not node.lock_ref:
             parked[node.domain] += len(node.block_ids)
-            check_invariant(
-                bool(node.children) or node.stamp in in_heap,
-                "unlocked leaf at block {} is in the heap",
-                node.start,
-            )
         for block_id in node.block_ids:
             block = index.pool.blocks[block_id]
             check_invariant(
@@ -170,19 +169,52 @@ def check_tree(index: Tree, tables: Mapping[str, SeqBlocks]) -> None:
         index.parked,
         parked,
     )
+    _check_tables(tables, tree, index.pool.block_size)
+
+
+def _check_node(node: RadixNode, num_locks: int, in_heap: set[int]) -> None:
+    """``node`` is linked, holds its runs, counts the sequences through it (``num_locks`` end
+    there) and, an unlocked leaf, waits in its heap."""
+    parent = node.parent
+    check_invariant(
+        node.attached and parent.children.get(node.key) is node
+        and node.start == parent.end and node.key == node.digests[0]
+        and len(node.block_ids) == len(node.digests) == len(node.tokens)
+        and [b.block_id for b in node.blocks] == node.block_ids,
+        "node at block {} is linked, starts where its parent ends, keeps one block, "
+        "digest and token run per block and is keyed by its first",
+        node.start,
+    )  # fmt: skip
+    expected = num_locks + sum(c.lock_ref for c in node.children.values())
+    check_invariant(
+        node.lock_ref == expected,
+        "lock_ref {} at block {} == sequences through it ({})",
+        node.lock_ref,
+        node.start,
+        expected,
+    )
+    if not node.lock_ref:
+        check_invariant(
+            bool(node.children) or node.stamp in in_heap,
+            "unlocked leaf at block {} is in the heap",
+            node.start,
+        )
+
+
+def _check_tables(tables: Mapping[str, SeqBlocks], tree: set[int], block_size: int) -> None:
+    """Each table starts with its locked path and holds nothing else of the tree's."""
     for seq_id, table in tables.items():
         path, attached = path_ids(table.node) if isinstance(table.node, RadixNode) else ([], True)
         check_invariant(
             attached and table.block_ids[: table.num_path] == path
             and len(path) == table.num_path
-            and table.num_path * index.pool.block_size <= table.num_computed_tokens,
+            and table.num_path * block_size <= table.num_computed_tokens,
             "{!r} locks only nodes in the tree; its table starts with its locked path, "
             "num_path long, all computed",
             seq_id,
         )  # fmt: skip
         held = table.block_ids[table.num_path :]
         check_invariant(tree.isdisjoint(held), "{!r}'s held blocks are not in the tree", seq_id)
-
 
 def path_ids(node: RadixNode) -> tuple[list[int], bool]:
     """The block ids from the namespace down to ``node``'s last, and whether every node on the

@@ -20,7 +20,7 @@ from prefixcache.catalog import DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES, model_help
 from prefixcache.engine.sampling_params import LOGPROBS_MODES
 from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
-from prefixcache.tiers import TierConfig
+from prefixcache.tiers import TIERS, TierConfig
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "add_engine_arguments"]
 
@@ -46,21 +46,19 @@ _SCHEDULER_KEYS = {
     "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "lpm_max_wait_steps",
     "dedup", "domain_limits", "default_domain_limits",
 }  # fmt: skip
-_TIER_KEYS = {
-    "kv_disk": "disk_dir",
-    "kv_disk_gib": "disk_gib",
-    "kv_valkey": "valkey_url",
-    "kv_valkey_ttl_s": "valkey_ttl_s",
+# the tiers' own settings are their flags' destinations (`TIERS`); these are the writer's
+_OFFLOAD_KEYS = {
     "offload_prompt_only": "offload_prompt_only",
     "kv_offload_max_pending_blocks": "max_pending_blocks",
     "kv_offload_max_pending_bytes": "max_pending_bytes",
 }
+_TIER_SETTINGS = {dest for kind in TIERS.values() for dest in kind.dests}
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """``model``: a built-in name, a checkpoint directory, a .gguf file or a `LoadedModel`.
-    ``cache.num_blocks=None`` sizes the pool from ``kv_memory_bytes`` (capped at what
+    ``cache.num_blocks=None`` sizes the pool from ``kv_cache_memory_bytes`` (capped at what
     ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
     invariant after each step (tests). ``logprobs_mode``: what reported log-probabilities are
     of (`prefixcache.engine.sampler`). ``tiers``: the lower KV tiers (disk, Valkey) under the
@@ -72,7 +70,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = _ENGINE_CACHE
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_memory_bytes: int = DEFAULT_KV_MEMORY_BYTES
+    kv_cache_memory_bytes: int = DEFAULT_KV_MEMORY_BYTES
     check_integrity: bool = False
     logprobs_mode: str = "raw_logprobs"
     tiers: TierConfig = field(default_factory=TierConfig)
@@ -88,8 +86,10 @@ class EngineConfig:
         if self.weight_dtype not in WEIGHT_DTYPE_CHOICES:
             raise ValueError(f"unknown weight_dtype {self.weight_dtype!r}; choose one of "
                              f"{list(WEIGHT_DTYPE_CHOICES)}")
-        if self.kv_memory_bytes < 1:
-            raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
         if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
             raise ValueError(f"max_pinned_blocks must be >= 0, got {self.max_pinned_blocks}")
 
@@ -100,21 +100,23 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: Any = "tiny", **settings: Any) -> EngineConfig:
         """From the flat keywords of `LLMEngine(...)` / `LLM(...)`: ``block_size``,
-        ``num_kv_blocks``, ``kv_memory_bytes``, ``enable_prefix_caching``, ``prefix_cache``,
+        ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_prefix_caching``, ``prefix_cache``,
         ``hash_algo``, ``eviction_policy``, ``zero_on_reuse``, ``kv_events``,
         ``kv_events_with_tokens``, ``max_num_seqs``, ``max_num_batched_tokens``,
         ``schedule_policy``, ``lpm_max_wait_steps``, ``dedup``, ``domain_limits``,
         ``default_domain_limits``, ``seed``, ``dtype``, ``weight_dtype``, ``check_integrity``,
-        ``logprobs_mode``, and the tiers': ``kv_disk``, ``kv_disk_gib``, ``kv_valkey``,
-        ``kv_valkey_ttl_s``, ``offload_prompt_only``, ``kv_offload_max_pending_blocks``,
-        ``kv_offload_max_pending_bytes``."""
+        ``logprobs_mode``, the tiers' flags (`prefixcache.tiers.TIERS`: ``kv_disk``,
+        ``kv_disk_gib``, ``kv_valkey``, ``kv_valkey_ttl``), ``offload_prompt_only``,
+        ``kv_offload_max_pending_blocks``, ``kv_offload_max_pending_bytes``."""
         cache = {_CACHE_KEYS[k]: settings.pop(k) for k in list(settings) if k in _CACHE_KEYS}
         scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
-        tiers = {_TIER_KEYS[k]: settings.pop(k) for k in list(settings) if k in _TIER_KEYS}
-        tiers = {k: v for k, v in tiers.items() if v is not None}  # None: the default
-        known = {"dtype", "weight_dtype", "seed", "kv_memory_bytes", "check_integrity",
-                 "logprobs_mode",
-                 "max_pinned_blocks", "pin_budgets"}
+        offload = {_OFFLOAD_KEYS[k]: settings.pop(k) for k in list(settings)
+                   if k in _OFFLOAD_KEYS}  # fmt: skip
+        offload = {k: v for k, v in offload.items() if v is not None}  # None: the default
+        tier_settings = {k: v for k in list(settings) if k in _TIER_SETTINGS
+                         if (v := settings.pop(k)) is not None}  # fmt: skip
+        known = {"dtype", "weight_dtype", "seed", "kv_cache_memory_bytes", "check_integrity",
+                 "logprobs_mode", "max_pinned_blocks", "pin_budgets"}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
@@ -122,7 +124,7 @@ class EngineConfig:
             model=model,
             cache=replace(_ENGINE_CACHE, **cache),
             scheduler=SchedulerConfig.from_kwargs(**scheduler),
-            tiers=TierConfig(**tiers),
+            tiers=TierConfig(tier_settings, **offload),
             **settings,
         )
 
@@ -135,35 +137,25 @@ class EngineConfig:
         default_domain_limits: DomainLimits | None = None,
         pin_budgets: Mapping[str, int] | None = None,
     ) -> EngineConfig:
-        """From the flags `add_engine_arguments` defines (``serve``, ``generate``)."""
-        kind = args.prefix_cache
-        return cls.from_kwargs(
-            args.model,
-            dtype=args.dtype,
-            weight_dtype=getattr(args, "weight_dtype", "auto"),
-            seed=args.seed,
-            prefix_cache="hash" if kind == "off" else kind,
-            enable_prefix_caching=kind != "off",
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_memory_bytes=getattr(args, "kv_cache_memory_bytes", None) or DEFAULT_KV_MEMORY_BYTES,
-            hash_algo=args.hash_algo,
-            eviction_policy=args.eviction_policy,
-            zero_on_reuse=args.zero_on_reuse,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            schedule_policy=args.schedule_policy,
-            domain_limits=domain_limits,
-            default_domain_limits=default_domain_limits,
-            logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
-            kv_disk=getattr(args, "kv_disk", None),
-            kv_disk_gib=getattr(args, "kv_disk_gib", None),
-            kv_valkey=getattr(args, "kv_valkey", None),
-            kv_valkey_ttl_s=getattr(args, "kv_valkey_ttl", None),
-            offload_prompt_only=not getattr(args, "kv_offload_decode", False),
-            max_pinned_blocks=getattr(args, "max_pinned_blocks", None),
-            pin_budgets=pin_budgets,
-        )
+        """From the flags `add_engine_arguments` defines (``serve``, ``generate``): a flag's
+        destination is its `from_kwargs` keyword; ``--prefix-cache off`` turns caching off and
+        ``--kv-offload-decode`` writes decode blocks to the tiers too."""
+        flags = {dest: value for dest in _engine_flags()
+                 if (value := getattr(args, dest, None)) is not None}  # fmt: skip
+        kind = flags.pop("prefix_cache", "hash")
+        flags.update(prefix_cache="hash" if kind == "off" else kind,
+                     enable_prefix_caching=kind != "off",
+                     offload_prompt_only=not flags.pop("kv_offload_decode", False))
+        return cls.from_kwargs(flags.pop("model"), domain_limits=domain_limits,
+                               default_domain_limits=default_domain_limits,
+                               pin_budgets=pin_budgets, **flags)
+
+
+def _engine_flags() -> list[str]:
+    """The destinations of every flag `add_engine_arguments` defines."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    return [action.dest for action in parser._actions]
 
 
 _SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -213,18 +205,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
     parser.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
                         help="reported logprobs: of the model's distribution, or after "
                              "penalties, logit_bias, min_tokens and temperature")
-    parser.add_argument("--kv-disk", metavar="DIR", default=None,
-                        help="a disk tier under the KV pool: blocks written behind to DIR, read "
-                             "back on a RAM miss, kept across restarts (docs/tiers.md)")
-    parser.add_argument("--kv-disk-gib", type=float, default=None, metavar="N",
-                        help="the disk tier's capacity in GiB (default 16); least recently used "
-                             "blocks are deleted beyond it")
-    parser.add_argument("--kv-valkey", metavar="URL", default=None,
-                        help="a Valkey (or Redis) tier shared by every engine using it, e.g. "
-                             "redis://127.0.0.1:6379/0")
-    parser.add_argument("--kv-valkey-ttl", type=int, default=None, metavar="S",
-                        help="expire Valkey blocks after S seconds (default: the server's "
-                             "maxmemory policy decides)")
+    for kind in TIERS.values():  # each tier's flags: its location and its settings
+        kind.add_arguments(parser)
     parser.add_argument("--kv-offload-decode", action="store_true",
                         help="write decode blocks to the tiers too, not just prompt blocks")
     parser.add_argument("--max-pinned-blocks", type=int, default=None, metavar="N",

@@ -21,13 +21,13 @@ from typing import Any, cast
 
 from prefixcache.attention.kv_cache import PagedKVCache
 from prefixcache.cache import CacheIdentity, PrefixCache, evict_domain, make_prefix_cache
+from prefixcache.cache.base import CacheObserver
 from prefixcache.cache.events import KVCacheEvent
 from prefixcache.cache.pins import PinTable
 from prefixcache.engine import observation
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.groups import RequestGroups
 from prefixcache.engine.input_processor import InputProcessor
-from prefixcache.engine.offload import KVOffload
 from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
 from prefixcache.engine.request import Request
@@ -55,9 +55,9 @@ class LLMEngine:
     (``"smollm2"``, ``"tiny"``, ``"small"``), a checkpoint directory, a .gguf file or a
     `LoadedModel`. ``kv_events``: buffer the cache's KV events (bounded) for a consumer that
     drains them with `take_kv_events`; off, nothing is kept. ``num_kv_blocks=None`` sizes the
-    pool from ``kv_memory_bytes``. ``check_integrity`` verifies every cache invariant after each
-    step (tests). The engine leaves the process's malloc alone: ``prefixcache serve`` opts in
-    to keeping freed tensor memory (`prefixcache.model.host_memory`).
+    pool from ``kv_cache_memory_bytes``. ``check_integrity`` verifies every cache invariant
+    after each step (tests). The engine leaves the process's malloc alone: ``prefixcache
+    serve`` opts in to keeping freed tensor memory (`prefixcache.model.host_memory`).
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class LLMEngine:
         self.block_size = config.block_size
         self.kv_layout = self.loaded.kv_layout
         num_blocks = config.cache.num_blocks or self._default_num_blocks(
-            config.kv_memory_bytes, config.scheduler.max_num_seqs
+            config.kv_cache_memory_bytes, config.scheduler.max_num_seqs
         )
         self.cache: PrefixCache = make_prefix_cache(
             replace(config.cache, num_blocks=num_blocks, model_id=self.loaded.identity)
@@ -90,15 +90,11 @@ class LLMEngine:
         )
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
         # the lower tiers (disk, Valkey): written behind each step, read ahead of admission
-        self.tiers: TierTraffic | None = None
-        if config.tiers.enabled and self.cache.enable_prefix_caching:
-            offload = KVOffload.open(config.tiers, self.loaded.identity, self.runner.kv_cache,
-                                     self.cache.identity)
-            offload.emit_events = self.cache.events.enabled
-            # its threads must not outlive the engine; not at exit, where waking them would run
-            # tensor work while the interpreter (and torch's thread pool) is being torn down
-            weakref.finalize(self, offload.stop).atexit = False
-            self.tiers = TierTraffic(offload, self.cache, self.runner.kv_cache, self.scheduler)
+        self.tiers = TierTraffic.open(config.tiers, self.loaded.identity, self.cache,
+                                      self.runner.kv_cache, self.scheduler)
+        if self.tiers is not None:  # its threads must not outlive the engine; not at exit,
+            # where waking them would run tensor work while torch is being torn down
+            weakref.finalize(self, self.tiers.offload.stop).atexit = False
         # prefixes kept from eviction for a time (cache_control), per domain within a budget
         max_pinned = config.max_pinned_blocks
         self.pins = PinTable(self.cache, num_blocks // 4 if max_pinned is None else max_pinned,
@@ -125,10 +121,23 @@ class LLMEngine:
         self.on_request_finished: Callable[[Request], None] | None = None
         self.limits: EngineLimits = observation.limits_of(self)  # fixed once it is loaded
 
-    @property
-    def offload(self) -> KVOffload | None:
-        """The lower tiers' mover (None without tiers)."""
-        return self.tiers.offload if self.tiers is not None else None
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The lower tiers' counters (None without tiers); safe from any thread."""
+        return self.tiers.offload.stats_dict() if self.tiers is not None else None
+
+    def add_cache_observer(self, observer: CacheObserver) -> None:
+        """Tell ``observer`` about the cache's admissions, commits and frees (before the
+        engine's thread starts)."""
+        self.cache.add_observer(observer)
+
+    def pins_of(self, domain: str) -> list[dict[str, Any]]:
+        """``domain``'s pins as plain data (digests and counts, never tokens or text)."""
+        return self.pins.describe(domain)
+
+    def release_pin(self, pin_id: str, domain: str) -> bool:
+        """Release ``domain``'s pin ``pin_id`` (False: no such pin of that domain)."""
+        pin = self.pins.pins.get(pin_id)
+        return pin is not None and pin.domain == domain and self.pins.release(pin_id)
 
     @property
     def precision(self) -> dict[str, Any]:
@@ -306,17 +315,9 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block, pinned ones included (``num_pins_released_by_reset`` says
         how many pins went); refused (False, nothing changed) while requests hold blocks."""
-        self.num_pins_released_by_reset = 0
-        if self.has_unfinished():
-            return False
-        pins = list(self.pins.pins.values())
-        self.pins.release_all()
-        if not self.cache.reset():
-            for pin in pins:  # not reset after all: hold them again
-                self.pins.pin(pin.seq, pin.num_tokens, pin.ttl_s)
-            return False
-        self.num_pins_released_by_reset = len(pins)
-        return True
+        released = None if self.has_unfinished() else self.pins.reset_cache()
+        self.num_pins_released_by_reset = released or 0
+        return released is not None
 
     def stats(self) -> dict[str, Any]:
         """Cache counters, scheduler counters and per-request timing of finished requests."""
@@ -338,12 +339,12 @@ class LLMEngine:
 
     def flush_tiers(self, timeout: float = 30.0) -> bool:
         """Wait until the blocks queued for the lower tiers are written (False on timeout)."""
-        return self.offload.flush(timeout) if self.offload is not None else True
+        return self.tiers.offload.flush(timeout) if self.tiers is not None else True
 
     def close(self) -> None:
         """Finish the tiers' queued writes and stop their threads (idempotent)."""
-        if self.offload is not None:
-            self.offload.close()
+        if self.tiers is not None:
+            self.tiers.offload.close()
 
 
 def _load(model: Any, dtype: str, weight_dtype: str = "auto") -> LoadedModel:

@@ -76,6 +76,7 @@ def view_of(engine: Observed) -> EngineView:
         num_free_blocks=cache.num_free_blocks,
         num_cached_blocks=cache.num_cached_blocks,
         kv_cache=engine.runner.kv_cache,
+        cache=cache,
     )
 
 

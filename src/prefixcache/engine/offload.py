@@ -8,7 +8,7 @@ waits. Load-ahead: a new request whose prompt runs past the RAM cache's hit is h
 thread, which reads the longest run of its next blocks from the tiers (nearest first), each
 record checked against the block's identity, digest, parent, token check and checksum; the
 engine adopts the run into freshly allocated pool blocks at its next step
-(`PrefixCache.adopt`). Neither thread ever blocks the step.
+(`prefixcache.cache.adopt`). Neither thread ever blocks the step.
 """
 
 from __future__ import annotations
@@ -258,16 +258,18 @@ class KVOffload:
             try:
                 raw = data.contiguous().view(torch.uint8).view(len(keys), -1).numpy()
                 shared = self.store.store([(key, memoryview(raw[i])) for i, key in enumerate(keys)])
-                if shared and self.emit_events:
-                    self._note_shared(keys, shared)
+                if self.emit_events:
+                    for medium, digests in shared.items():
+                        self._note_shared(keys, digests, medium)
             except Exception as exc:  # noqa: BLE001 - a failed write is dropped, never a crash
                 logger.error("KV tier write failed: %s", describe_exception(exc))
             finally:
                 with self._pending_lock:
                     self._pending -= len(keys)
 
-    def _note_shared(self, keys: list[BlockKey], digests: set[bytes]) -> None:
-        """Events for the runs of ``keys`` a shared tier now holds (chain order kept)."""
+    def _note_shared(self, keys: list[BlockKey], digests: set[bytes], medium: str) -> None:
+        """Events for the runs of ``keys`` the shared tier ``medium`` now holds (chain order
+        kept)."""
         bs = self.kv_cache.block_size
         run: list[BlockKey] = []
         events = []
@@ -279,7 +281,7 @@ class KVOffload:
                 continue
             if run:
                 events.append(BlockStored([k.digest for k in run], run[0].parent, [], bs,
-                                          medium="VALKEY"))
+                                          medium=medium))
             run = [key] if key is not None and key.digest in digests else []
         with self._events_lock:
             self._events += events

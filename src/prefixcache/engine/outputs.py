@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prefixcache.attention.kv_cache import PagedKVCache
+    from prefixcache.cache import PrefixCache
     from prefixcache.engine.request import Request
     from prefixcache.sched import SchedulerOutput
 
@@ -121,8 +122,9 @@ class EngineLimits:
 class EngineView:
     """A read-only look inside an engine between steps (`LLMEngine.inspect`), for tools and
     benchmarks: the choices running and waiting now (copies of the queues), the latest step's
-    batch, and the KV pool's levels. ``kv_cache`` is the paged KV storage itself (debugging
-    tools read it; nothing outside the engine writes it but tests)."""
+    batch, and the KV pool's levels. ``kv_cache`` is the paged KV storage itself and ``cache``
+    the prefix cache over it (debugging tools read them; nothing outside the engine writes them
+    but tests)."""
 
     running: tuple[Request, ...]
     waiting: tuple[Request, ...]
@@ -132,6 +134,7 @@ class EngineView:
     num_free_blocks: int
     num_cached_blocks: int
     kv_cache: PagedKVCache
+    cache: PrefixCache
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from prefixcache.engine.request import Request
 from prefixcache.errors import describe_exception
 from prefixcache.sched import Scheduler, SchedulerOutput
 from prefixcache.sched.request import RequestStatus
+from prefixcache.tiers import TierConfig
 
 if TYPE_CHECKING:
     from prefixcache.attention.kv_cache import PagedKVCache
@@ -38,6 +39,18 @@ class TierTraffic:
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.loading: dict[str, Request] = {}  # requests whose blocks a tier is reading
+
+    @classmethod
+    def open(
+        cls, config: TierConfig, model_identity: str, cache: PrefixCache,
+        kv_cache: PagedKVCache, scheduler: Scheduler[Request],
+    ) -> TierTraffic | None:  # fmt: skip
+        """The tiers ``config`` names under ``cache`` (None: no tier, or nothing is cached)."""
+        if not (config.enabled and cache.enable_prefix_caching):
+            return None
+        offload = KVOffload.open(config, model_identity, kv_cache, cache.identity)
+        offload.emit_events = cache.events.enabled
+        return cls(offload, cache, kv_cache, scheduler)
 
     def start_load(self, request: Request) -> bool:
         """Send ``request`` to the loader if its prompt runs past the RAM cache's hit (it then

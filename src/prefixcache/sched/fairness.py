@@ -55,6 +55,13 @@ class DomainLimits:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
+    def admit(self, seqs_held: int, more_seqs: int, blocks_held: int) -> bool:
+        """A domain holding ``seqs_held`` sequences and ``blocks_held`` blocks may start a
+        request of ``more_seqs`` sequences."""
+        if self.max_seqs is not None and seqs_held + more_seqs > self.max_seqs:
+            return False
+        return self.max_blocks is None or blocks_held < self.max_blocks
+
 
 def fair_order(candidates: list[R], seqs_held: Mapping[str, int]) -> list[R]:
     """``candidates`` (already in policy order) interleaved across domains: round-robin, the

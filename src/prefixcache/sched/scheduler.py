@@ -33,6 +33,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from prefixcache.cache import CacheHit, PrefixCache
 from prefixcache.sched.config import SCHEDULE_POLICIES, SchedulerConfig
+from prefixcache.sched.dedup import InBatchDedup
 from prefixcache.sched.fairness import DomainLimits, QuietDomains, Shares, fair_order
 from prefixcache.sched.policy import make_policy
 from prefixcache.sched.request import RequestStatus, SchedRequest, ScheduledChunk, SchedulerOutput
@@ -59,7 +60,7 @@ class Scheduler(Generic[R]):
         self.policy = make_policy(config.schedule_policy, config.lpm_max_wait_steps)
         self.protection = QuietDomains(cache)  # the cache evicts by the same shares
         cache.protection = self.protection
-        self._dedup = config.dedup and cache.enable_prefix_caching
+        self.dedup = InBatchDedup(cache, config.dedup)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: deque[R] = deque()
@@ -197,7 +198,7 @@ class Scheduler(Generic[R]):
         out.preempted.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: Shares | None) -> None:
-        in_flight = self._digests_in_flight(out.chunks)
+        in_flight = self.dedup.in_flight(out.chunks)
         num_seqs = sum(self._seqs.values())
         blocked: set[str] = set()  # domains whose next request cannot start this step
         waiting_domains = {r.domain for r in self.waiting}
@@ -211,7 +212,7 @@ class Scheduler(Generic[R]):
             if num_seqs + request.reserved_seqs <= self.max_num_seqs and self._within_limits(
                 request, shares, waiting_domains
             ):
-                first_miss = self._first_miss_digest(request, hit)
+                first_miss = self.dedup.first_miss(request, hit)
                 if first_miss is not None and first_miss in in_flight and out.chunks:
                     out.num_deferred += 1
                     continue
@@ -226,7 +227,7 @@ class Scheduler(Generic[R]):
                 shares.spend_tokens(domain, num_new)
             budget -= num_new
             num_seqs += request.reserved_seqs
-            in_flight.update(self._chunk_digests(out.chunks[-1]))
+            in_flight.update(self.dedup.written_by(out.chunks[-1]))
         self.num_deferred += out.num_deferred
 
     def _within_limits(
@@ -234,12 +235,9 @@ class Scheduler(Generic[R]):
     ) -> bool:
         """The domain's hard caps allow one more request, and (several domains having work)
         it is not at or over its share while another domain waits."""
-        domain, limits = request.domain, self.limits_for(request.domain)
-        if limits.max_seqs is not None and (
-            self._seqs[domain] + request.reserved_seqs > limits.max_seqs
-        ):
-            return False
-        if limits.max_blocks is not None and self.cache.blocks_held(domain) >= limits.max_blocks:
+        domain = request.domain
+        if not self.limits_for(domain).admit(self._seqs[domain], request.reserved_seqs,
+                                             self.cache.blocks_held(domain)):
             return False
         if shares is None or not waiting_domains - {domain}:
             return True
@@ -275,31 +273,6 @@ class Scheduler(Generic[R]):
         self._seqs[request.domain] += request.reserved_seqs
         out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, table))
         return num_new
-
-    # ---- in-batch dedup ----------------------------------------------------------------------
-
-    def _first_miss_digest(self, request: R, hit: CacheHit) -> bytes | None:
-        seq = request.seq
-        if not (self._dedup and seq.reads_cache):
-            return None  # a sequence that reads no hit gains nothing by waiting
-        digests = self.cache.identity.block_digests(seq)
-        return digests[hit.num_blocks] if hit.num_blocks < len(digests) else None
-
-    def _digests_in_flight(self, chunks: list[ScheduledChunk]) -> set[bytes]:
-        if not self._dedup:
-            return set()
-        return {digest for chunk in chunks for digest in self._chunk_digests(chunk)}
-
-    def _chunk_digests(self, chunk: ScheduledChunk) -> list[bytes]:
-        """Digests of the complete blocks this chunk writes into (empty for decodes)."""
-        seq = chunk.request.seq
-        if not (self._dedup and seq.writes_cache) or chunk.num_new_tokens == 1:
-            return []
-        bs = self.cache.block_size
-        digests = self.cache.identity.block_digests(seq)
-        first = chunk.num_computed_tokens // bs
-        last = (chunk.num_computed_tokens + chunk.num_new_tokens - 1) // bs
-        return digests[first : last + 1]
 
     # ---- after the runner ---------------------------------------------------------------------
 

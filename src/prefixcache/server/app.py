@@ -90,9 +90,8 @@ def _metrics(
     """The server's metrics, the lower tiers' counters among them where the engine has tiers."""
     metrics = ServerMetrics(model_name, engine.block_bytes, domain_labels,
                             vllm_max_model_len=engine.max_model_len if vllm_names else None)
-    offload = engine.offload
-    if offload is not None:
-        metrics.add_tiers(offload.stats_dict)
+    if engine.tier_stats() is not None:
+        metrics.add_tiers(engine.tier_stats)
     return metrics
 
 
@@ -121,10 +120,9 @@ def _add_dashboard(
 
     tenants, metrics = context.tenants, context.metrics
     view = CacheView(engine.cache_identity, metrics.domain_label)
-    engine.cache.add_observer(view)  # before the engine's thread starts
-    offload = engine.offload
-    sources = DashboardSources(context.engine, metrics, view, context.model_name,
-                               offload.stats_dict if offload is not None else None)
+    engine.add_cache_observer(view)  # before the engine's thread starts
+    tier_stats = engine.tier_stats if engine.tier_stats() is not None else None
+    sources = DashboardSources(context.engine, metrics, view, context.model_name, tier_stats)
     install_dashboard(app, sources, metrics_key_check(tenants, metrics_key), api_key_of,
                       tenants.derive_key("dashboard-session"))
 

@@ -152,23 +152,11 @@ class AsyncEngine:
 
     async def pins_of(self, domain: str) -> list[JSONObject]:
         """``domain``'s pins as plain data (digests and counts, never tokens or text)."""
-        def read() -> list[JSONObject]:
-            pins = self.engine.pins
-            now = pins.clock()
-            return [{"id": p.pin_id, "num_tokens": p.num_tokens, "ttl_s": p.ttl_s,
-                     "expires_in_s": round(max(0.0, p.expires_at - now), 3),
-                     "last_block_digest": p.last_digest.hex()} for p in pins.of_domain(domain)]
-
-        return await self.call(read)
+        return await self.call(lambda: self.engine.pins_of(domain))
 
     async def release_pin(self, domain: str, pin_id: str) -> bool:
         """Release ``domain``'s pin ``pin_id`` (False: no such pin of that domain)."""
-        def release() -> bool:
-            pins = self.engine.pins
-            pin = pins.pins.get(pin_id)
-            return pin is not None and pin.domain == domain and pins.release(pin_id)
-
-        return await self.call(release)
+        return await self.call(lambda: self.engine.release_pin(pin_id, domain))
 
     async def reset_prefix_cache_and_pins(self) -> tuple[bool, int]:
         """`reset_prefix_cache`, and how many pins the reset released."""

@@ -71,7 +71,8 @@ def warm_from_file(engine: LLMEngine, tenants: TenantRegistry, path: str,
         _prefill(engine, f"warm-{number}", token_ids, tenants, tenant, salt, pins, where)
         count += 1
     if count:
-        logger.info("warmed %d prompts from %s (%d pins)", count, path, len(engine.pins.pins))
+        logger.info("warmed %d prompts from %s (%d blocks pinned)", count, path,
+                    engine.snapshot().num_pinned_blocks)
     return count
 
 

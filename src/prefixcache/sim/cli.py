@@ -30,6 +30,7 @@ from prefixcache.sim.router import ROUTERS
 from prefixcache.sim.sweep import SweepPlan, plan_sweep, run_sweep
 from prefixcache.sim.timed import ReplicaConfig
 from prefixcache.sim.trace import Trace
+from prefixcache.tiers import TIERS
 
 _SUFFIXES = {"k": 1_000, "m": 1_000_000}
 
@@ -100,10 +101,10 @@ def _cost_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def _tier_and_pin_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--kv-disk-gib", type=float, default=None, metavar="G",
-                       help="sequential: a disk tier of G GiB under each replica's cache")
-    group.add_argument("--kv-valkey-gib", type=float, default=None, metavar="G",
-                       help="sequential: one Valkey tier of G GiB shared by the replicas")
+    for kind in TIERS.values():
+        where = "one shared by the replicas" if kind.shared else "one under each replica's cache"
+        group.add_argument(f"--kv-{kind.name}-gib", type=float, default=None, metavar="G",
+                           help=f"sequential: a {kind.name} tier of G GiB, {where}")
     group.add_argument("--kv-bytes-per-token", type=float, default=None, metavar="B",
                        help="KV bytes of one token, all layers (sizes the tiers in blocks and "
                             "their reads; default 131072, an 8B Llama in bfloat16)")
@@ -204,9 +205,10 @@ def _plan(args: argparse.Namespace) -> SweepPlan:
     plan = plan_sweep(capacities, kinds, policies, replicas, routers, cluster)
     if not plan.specs:
         raise ValueError("nothing to simulate: " + "; ".join(plan.notes))
-    if args.kv_disk_gib is not None or args.kv_valkey_gib is not None:
-        plan.specs = [replace(s, disk_gib=args.kv_disk_gib, valkey_gib=args.kv_valkey_gib)
-                      for s in plan.specs]
+    tier_gib = tuple((name, gib) for name in TIERS
+                     if (gib := getattr(args, f"kv_{name}_gib", None)) is not None)
+    if tier_gib:
+        plan.specs = [replace(s, tier_gib=tier_gib) for s in plan.specs]
     pins = [p == "on" for p in _choices(args.pins, "--pins", ("on", "off"))]
     plan.specs = [replace(s, pins=p, max_pinned_blocks=args.max_pinned_blocks)
                   for s in plan.specs for p in dict.fromkeys(pins)]

@@ -13,6 +13,7 @@ from prefixcache.cache import PREFIX_CACHES, CacheConfig, PrefixCache, make_pref
 from prefixcache.cache.config import EVICTION_POLICIES
 from prefixcache.sched.fairness import QuietDomains
 from prefixcache.sim.trace import Trace
+from prefixcache.tiers import TIERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +25,9 @@ class RunSpec:
     capacity_blocks: int | None = None
     replicas: int = 1
     router: str = "round-robin"
-    disk_gib: float | None = None  # a disk tier per replica (sequential mode)
-    valkey_gib: float | None = None  # one Valkey tier shared by the replicas (sequential mode)
+    # (tier name, GiB), nearest first (sequential mode): a tier of `prefixcache.tiers.TIERS`,
+    # one per replica, or one shared by the replicas if every engine reads it (Valkey)
+    tier_gib: tuple[tuple[str, float], ...] = ()
     pins: bool = True  # honour the trace's cache breakpoints (sequential mode)
     max_pinned_blocks: int | None = None  # per tenant and replica; None: a quarter of a replica
 
@@ -43,9 +45,11 @@ class RunSpec:
             )
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        for name, gib in (("--kv-disk-gib", self.disk_gib), ("--kv-valkey-gib", self.valkey_gib)):
-            if gib is not None and not gib > 0:
-                raise ValueError(f"{name} must be > 0, got {gib}")
+        for name, gib in self.tier_gib:
+            if name not in TIERS:
+                raise ValueError(f"unknown tier {name!r}; choose among {sorted(TIERS)}")
+            if not gib > 0:
+                raise ValueError(f"--kv-{name}-gib must be > 0, got {gib}")
         if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
             raise ValueError(f"--max-pinned-blocks must be >= 0, got {self.max_pinned_blocks}")
         if self.capacity_blocks is not None and self.capacity_blocks < self.replicas:
@@ -59,13 +63,12 @@ class RunSpec:
     @property
     def capacity_label(self) -> str:
         label = "inf" if self.capacity_blocks is None else format_blocks(self.capacity_blocks)
-        tiers = "".join(f"+{name}" for name, gib in (("d", self.disk_gib), ("v", self.valkey_gib))
-                        if gib is not None)
+        tiers = "".join(f"+{name[0]}" for name, _ in self.tier_gib)
         return label + tiers + ("" if self.pins else "-nopin")
 
     @property
     def has_tiers(self) -> bool:
-        return self.disk_gib is not None or self.valkey_gib is not None
+        return bool(self.tier_gib)
 
 
 def format_blocks(n: int) -> str:

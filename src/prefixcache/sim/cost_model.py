@@ -9,11 +9,13 @@ calibrate it from a JSON file, e.g. the final JSON line of ``benchmarks/bench_mo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefixcache.sim.errors import TraceFormatError
+from prefixcache.tiers import TIERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,20 +29,22 @@ class CostModel:
     # the lower tiers (`sim/tiers.py`): K and V bytes of one token over all layers (an 8B
     # Llama in bfloat16: 32 layers x 8 KV heads x 128 x 2 x 2 bytes), and each tier's reads
     kv_bytes_per_token: float = 131_072.0
-    disk_read_bytes_per_s: float = 2e9  # an NVMe drive
-    disk_latency_s: float = 1e-4
-    valkey_read_bytes_per_s: float = 1.25e9  # 10 Gb/s Ethernet
-    valkey_latency_s: float = 5e-4
+    # per tier of `prefixcache.tiers.TIERS`: (read bytes/s, latency s); absent: the tier's own
+    tier_reads: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
             raise ValueError("prefill tokens/s must be > 0")
         if min(self.decode_step_s, self.decode_per_seq_s, self.overhead_s) < 0:
             raise ValueError("decode and overhead times must be >= 0")
-        if min(self.kv_bytes_per_token, self.disk_read_bytes_per_s,
-               self.valkey_read_bytes_per_s) <= 0 or min(self.disk_latency_s,
-                                                         self.valkey_latency_s) < 0:
+        reads = [self.reads(name) for name in TIERS]
+        if self.kv_bytes_per_token <= 0 or any(bw <= 0 or lat < 0 for bw, lat in reads):
             raise ValueError("tier bandwidths and KV bytes per token must be > 0, latencies >= 0")
+
+    def reads(self, tier: str) -> tuple[float, float]:
+        """Read bandwidth (bytes/s) and latency (s) of ``tier``."""
+        kind = TIERS[tier]
+        return self.tier_reads.get(tier, (kind.read_bytes_per_s, kind.latency_s))
 
     @classmethod
     def from_rates(cls, prefill_tps: float, decode_tps: float) -> CostModel:
@@ -71,18 +75,26 @@ class CostModel:
         obj = obj.get("cost_model", obj) if isinstance(obj.get("cost_model"), dict) else obj
         fields: dict[str, float] = {}
         for key in ("prefill_tokens_per_s", "decode_step_s", "decode_per_seq_s", "overhead_s",
-                    "kv_bytes_per_token", "disk_read_bytes_per_s", "disk_latency_s",
-                    "valkey_read_bytes_per_s", "valkey_latency_s"):
+                    "kv_bytes_per_token"):
             if key in obj:
                 fields[key] = _positive(obj[key], key, path)
+        tier_reads = {}  # <tier>_read_bytes_per_s and <tier>_latency_s, per tier
+        for name, kind in TIERS.items():
+            bandwidth, latency = obj.get(f"{name}_read_bytes_per_s"), obj.get(f"{name}_latency_s")
+            if bandwidth is not None or latency is not None:
+                tier_reads[name] = (
+                    kind.read_bytes_per_s if bandwidth is None
+                    else _positive(bandwidth, f"{name}_read_bytes_per_s", path),
+                    kind.latency_s if latency is None
+                    else _positive(latency, f"{name}_latency_s", path))  # fmt: skip
         if "decode_tokens_per_s" in obj:
             fields["decode_step_s"] = 1.0 / _positive(obj["decode_tokens_per_s"], "decode", path)
         fields.update(_fit_prefill(obj.get("prefill"), path))
         fields.update(_fit_decode(obj.get("decode"), path))
-        if not fields:
+        if not fields and not tier_reads:
             raise TraceFormatError(f"{path}: no cost-model keys found (see CostModel.from_json)")
         try:
-            return cls(**fields)
+            return cls(**fields, tier_reads=tier_reads)
         except ValueError as exc:
             raise TraceFormatError(f"{path}: {exc}") from exc
 

@@ -18,7 +18,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from prefixcache.cache.events import (
-    SHARED_MEDIA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -154,7 +153,7 @@ class CacheAware(Router):
     requests that share a prefix and arrive before the first one's blocks are committed follow it
     (as SGLang's router inserts at routing time). At most ``max_expected`` digests are expected per
     replica, the oldest forgotten first (a request that never committed cannot pin a prefix).
-    Blocks a replica stored in a shared tier (an event's ``medium`` in `SHARED_MEDIA`: Valkey)
+    Blocks a replica stored in a shared tier (an event with a ``medium``: Valkey)
     count as held by every replica: any of them loads them instead of computing (at most
     ``max_shared`` remembered, the oldest forgotten first: the tier evicts silently).
 
@@ -193,7 +192,7 @@ class CacheAware(Router):
     def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
         mirror, expected = self.mirrors[replica], self.expected[replica]
         for event in events:
-            if isinstance(event, BlockStored) and event.medium in SHARED_MEDIA:
+            if isinstance(event, BlockStored) and event.medium is not None:
                 shared = self.shared
                 for digest in event.block_hashes:
                     shared[digest] = None

@@ -25,6 +25,7 @@ from prefixcache.sim.router import Router, make_router
 from prefixcache.sim.tiers import SimTier, TierSpec
 from prefixcache.sim.tokens import TokenSource
 from prefixcache.sim.trace import Trace, TraceRequest
+from prefixcache.tiers import TIERS
 
 Progress = Callable[[int], None]
 
@@ -77,18 +78,11 @@ class SequentialRun:
         ]
         model = cost.model
         self.block_bytes = model.kv_bytes_per_token * trace.block_size
-        gib = float(1 << 30)
-        valkey = None
-        if spec.valkey_gib is not None:
-            valkey = SimTier(TierSpec("valkey", int(spec.valkey_gib * gib // self.block_bytes),
-                                      model.valkey_read_bytes_per_s, model.valkey_latency_s))
-        for replica in self.replicas:  # nearest first: the replica's disk, the shared Valkey
-            if spec.disk_gib is not None:
-                replica.tiers.append(SimTier(TierSpec(
-                    "disk", int(spec.disk_gib * gib // self.block_bytes),
-                    model.disk_read_bytes_per_s, model.disk_latency_s)))
-            if valkey is not None:
-                replica.tiers.append(valkey)
+        for name, gib in spec.tier_gib:  # nearest first; a shared tier is one for them all
+            tier_spec = TierSpec(name, int(gib * (1 << 30) // self.block_bytes), *model.reads(name))
+            shared = SimTier(tier_spec) if TIERS[name].shared else None
+            for replica in self.replicas:
+                replica.tiers.append(shared or SimTier(tier_spec))
         self.wall_s = 0.0
 
     def feed(self, request: TraceRequest, seq: Sequence, digests: list[bytes]) -> None:

@@ -236,8 +236,8 @@ def replay_timed(
 ) -> ReplayResult:
     """Replay ``trace`` through one configuration with the scheduler on simulated time."""
     if spec.has_tiers:
-        raise ValueError("the lower tiers (--kv-disk-gib, --kv-valkey-gib) are modelled in "
-                         "sequential mode only")
+        raise ValueError("the lower tiers (--kv-<tier>-gib) are modelled in sequential mode "
+                         "only")
     started = time.perf_counter()
     cost = cost or CostModel()
     config = config or ReplicaConfig()

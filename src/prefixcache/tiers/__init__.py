@@ -8,55 +8,69 @@ record format and the file and key layouts are in ``docs/tiers.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from prefixcache.tiers.base import KVTier, TierStats
+from prefixcache.tiers import disk, valkey
+from prefixcache.tiers.base import KVTier, TierKind, TierStats
 from prefixcache.tiers.disk import DiskTier
 from prefixcache.tiers.record import BadRecord, BlockKey, TierIdentity, domain_tag, token_check
 
 __all__ = [
+    "TIERS",
     "BadRecord",
     "BlockKey",
     "DiskTier",
     "KVTier",
     "TierConfig",
     "TierIdentity",
+    "TierKind",
     "TierStats",
     "TieredStore",
     "domain_tag",
     "token_check",
 ]
 
-GIB = 1 << 30
+# every kind of tier, nearest first: a new tier is its module (a `TierKind`) and one line here
+TIERS: dict[str, TierKind] = {
+    "disk": disk.KIND,
+    "valkey": valkey.KIND,
+}
 
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """The lower tiers of an engine (none by default). ``disk_dir`` with ``disk_gib`` of
-    capacity; ``valkey_url`` with an optional ``valkey_ttl_s``; ``offload_prompt_only``: write
-    prompt blocks only (else decode blocks too, as they fill); blocks waiting to be written take
-    at most ``max_pending_bytes`` of memory (or ``max_pending_blocks`` blocks, if given), beyond
-    which new ones are dropped and counted."""
+    """The lower tiers of an engine (none by default). ``settings`` holds the tiers' flags by
+    destination (``kv_disk``, ``kv_disk_gib``, ``kv_valkey``, ``kv_valkey_ttl``: what `TIERS`
+    defines); a tier is on where its location (``kv_<name>``) is set. ``offload_prompt_only``:
+    write prompt blocks only (else decode blocks too, as they fill); blocks waiting to be
+    written take at most ``max_pending_bytes`` of memory (or ``max_pending_blocks`` blocks, if
+    given), beyond which new ones are dropped and counted."""
 
-    disk_dir: str | None = None
-    disk_gib: float = 16.0
-    valkey_url: str | None = None
-    valkey_ttl_s: int | None = None
+    settings: Mapping[str, object] = field(default_factory=dict)
     offload_prompt_only: bool = True
     max_pending_blocks: int | None = None
     max_pending_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
-        if self.disk_gib <= 0:
-            raise ValueError(f"--kv-disk-gib must be > 0, got {self.disk_gib}")
+        known = {dest for kind in TIERS.values() for dest in kind.dests}
+        unknown = sorted(set(self.settings) - known)
+        if unknown:
+            raise TypeError(f"unknown tier setting(s): {', '.join(unknown)}")
+        for kind in TIERS.values():
+            kind.check(self.settings)
         if self.max_pending_blocks is not None and self.max_pending_blocks < 1:
             raise ValueError(f"max_pending_blocks must be >= 1, got {self.max_pending_blocks}")
         if self.max_pending_bytes < 1:
             raise ValueError(f"max_pending_bytes must be >= 1, got {self.max_pending_bytes}")
-        if self.valkey_ttl_s is not None and self.valkey_ttl_s < 1:
-            raise ValueError(f"--kv-valkey-ttl must be >= 1 s, got {self.valkey_ttl_s}")
+
+    def location(self, kind: TierKind) -> str | None:
+        value = self.settings.get(kind.dest)
+        return None if value is None else str(value)
+
+    def kinds(self) -> list[TierKind]:
+        """The tiers that are on, nearest first."""
+        return [kind for kind in TIERS.values() if self.location(kind) is not None]
 
     def pending_blocks(self, block_bytes: int) -> int:
         """How many blocks of ``block_bytes`` may wait for the writer."""
@@ -66,7 +80,7 @@ class TierConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.disk_dir is not None or self.valkey_url is not None
+        return bool(self.kinds())
 
 
 class TieredStore:
@@ -78,13 +92,8 @@ class TieredStore:
 
     @classmethod
     def open(cls, identity: TierIdentity, config: TierConfig) -> TieredStore:
-        tiers: list[KVTier] = []
-        if config.disk_dir is not None:
-            tiers.append(DiskTier(Path(config.disk_dir), identity, int(config.disk_gib * GIB)))
-        if config.valkey_url is not None:
-            from prefixcache.tiers.valkey import ValkeyTier
-
-            tiers.append(ValkeyTier(config.valkey_url, identity, ttl_s=config.valkey_ttl_s))
+        tiers = [kind.open(config.location(kind) or "", identity, config.settings)
+                 for kind in config.kinds()]
         return cls(identity, tiers)
 
     def __repr__(self) -> str:
@@ -108,10 +117,13 @@ class TieredStore:
             sources += [tier.name] * len(got)
         return payloads, sources
 
-    def store(self, items: Sequence[tuple[BlockKey, bytes | memoryview]]) -> set[bytes]:
-        """Write ``items`` to every tier that does not hold them yet. Returns the digests a
-        shared tier (Valkey: every engine on the server reads it) now holds."""
-        shared: set[bytes] = set()
+    def store(
+        self, items: Sequence[tuple[BlockKey, bytes | memoryview]]
+    ) -> dict[str, set[bytes]]:
+        """Write ``items`` to every tier that does not hold them yet. Returns, per shared tier
+        (every engine using it reads it: Valkey), its medium (`TierKind.medium`) and the
+        digests it now holds."""
+        shared: dict[str, set[bytes]] = {}
         if not items:
             return shared
         digests = [key.digest for key, _ in items]
@@ -121,7 +133,7 @@ class TieredStore:
             if todo:
                 tier.put(todo)
             if tier.shared and tier.stats.up:
-                shared.update(digests)
+                shared.setdefault(tier.name.upper(), set()).update(digests)
         return shared
 
     def purge_domain(self, domain: str) -> dict[str, int]:

@@ -9,14 +9,15 @@ dropped, and both are counted.
 
 from __future__ import annotations
 
+import argparse
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
-from prefixcache.tiers.record import BlockKey
+from prefixcache.tiers.record import BlockKey, TierIdentity
 
-__all__ = ["KVTier", "TierStats"]
+__all__ = ["KVTier", "TierKind", "TierOption", "TierStats"]
 
 
 @dataclass(slots=True)
@@ -82,3 +83,79 @@ class KVTier(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierOption:
+    """One setting of a tier kind beside its location, as a flag (``--kv-disk-gib``) whose
+    destination (``kv_disk_gib``) is also the keyword of `LLMEngine(...)`."""
+
+    flag: str
+    type: Callable[[str], object]
+    default: object
+    help: str
+    metavar: str = "N"
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+@dataclass(frozen=True, slots=True)
+class TierKind:
+    """Everything the rest of the package knows of one kind of tier, in its own module and one
+    line of `prefixcache.tiers.TIERS`: its flags (``--kv-<name>`` LOCATION and ``options``),
+    how to ``open`` it for an engine, ``purge`` a domain and tell which blocks it ``held`` with
+    no engine (``prefixcache cache purge``, ``prefixcache explain``), whether every replica reads
+    it (``shared``: its blocks are announced as KV events with ``medium`` = the name in
+    capitals), and the simulator's model of its reads (``read_bytes_per_s``, ``latency_s``;
+    ``per_replica``: one per replica, else one shared by all)."""
+
+    name: str
+    metavar: str
+    help: str
+    options: tuple[TierOption, ...]
+    shared: bool
+    open: Callable[[str, TierIdentity, Mapping[str, object]], KVTier]
+    purge: Callable[[str, bytes], int]
+    held: Callable[[str, TierIdentity, list[bytes]], list[bool]]
+    read_bytes_per_s: float
+    latency_s: float
+    check: Callable[[Mapping[str, object]], None] = lambda settings: None
+
+    @property
+    def flag(self) -> str:
+        return f"--kv-{self.name}"
+
+    @property
+    def dest(self) -> str:
+        return f"kv_{self.name}"
+
+    @property
+    def medium(self) -> str:
+        """vLLM's ``medium`` of the KV events for blocks this tier holds."""
+        return self.name.upper()
+
+    @property
+    def per_replica(self) -> bool:
+        return not self.shared
+
+    @property
+    def dests(self) -> tuple[str, ...]:
+        """The flags' destinations: its location, then its options."""
+        return (self.dest, *(o.dest for o in self.options))
+
+    def setting(self, settings: Mapping[str, object], dest: str) -> object:
+        """``settings[dest]``, else the option's default."""
+        value = settings.get(dest)
+        if value is None:
+            value = next((o.default for o in self.options if o.dest == dest), None)
+        return value
+
+    def add_arguments(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                      *, with_options: bool = True) -> None:  # fmt: skip
+        """``--kv-<name>`` (and, ``with_options``, its settings) on ``parser``."""
+        parser.add_argument(self.flag, metavar=self.metavar, default=None, help=self.help)
+        for option in self.options if with_options else ():
+            parser.add_argument(option.flag, type=option.type, default=None,
+                                metavar=option.metavar, help=option.help)

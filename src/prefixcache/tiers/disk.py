@@ -24,14 +24,15 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from prefixcache.errors import CliError
 from prefixcache.tiers import record
-from prefixcache.tiers.base import TierStats
+from prefixcache.tiers.base import KVTier, TierKind, TierOption, TierStats
 from prefixcache.tiers.record import BadRecord, BlockKey, TierIdentity
 
-__all__ = ["DiskTier"]
+__all__ = ["KIND", "DiskTier"]
 
 logger = logging.getLogger(__name__)
 
@@ -362,3 +363,33 @@ def purge_dir(root: str | Path, domain_tag: bytes) -> list[bytes]:
             continue
         removed.append(header.digest)
     return removed
+
+
+def _open(location: str, identity: TierIdentity, settings: Mapping[str, object]) -> KVTier:
+    gib = KIND.setting(settings, "kv_disk_gib")
+    assert isinstance(gib, int | float)
+    return DiskTier(Path(location), identity, int(gib * (1 << 30)))
+
+
+def _purge(location: str, domain_tag: bytes) -> int:
+    if not Path(location).is_dir():
+        raise CliError(f"--kv-disk {location!r} is not a directory")
+    return len(purge_dir(location, domain_tag))
+
+
+def _check(settings: Mapping[str, object]) -> None:
+    gib = settings.get("kv_disk_gib")
+    if gib is not None and not (isinstance(gib, int | float) and gib > 0):
+        raise ValueError(f"--kv-disk-gib must be > 0, got {gib}")
+
+
+KIND = TierKind(
+    name="disk", metavar="DIR",
+    help="a disk tier under the KV pool: blocks written behind to DIR, read back on a RAM miss, "
+         "kept across restarts (docs/tiers.md)",
+    options=(TierOption("--kv-disk-gib", float, 16.0, "the disk tier's capacity in GiB "
+                        "(default 16); least recently used blocks are deleted beyond it"),),
+    shared=False, open=_open, purge=_purge, held=held,
+    read_bytes_per_s=2e9, latency_s=1e-4,  # an NVMe drive
+    check=_check,
+)  # fmt: skip

@@ -173,7 +173,8 @@ class CacheDecisionLog:
 
 def attach(engine: LLMEngine) -> CacheDecisionLog:
     """Log ``engine``'s cache decisions (through the cache's observer hook); idempotent."""
-    for observer in engine.cache.observers:
+    cache = engine.inspect().cache
+    for observer in cache.observers:
         if isinstance(observer, CacheDecisionLog):
             return observer
-    return CacheDecisionLog(engine.cache)
+    return CacheDecisionLog(cache)

@@ -340,10 +340,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--show-tokens", action="store_true", help="print token ids and pieces at the divergence"
     )
-    parser.add_argument("--kv-disk", metavar="DIR", default=None,
-                        help="also say which of B's blocks this disk tier holds")
-    parser.add_argument("--kv-valkey", metavar="URL", default=None,
-                        help="also say which of B's blocks this Valkey tier holds")
+    from prefixcache.tiers import TIERS
+
+    for kind in TIERS.values():
+        parser.add_argument(kind.flag, metavar=kind.metavar, default=None,
+                            help=f"also say which of B's blocks this {kind.name} tier holds")
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
 
 
@@ -359,11 +360,11 @@ def run(args: argparse.Namespace) -> int:
     ns_b = Namespace(view_b.identity, args.adapter_b, args.salt_b)
     ex = explain(a, b, ns_a, ns_b, args.block_size, args.hash_algo)
     tiers = None
-    if args.kv_disk or args.kv_valkey:
+    locations = tier_locations(args)
+    if locations:
         chain = BlockHasher(args.block_size, args.hash_algo).chain(b.token_ids, ns_b)
         chain = chain[: max(len(b.token_ids) - 1, 0) // args.block_size]
-        tiers = tier_residence(view_b, chain, args.block_size, args.hash_algo,
-                               args.kv_disk, args.kv_valkey)
+        tiers = tier_residence(view_b, chain, args.block_size, args.hash_algo, locations)
     precision: dict[str, Any] = {"precision": view_b.precision, "kernels": view_b.kernels()}
     if view_b.choice is not None:
         precision["dtype_auto"] = view_b.choice.as_dict()
@@ -384,34 +385,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def tier_locations(args: argparse.Namespace) -> dict[str, str]:
+    """The tiers named on the command line, nearest first: name -> location."""
+    from prefixcache.tiers import TIERS
+
+    return {kind.name: location for kind in TIERS.values()
+            if (location := getattr(args, kind.dest, None))}  # fmt: skip
+
+
 def tier_residence(
     view: ModelView, chain: list[bytes], block_size: int, hash_algo: str,
-    kv_disk: str | None, kv_valkey: str | None,
+    locations: dict[str, str],
 ) -> dict[str, list[bool]]:  # fmt: skip
-    """Per lower tier, which of B's blocks (``chain``, those a request could reuse) it holds,
-    under the identity an engine serving ``view`` would write them with."""
-    from prefixcache.tiers import TierIdentity
+    """Per lower tier (``locations``: name -> where it is), which of B's blocks (``chain``,
+    those a request could reuse) it holds, under the identity an engine serving ``view`` would
+    write them with."""
+    from prefixcache.tiers import TIERS, TierIdentity
 
     config = view.config
     sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
     identity = TierIdentity(view.identity, view.dtype, config.num_hidden_layers,
                             config.num_key_value_heads, config.head_dim, block_size, hash_algo,
                             sizes.get(view.dtype, 4))
-    out: dict[str, list[bool]] = {}
-    if kv_disk is not None:
-        from prefixcache.tiers.disk import held as disk_held
-
-        out["disk"] = disk_held(kv_disk, identity, chain)
-    if kv_valkey is not None:
-        from prefixcache.tiers.valkey import connect, redact_url
-        from prefixcache.tiers.valkey import held as valkey_held
-
-        try:
-            out["valkey"] = valkey_held(connect(kv_valkey), identity, chain)
-        except Exception as exc:  # noqa: BLE001 - any client failure: say so, exit non-zero
-            raise CliError(f"cannot reach Valkey at {redact_url(kv_valkey)}: "
-                           f"{type(exc).__name__}") from None
-    return out
+    return {name: TIERS[name].held(location, identity, chain)
+            for name, location in locations.items()}
 
 
 def tier_lines(ex: Explanation, tiers: dict[str, list[bool]]) -> list[str]:

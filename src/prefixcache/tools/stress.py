@@ -161,7 +161,7 @@ class _Driver:
 
 def check_block_tables(engine: Any) -> None:
     """Independent of the cache's own check: live block tables are valid and cover their KV."""
-    cache = engine.cache
+    cache = engine.inspect().cache
     for request in engine.running_requests():
         table = cache.block_table(request.seq)
         if len(set(table)) != len(table):
@@ -200,7 +200,7 @@ def _drain(driver: _Driver) -> None:
         if driver.engine.abort(request_id):
             driver.report.aborts += 1
     driver.engine.step()
-    cache = driver.engine.cache
+    cache = driver.engine.inspect().cache
     cache.check_integrity()
     if cache.num_free_blocks != cache.num_blocks:
         raise AssertionError(f"{cache.num_blocks - cache.num_free_blocks} blocks leaked")
