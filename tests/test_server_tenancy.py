@@ -38,7 +38,7 @@ def test_example_tenants_file_parses() -> None:
     by_key = load_tenants(EXAMPLE)
     assert by_key[ACME] == by_key["sk-acme-example-key-2"] == Tenant("acme", "tenant",
                                                                      max_pinned_blocks=64)
-    assert by_key[GLOBEX].isolation_domain == by_key[INITECH].domain == "group:partners"
+    assert by_key[GLOBEX].isolation_domain == by_key[INITECH].isolation_domain == "group:partners"
     assert by_key[HOSPITAL].mode == "none" and by_key[OPS].admin
 
 

@@ -84,7 +84,8 @@ def test_synthetic_workload_in_timed_mode(capsys: pytest.CaptureFixture[str]) ->
         ([str(SYNTHETIC), "--router", "sticky", "--replicas", "2"], "unknown --router"),
         ([str(SYNTHETIC), "--capacity", "lots"], "bad capacity"),
         ([str(SYNTHETIC), "--prefix-cache", "btree"], "unknown prefix cache"),
-        ([str(SYNTHETIC), "--policy", "lfu", "--prefix-cache", "hash"], "nothing to simulate"),
+        ([str(SYNTHETIC), "--eviction-policy", "lfu", "--prefix-cache", "hash"],
+         "nothing to simulate"),
         (["synthetic:nope"], "unknown synthetic workload"),
     ],
 )

@@ -8,7 +8,7 @@ which blocks are cached and is seen here only through `Evictor`, the interface t
 
 - Blocks are created once (``__slots__``). Free blocks wait in intrusive doubly-linked queues
   (`FreeBlockQueue`: pop, append, remove from the middle in O(1), no allocation): one of uncached
-  blocks, handed out first (they are worth nothing), and per isolation domain one of its cached
+  blocks, handed out first (they are worth nothing), and per domain one of its cached
   blocks, least recently used first. Eviction takes from the domain with the most free cached
   blocks, so one tenant's churn evicts its own cache before a quiet tenant's prefix. With one
   domain this is one LRU queue: uncached blocks, then cached ones in release order.
@@ -39,7 +39,7 @@ class KVBlock:
 
     ``prev``/``next`` are the free-queue links (meaningful only while ``ref_cnt == 0``: in the
     uncached queue if ``digest`` is None, else in ``domain``'s); ``owner_root`` is the namespace
-    root of the last sequence that held it (zero-on-reuse); ``domain`` the isolation domain that
+    root of the last sequence that held it (zero-on-reuse); ``domain`` the domain that
     cached it.
     """
 

@@ -5,7 +5,7 @@ cache keeps live (`hold`), so the blocks leave the free queue exactly as a runni
 request's do: no eviction can take them, and they count as the pinning domain's blocks in the
 scheduler's fair shares. A pin ends at its expiry (``ttl_s`` after it was made or last hit, on
 the table's ``clock``, which tests control) or when released; its references are dropped then
-and the blocks become evictable again, most recently used. Each isolation domain may pin at most
+and the blocks become evictable again, most recently used. Each domain may pin at most
 ``max_blocks_per_domain`` blocks: a new pin over the budget releases that domain's oldest pins
 first, never another domain's.
 """

@@ -1,4 +1,4 @@
-"""A tenant's purge: every free cached block of its isolation domain evicted from the RAM
+"""A tenant's purge: every free cached block of its domain evicted from the RAM
 cache, counted and announced as evictions."""
 
 from __future__ import annotations

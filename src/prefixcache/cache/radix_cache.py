@@ -114,7 +114,7 @@ class RadixIndex(PrefixIndex):
         self.root = RadixNode.empty(None)
         self.num_nodes = 0  # tree nodes that own blocks
         self.heaps = EvictionHeaps(eviction_policy == "lfu")
-        self.parked: dict[str, int] = {}  # per isolation domain: its parked (unlocked) blocks
+        self.parked: dict[str, int] = {}  # per domain: its parked (unlocked) blocks
         self.num_parked = 0
         self._num_cached = 0
         self._clock = 0

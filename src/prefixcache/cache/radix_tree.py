@@ -37,7 +37,7 @@ class RadixNode:
     hit_count: int = 0
     stamp: int = 0
     attached: bool = True
-    domain: str = ""  # the isolation domain whose sequence cached it
+    domain: str = ""  # the domain whose sequence cached it
 
     @classmethod
     def empty(cls, parent: RadixNode | None, key: bytes = b"") -> RadixNode:
@@ -74,7 +74,7 @@ class RadixNode:
 
 
 class EvictionHeaps:
-    """Per isolation domain, a heap of its unlocked leaves in eviction order (``lfu``: hit count
+    """Per domain, a heap of its unlocked leaves in eviction order (``lfu``: hit count
     first), with lazy invalidation: an entry whose stamp is not its node's is stale."""
 
     def __init__(self, lfu: bool) -> None:

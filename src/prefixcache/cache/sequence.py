@@ -18,10 +18,11 @@ class Sequence:
     cache. ``read_cache=False`` computes every token (no hit is looked up) but still caches what
     it computes: a request that needs prompt logprobs. Both are settled once, as
     ``reads_cache`` and ``writes_cache`` (a cache with prefix caching off does neither).
-    ``domain`` is its isolation domain
-    (tenant or group): the blocks it caches are evicted in that domain's turn. The token ids are
-    copied, unless ``copy=False`` and they are a list built for this sequence alone (a
-    simulator's fresh prompt: a copy touches every int object).
+    ``domain`` is the scheduling domain it belongs to (a tenant or a trusted group: the server's
+    ``Tenant.scheduling_domain``): its fair share, its caps and pins, and the blocks it caches,
+    evicted in that domain's turn. The token ids are copied, unless ``copy=False`` and they are
+    a list built for this sequence alone (a simulator's fresh prompt: a copy touches every int
+    object).
 
     ``num_computed_tokens`` belongs to the cache that holds the sequence: `allocate` sets it to
     the hit, `commit` advances it, `free` zeroes it. Everyone else only reads it.

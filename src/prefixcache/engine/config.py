@@ -74,7 +74,7 @@ class EngineConfig:
     check_integrity: bool = False
     logprobs_mode: str = "raw_logprobs"
     tiers: TierConfig = field(default_factory=TierConfig)
-    max_pinned_blocks: int | None = None  # per isolation domain; None: a quarter of the pool
+    max_pinned_blocks: int | None = None  # per domain; None: a quarter of the pool
     pin_budgets: Mapping[str, int] | None = None  # per domain, replacing max_pinned_blocks
 
     def __post_init__(self) -> None:

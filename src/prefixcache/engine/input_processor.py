@@ -4,7 +4,7 @@
 the engine runs, refusing what could never run with an `InvalidParam` that names the field:
 an empty prompt, a token id outside the vocabulary, more choices than the engine runs at once,
 a prompt plus ``max_tokens`` past the context or the KV pool, a ``logit_bias`` id outside the
-vocabulary, or a request over its isolation domain's caps. `LLMEngine.add_request` calls it; so
+vocabulary, or a request over its domain's caps. `LLMEngine.add_request` calls it; so
 does the server (through `AsyncEngine.inputs`) before it queues, so a bad request is a 400 and
 the rules live here alone. It holds no request state and is safe to call from any thread.
 """

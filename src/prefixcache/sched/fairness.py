@@ -1,4 +1,4 @@
-"""Fair sharing of a step's sequences and KV blocks across isolation domains (tenants, groups).
+"""Fair sharing of a step's sequences and KV blocks across domains (tenants, trusted groups).
 
 A domain is the tenant or trusted group a request belongs to ("" for single-tenant use). While
 several domains have work, each is entitled to an equal share of ``max_num_seqs`` and of the KV

@@ -46,7 +46,7 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 class SchedRequest:
     """Scheduling state of one sequence. ``seq.token_ids`` = prompt + generated tokens.
 
-    ``domain`` is the isolation domain (tenant or group) for fair sharing ("" single-tenant);
+    ``domain`` is its domain (a tenant or trusted group) for fair sharing ("" single-tenant);
     ``arrival_index`` orders admission (FCFS; children inherit their parent's);
     ``num_cached_tokens`` is the prompt prefix served from the cache at first admission.
     ``prompt_logits``: the driver needs the logits at every prompt position (prompt logprobs),

@@ -13,7 +13,7 @@ One step spends at most ``max_num_batched_tokens`` tokens over at most ``max_num
 3. In-batch dedup: a waiting request whose first uncached block is being computed in this step by
    another request waits a step, so it hits instead of computing the same block twice.
 
-With several isolation domains, waiting requests are taken round-robin across them, and a
+With several domains, waiting requests are taken round-robin across them, and a
 domain over its equal share waits and is preempted first (``fairness.py``); with one, inert.
 The scheduler hands the cache the same shares as its ``protection`` (`fairness.QuietDomains`).
 

@@ -75,11 +75,6 @@ class Tenant:
         return f"tenant:{self.tenant_id}"
 
     @property
-    def domain(self) -> str:
-        """Older name of ``isolation_domain``."""
-        return self.isolation_domain
-
-    @property
     def scheduling_domain(self) -> str:
         """Who shares a fair share and caps: the trusted group, else the tenant itself (also in
         mode ``none``: tenants that share no cache still get a share each)."""

@@ -68,10 +68,8 @@ def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--prefix-cache", default="hash,radix", help="hash and/or radix")
     group.add_argument(
         "--eviction-policy",
-        "--policy",
-        dest="eviction_policy",
         default="lru",
-        help="lru and/or lfu (lfu: radix only; --policy is the deprecated spelling)",
+        help="lru and/or lfu (lfu: radix only)",
     )
     group.add_argument("--replicas", default="1", help="replica counts, e.g. 1,2,4,8")
     group.add_argument(

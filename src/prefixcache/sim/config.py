@@ -56,11 +56,6 @@ class RunSpec:
             raise ValueError(f"capacity {self.capacity_blocks} blocks < {self.replicas} replicas")
 
     @property
-    def policy(self) -> str:
-        """The eviction policy, under its earlier name."""
-        return self.eviction_policy
-
-    @property
     def capacity_label(self) -> str:
         label = "inf" if self.capacity_blocks is None else format_blocks(self.capacity_blocks)
         tiers = "".join(f"+{name[0]}" for name, _ in self.tier_gib)

@@ -15,7 +15,7 @@ Column = tuple[str, int, Callable[[ReplayResult], str]]  # (name, width, cell)
 
 _COLUMNS: tuple[Column, ...] = (
     ("cache", 6, lambda r: r.prefix_cache),
-    ("policy", 6, lambda r: r.policy),
+    ("evict", 6, lambda r: r.eviction_policy),
     ("capacity", 8, lambda r: r.capacity_label),
     ("repl", 4, lambda r: str(r.replicas)),
     ("router", 15, lambda r: r.router),

@@ -29,7 +29,7 @@ def _single_by_impl(results: list[ReplayResult]) -> dict[str, list[ReplayResult]
     lines: dict[str, list[ReplayResult]] = {}
     for result in results:
         if result.replicas == 1:
-            lines.setdefault(f"{result.prefix_cache}/{result.policy}", []).append(result)
+            lines.setdefault(f"{result.prefix_cache}/{result.eviction_policy}", []).append(result)
     for rows in lines.values():
         rows.sort(key=_capacity_key)
     return lines
@@ -87,7 +87,7 @@ def plot_cluster(results: list[ReplayResult], path: Path, title: str) -> Path | 
         if r.replicas == 1
         and r.capacity_label == label
         and r.prefix_cache == clustered[0].prefix_cache
-        and r.policy == "lru"
+        and r.eviction_policy == "lru"
     ]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)

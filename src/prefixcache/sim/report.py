@@ -80,7 +80,7 @@ class ReplayResult:
     trace: str
     mode: str
     prefix_cache: str
-    policy: str
+    eviction_policy: str
     capacity_blocks: int  # total over replicas
     capacity_label: str
     replicas: int

@@ -195,7 +195,7 @@ def summarize(
         trace=trace.name,
         mode=mode,
         prefix_cache=spec.prefix_cache,
-        policy=spec.policy,
+        eviction_policy=spec.eviction_policy,
         capacity_blocks=sum(c.num_blocks for c, _ in replicas),
         capacity_label=spec.capacity_label,
         replicas=spec.replicas,
