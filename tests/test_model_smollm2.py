@@ -306,7 +306,7 @@ def test_the_default_precision_answers_the_readmes_question_as_float32_does(llm)
     auto = LLM(model="smollm2", dtype="auto")
     assert auto.chat(question, params)[0].text == llm.chat(question, params)[0].text
     assert llm.chat(question, params)[0].text == "The capital of France is Paris."
-    chosen = auto.engine.precision["dtype_auto"]
+    chosen = auto.engine.limits.precision["dtype_auto"]
     if chosen["candidates"]:  # measured (more than one candidate fits here)
         fidelity = chosen["candidates"][chosen["chosen"]].get("fidelity")
         assert chosen["chosen"] == "float32" or fidelity["eligible"]

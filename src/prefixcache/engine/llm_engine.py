@@ -140,11 +140,6 @@ class LLMEngine:
         return pin is not None and pin.domain == domain and self.pins.release(pin_id)
 
     @property
-    def precision(self) -> dict[str, Any]:
-        """What the model runs in (`observation.precision_of`)."""
-        return dict(self.limits.precision)
-
-    @property
     def block_bytes(self) -> int:
         """Bytes of K and V one KV block holds for this engine's model."""
         return self.kv_layout.bytes_per_block(self.block_size)
