@@ -48,10 +48,8 @@ _SCHEDULER_KEYS = {
 }  # fmt: skip
 # the tiers' own settings are their flags' destinations (`TIERS`); these are the writer's
 _OFFLOAD_KEYS = {
-    "offload_prompt_only": "offload_prompt_only",
-    "kv_offload_max_pending_blocks": "max_pending_blocks",
-    "kv_offload_max_pending_bytes": "max_pending_bytes",
-}
+    "kv_offload_decode", "kv_offload_max_pending_blocks", "kv_offload_max_pending_bytes",
+}  # fmt: skip
 _TIER_SETTINGS = {dest for kind in TIERS.values() for dest in kind.dests}
 
 
@@ -106,13 +104,12 @@ class EngineConfig:
         ``schedule_policy``, ``lpm_max_wait_steps``, ``dedup``, ``domain_limits``,
         ``default_domain_limits``, ``seed``, ``dtype``, ``weight_dtype``, ``check_integrity``,
         ``logprobs_mode``, the tiers' flags (`prefixcache.tiers.TIERS`: ``kv_disk``,
-        ``kv_disk_gib``, ``kv_valkey``, ``kv_valkey_ttl``), ``offload_prompt_only``,
+        ``kv_disk_gib``, ``kv_valkey``, ``kv_valkey_ttl``), ``kv_offload_decode``,
         ``kv_offload_max_pending_blocks``, ``kv_offload_max_pending_bytes``."""
         cache = {_CACHE_KEYS[k]: settings.pop(k) for k in list(settings) if k in _CACHE_KEYS}
         scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
-        offload = {_OFFLOAD_KEYS[k]: settings.pop(k) for k in list(settings)
-                   if k in _OFFLOAD_KEYS}  # fmt: skip
-        offload = {k: v for k, v in offload.items() if v is not None}  # None: the default
+        offload = {k: v for k in list(settings) if k in _OFFLOAD_KEYS
+                   if (v := settings.pop(k)) is not None}  # fmt: skip  # None: the default
         tier_settings = {k: v for k in list(settings) if k in _TIER_SETTINGS
                          if (v := settings.pop(k)) is not None}  # fmt: skip
         known = {"dtype", "weight_dtype", "seed", "kv_cache_memory_bytes", "check_integrity",
@@ -138,14 +135,12 @@ class EngineConfig:
         pin_budgets: Mapping[str, int] | None = None,
     ) -> EngineConfig:
         """From the flags `add_engine_arguments` defines (``serve``, ``generate``): a flag's
-        destination is its `from_kwargs` keyword; ``--prefix-cache off`` turns caching off and
-        ``--kv-offload-decode`` writes decode blocks to the tiers too."""
+        destination is its `from_kwargs` keyword; ``--prefix-cache off`` turns caching off."""
         flags = {dest: value for dest in _engine_flags()
                  if (value := getattr(args, dest, None)) is not None}  # fmt: skip
         kind = flags.pop("prefix_cache", "hash")
         flags.update(prefix_cache="hash" if kind == "off" else kind,
-                     enable_prefix_caching=kind != "off",
-                     offload_prompt_only=not flags.pop("kv_offload_decode", False))
+                     enable_prefix_caching=kind != "off")
         return cls.from_kwargs(flags.pop("model"), domain_limits=domain_limits,
                                default_domain_limits=default_domain_limits,
                                pin_budgets=pin_budgets, **flags)

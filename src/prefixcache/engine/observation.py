@@ -106,23 +106,23 @@ def snapshot_of(engine: Observed) -> EngineSnapshot:
 
 
 def stats_of(engine: Observed) -> dict[str, Any]:
-    """Cache counters, scheduler counters and per-request timing of finished requests."""
-    cache, scheduler, history = engine.cache, engine.scheduler, engine.output_processor.history
-    stats = cache.stats
-    tiers = engine.tiers
+    """Cache counters, scheduler counters and per-request timing of finished requests: the
+    offline API's ``stats()``, from the same counters as `snapshot_of`."""
+    snap = snapshot_of(engine)
+    stats, history, tiers = engine.cache.stats, engine.output_processor.history, engine.tiers
     return {
-        "hit_tokens": stats.num_hit_tokens,
-        "queried_tokens": stats.num_queried_tokens,
+        "hit_tokens": snap.hit_tokens,
+        "queried_tokens": snap.queried_tokens,
         "queries": stats.num_requests,
         "hit_requests": stats.num_hit_requests,
         "hit_rate": stats.hit_rate,
-        "evictions": stats.num_evictions,
-        "preemptions": scheduler.num_preemptions,
-        "deferred_by_dedup": scheduler.num_deferred,
-        "num_steps": engine.num_steps,
-        "num_kv_blocks": cache.num_blocks,
-        "num_free_blocks": cache.num_free_blocks,
-        "kv_cache_usage": cache.usage,
+        "evictions": snap.evictions,
+        "preemptions": snap.preemptions,
+        "deferred_by_dedup": engine.scheduler.num_deferred,
+        "num_steps": snap.num_steps,
+        "num_kv_blocks": snap.num_blocks,
+        "num_free_blocks": snap.num_free_blocks,
+        "kv_cache_usage": snap.kv_cache_usage,
         "ttft": {rid: h["ttft"] for rid, h in history.items()},
         "requests": dict(history),
         "cache": stats.as_dict(),

@@ -1,7 +1,7 @@
 """`KVOffload`: the engine's traffic with its lower KV tiers, on two threads of its own.
 
 Write-behind: after a step commits, the prompt blocks it completed (all blocks with
-``offload_prompt_only=False``) are copied out of the paged KV cache on the engine's thread — one
+``kv_offload_decode``) are copied out of the paged KV cache on the engine's thread — one
 gather per layer — and queued; a writer thread encodes and stores them in every tier. The queue
 is bounded in blocks: a step that would overfill it drops its blocks and counts them, it never
 waits. Load-ahead: a new request whose prompt runs past the RAM cache's hit is handed to a loader
@@ -201,7 +201,7 @@ class KVOffload:
             seq = request.seq
             if not seq.writes_cache:
                 continue
-            limit = request.num_prompt_tokens if self.config.offload_prompt_only else len(
+            limit = request.num_prompt_tokens if not self.config.kv_offload_decode else len(
                 seq.token_ids)
             first = chunk.num_computed_tokens // bs
             last = min(chunk.num_computed_tokens + chunk.num_new_tokens, limit) // bs

@@ -42,15 +42,16 @@ TIERS: dict[str, TierKind] = {
 class TierConfig:
     """The lower tiers of an engine (none by default). ``settings`` holds the tiers' flags by
     destination (``kv_disk``, ``kv_disk_gib``, ``kv_valkey``, ``kv_valkey_ttl``: what `TIERS`
-    defines); a tier is on where its location (``kv_<name>``) is set. ``offload_prompt_only``:
-    write prompt blocks only (else decode blocks too, as they fill); blocks waiting to be
-    written take at most ``max_pending_bytes`` of memory (or ``max_pending_blocks`` blocks, if
-    given), beyond which new ones are dropped and counted."""
+    defines); a tier is on where its location (``kv_<name>``) is set. The writer's settings are
+    the engine's flags too: ``kv_offload_decode`` writes decode blocks as they fill (else prompt
+    blocks only); blocks waiting to be written take at most ``kv_offload_max_pending_bytes`` of
+    memory (or ``kv_offload_max_pending_blocks`` blocks, if given), beyond which new ones are
+    dropped and counted."""
 
     settings: Mapping[str, object] = field(default_factory=dict)
-    offload_prompt_only: bool = True
-    max_pending_blocks: int | None = None
-    max_pending_bytes: int = 512 << 20
+    kv_offload_decode: bool = False
+    kv_offload_max_pending_blocks: int | None = None
+    kv_offload_max_pending_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         known = {dest for kind in TIERS.values() for dest in kind.dests}
@@ -59,10 +60,11 @@ class TierConfig:
             raise TypeError(f"unknown tier setting(s): {', '.join(unknown)}")
         for kind in TIERS.values():
             kind.check(self.settings)
-        if self.max_pending_blocks is not None and self.max_pending_blocks < 1:
-            raise ValueError(f"max_pending_blocks must be >= 1, got {self.max_pending_blocks}")
-        if self.max_pending_bytes < 1:
-            raise ValueError(f"max_pending_bytes must be >= 1, got {self.max_pending_bytes}")
+        blocks, num_bytes = self.kv_offload_max_pending_blocks, self.kv_offload_max_pending_bytes
+        if blocks is not None and blocks < 1:
+            raise ValueError(f"kv_offload_max_pending_blocks must be >= 1, got {blocks}")
+        if num_bytes < 1:
+            raise ValueError(f"kv_offload_max_pending_bytes must be >= 1, got {num_bytes}")
 
     def location(self, kind: TierKind) -> str | None:
         value = self.settings.get(kind.dest)
@@ -74,9 +76,9 @@ class TierConfig:
 
     def pending_blocks(self, block_bytes: int) -> int:
         """How many blocks of ``block_bytes`` may wait for the writer."""
-        if self.max_pending_blocks is not None:
-            return self.max_pending_blocks
-        return max(1, self.max_pending_bytes // block_bytes)
+        if self.kv_offload_max_pending_blocks is not None:
+            return self.kv_offload_max_pending_blocks
+        return max(1, self.kv_offload_max_pending_bytes // block_bytes)
 
     @property
     def enabled(self) -> bool:
