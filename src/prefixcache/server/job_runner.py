@@ -89,8 +89,11 @@ class JobRunner:
         answered (429 for a full queue, 400 naming the prompt otherwise)."""
         tenant = job.tenant
         scope = self.tenants.scope(tenant, cache_salt)
+        bs = self.engine.limits.block_size
         try:
             for prompt in job.prompts:
+                if scope.use_cache:
+                    prompt.num_cacheable = len(prompt.token_ids) // bs * bs
                 pins = job.options.pins
                 if prepared.retention_s is not None:  # the whole prompt
                     pins = [*pins, (len(prompt.token_ids) - 1, prepared.retention_s)]

@@ -55,6 +55,12 @@ class PromptState:
     num_external_cached: int | None = None  # of num_cached, from a lower tier (None: no tier)
     prompt_logprobs: list[JSONObject | None] | None = None
     done: bool = False
+    num_cacheable: int = 0  # its full blocks' tokens, where its namespace caches (else 0)
+
+    @property
+    def num_written(self) -> int:
+        """Prompt tokens this request wrote to the cache: its full blocks past the hit."""
+        return max(0, self.num_cacheable - self.num_cached)
 
 
 @dataclass(slots=True)
@@ -64,6 +70,7 @@ class RenderOptions:
     n: int = 1
     echo: bool = False
     echo_only: bool = False  # max_tokens 0 with echo: the prompt (and its logprobs) alone
+    prefill_only: bool = False  # a prewarm: the prompt is computed and cached, nothing output
     logprobs: int | None = None  # completions: top-N per token; chat: top_logprobs
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
     include_usage: bool = False
@@ -160,14 +167,19 @@ class Job:
 
     @property
     def num_output_tokens(self) -> int:
-        if self.options.echo_only:
+        if self.options.echo_only or self.options.prefill_only:
             return 0
         return sum(c.num_output for p in self.prompts for c in p.choices)
+
+    @property
+    def num_written(self) -> int:
+        """Prompt tokens the job wrote to the cache (OpenAI's ``cache_write_tokens``)."""
+        return sum(p.num_written for p in self.prompts)
 
     def usage(self) -> JSONObject:
         cached = sum(p.num_cached for p in self.prompts)
         return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached,
-                              self.num_external_cached)
+                              self.num_external_cached, self.num_written)
 
     @property
     def num_external_cached(self) -> int | None:

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 
 from prefixcache.cache.pins import TTLS
 from prefixcache.server.chat import OpenAIServingChat
+from prefixcache.server.diagnostics import NOT_FOUND, Diagnosis, Outcome, Verdict
 from prefixcache.server.errors import ApiError
 from prefixcache.server.job_runner import JobRunner
 from prefixcache.server.jobs import Choice, Job, Step
@@ -70,7 +71,14 @@ class AnthropicServingMessages:
             length = len(token_ids) - 1 if truncated is None else await self._prefix_length(
                 truncated, token_ids)
             prepared.options.pins.append((length // bs * bs, ttl_s))
-        return await self.runner.serve(MessagesRendering(), chat, prepared, tenant, http)
+        diagnosis = None
+        if body.diagnostics is not None:  # the object is the opt-in, its id the comparison
+            diagnosis = self.context.diagnosis(
+                tenant, body.cache_salt, token_ids, _segments(body),
+                [_without_cache_control(m.model_dump(exclude_none=True)) for m in body.messages],
+                body.diagnostics.previous_message_id)
+        return await self.runner.serve(MessagesRendering(diagnosis), chat, prepared, tenant,
+                                       http)
 
     async def _prefix_length(self, truncated: MessagesCountRequest, token_ids: list[int]) -> int:
         """How many of ``token_ids`` the conversation cut after a breakpoint renders to (the
@@ -162,10 +170,53 @@ def _ttl(control: JSONObject, param: str) -> float:
     return TTLS[ttl]
 
 
+def _segments(body: MessagesRequest) -> list[tuple[str, object]]:
+    """What Anthropic's diagnostics compare before the messages, in its order (``other``: the
+    prompt-affecting fields it reports as ``unavailable``)."""
+    def dump(value: object) -> object:
+        if isinstance(value, list):
+            return [_without_cache_control(v.model_dump(exclude_none=True))
+                    if hasattr(v, "model_dump") else v for v in value]
+        return value
+
+    return [("model", body.model), ("system", dump(body.system)), ("tools", dump(body.tools)),
+            ("other", body.tool_choice)]
+
+
+def _without_cache_control(value: object) -> object:
+    """``value`` without its ``cache_control`` markers (a breakpoint changes no prompt)."""
+    if isinstance(value, dict):
+        return {k: _without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_without_cache_control(v) for v in value]
+    return value
+
+
+def anthropic_diagnostics(outcome: Outcome) -> JSONObject | None:
+    """Anthropic's ``diagnostics``: null when nothing was compared or nothing changed, else the
+    earliest divergence (``evicted``: our reason where the request changed nothing)."""
+    if outcome is None:
+        return None
+    if outcome == NOT_FOUND:
+        return {"cache_miss_reason": {"type": "previous_message_not_found"}}
+    assert isinstance(outcome, Verdict)
+    if outcome.reason is None:
+        return None
+    if outcome.reason == "other":
+        return {"cache_miss_reason": {"type": "unavailable"}}
+    kind = "evicted" if outcome.reason == "evicted" else f"{outcome.reason}_changed"
+    return {"cache_miss_reason": {"type": kind,
+                                  "cache_missed_input_tokens": outcome.missed_tokens}}
+
+
 class MessagesRendering(Rendering):
-    """A job as Anthropic's ``message`` object or its event stream."""
+    """A job as Anthropic's ``message`` object or its event stream; with a ``diagnosis``, the
+    message carries ``diagnostics`` (and leaves its fingerprint under its id)."""
 
     id_prefix = "msg"
+
+    def __init__(self, diagnosis: Diagnosis | None = None) -> None:
+        self.diagnosis = diagnosis
 
     def _usage(self, job: Job, num_output: int) -> JSONObject:
         """Anthropic's usage: read (served from the cache), created (the breakpoints' prefix
@@ -203,9 +254,14 @@ class MessagesRendering(Rendering):
 
     def _message(self, job: Job, content: list[JSONObject], reason: str | None,
                  usage: JSONObject) -> JSONObject:
-        return {"id": job.public_id.replace("-", "_", 1), "type": "message",
-                "role": "assistant", "model": job.model, "content": content,
-                "stop_reason": reason, "stop_sequence": None, "usage": usage}
+        message_id = job.public_id.replace("-", "_", 1)
+        message: JSONObject = {
+            "id": message_id, "type": "message", "role": "assistant", "model": job.model,
+            "content": content, "stop_reason": reason, "stop_sequence": None, "usage": usage}
+        if self.diagnosis is not None:
+            message["diagnostics"] = anthropic_diagnostics(
+                self.diagnosis.outcome(message_id, job.prompts[0].num_cached))
+        return message
 
     def body(self, job: Job) -> JSONObject:
         choice = job.prompts[0].choices[0]

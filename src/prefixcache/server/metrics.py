@@ -91,6 +91,9 @@ class ServerMetrics:
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens.")
         self.requests = self._counter("request_success", "Finished requests by finish reason.",
                                       ("finished_reason",))
+        self.miss_reasons = self._counter(
+            "prefix_cache_miss_reasons", "Diagnosed requests by why the cache missed them "
+            "(none: it did not; not_found: the earlier request is unknown).", ("reason",))
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time to first token, server side.",
             ["domain", "cache"], buckets=_TTFT_BUCKETS, registry=self.registry,

@@ -229,6 +229,16 @@ class ResponsesText(Lenient):
     format: ResponsesFormat | None = None
 
 
+class PromptCacheOptions(Lenient):
+    """OpenAI's ``prompt_cache_options``: ``comparison_response_id`` asks for diagnostics against
+    that response; ``prewarm`` computes and caches the prompt, generating nothing."""
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m", "12h"] = "30m"
+    comparison_response_id: StrictStr | None = None
+    prewarm: StrictBool = False
+
+
 class ResponsesRequest(Lenient):
     """``POST /v1/responses``, the subset clients use: text (or JSON) in, text (or JSON) out."""
 
@@ -247,6 +257,7 @@ class ResponsesRequest(Lenient):
     text: ResponsesText | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_key: StrictStr | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
 
 
 # ---- the Anthropic Messages API ----------------------------------------------------------------
@@ -311,6 +322,13 @@ class MessagesCountRequest(Lenient):
     tool_choice: JSONObject | None = None
 
 
+class MessagesDiagnostics(Lenient):
+    """Asks why the cache missed: compared with ``previous_message_id``'s request (None: the
+    first turn, opting in)."""
+
+    previous_message_id: StrictStr | None = None
+
+
 class MessagesRequest(MessagesCountRequest):
     """``POST /v1/messages``, as Anthropic documents it (``cache_salt``: our extension)."""
 
@@ -323,6 +341,7 @@ class MessagesRequest(MessagesCountRequest):
     metadata: JSONObject | None = None
     cache_control: JSONObject | None = None  # the automatic breakpoint: the whole prompt
     cache_salt: StrictStr | None = None
+    diagnostics: MessagesDiagnostics | None = None
 
 
 class WarmRequest(Lenient):
@@ -371,11 +390,14 @@ class Usage(BaseModel):
 
 
 def usage(
-    num_prompt: int, num_completion: int, num_cached: int, num_external: int | None = None
+    num_prompt: int, num_completion: int, num_cached: int, num_external: int | None = None,
+    num_written: int = 0,
 ) -> JSONObject:
-    """OpenAI's usage block; with lower KV tiers, ``prompt_tokens_details`` also splits the
-    cached tokens into ``local_cached_tokens`` (RAM) and ``external_cached_tokens`` (a tier)."""
-    details = {"cached_tokens": num_cached}
+    """OpenAI's usage block: ``prompt_tokens_details`` has the tokens read from the cache
+    (``cached_tokens``) and written to it (``cache_write_tokens``); with lower KV tiers it also
+    splits the cached tokens into ``local_cached_tokens`` (RAM) and ``external_cached_tokens``
+    (a tier)."""
+    details = {"cached_tokens": num_cached, "cache_write_tokens": num_written}
     if num_external is not None:
         details["local_cached_tokens"] = num_cached - num_external
         details["external_cached_tokens"] = num_external
@@ -480,10 +502,12 @@ def now() -> int:
 # ---- the Responses API ------------------------------------------------------------------------
 
 
-def response_usage(num_input: int, num_output: int, num_cached: int) -> JSONObject:
+def response_usage(
+    num_input: int, num_output: int, num_cached: int, num_written: int = 0
+) -> JSONObject:
     return {
         "input_tokens": num_input,
-        "input_tokens_details": {"cached_tokens": num_cached},
+        "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": num_written},
         "output_tokens": num_output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": num_input + num_output,

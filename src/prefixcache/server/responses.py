@@ -3,6 +3,10 @@
 Text formats (``json_object``, ``json_schema``) through the output grammars; a whole
 ``response`` object, or its typed event sequence, each event with a ``sequence_number``
 (`ResponsesRendering`). Stored responses (``previous_response_id``) and tools are refused.
+``prompt_cache_options``: ``comparison_response_id`` adds ``prompt_cache_diagnostics`` (why the
+cache missed, against that response; every response leaves its fingerprint for a later one),
+``prewarm`` computes and caches the prompt and generates nothing. Usage reports the tokens read
+from the cache (``cached_tokens``) and written to it (``cache_write_tokens``).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from fastapi.responses import Response
 from prefixcache.engine.sampling_params import SamplingParams, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
+from prefixcache.server.diagnostics import NOT_FOUND, Diagnosis, Outcome, Verdict
 from prefixcache.server.errors import ApiError
 from prefixcache.server.job_runner import JobRunner
-from prefixcache.server.jobs import Job, PreparedJob, Step
+from prefixcache.server.jobs import Job, PreparedJob, RenderOptions, Step
 from prefixcache.server.openapi import operation_id
 from prefixcache.server.protocol import JSONObject, ResponsesRequest
 from prefixcache.server.rendering import Rendering
@@ -40,7 +45,14 @@ class OpenAIServingResponses:
         self, body: ResponsesRequest, tenant: Tenant, http: Request
     ) -> Response:
         prepared = await self.prepare(body)
-        return await self.runner.serve(ResponsesRendering(body), body, prepared, tenant, http)
+        options = body.prompt_cache_options
+        diagnosis = self.context.diagnosis(
+            tenant, body.cache_salt, prepared.prompts[0][0], _segments(body),
+            [body.instructions, *(m.model_dump(exclude_none=True)
+                                  for m in response_messages(body))],
+            options.comparison_response_id if options is not None else None)
+        return await self.runner.serve(ResponsesRendering(body, diagnosis), body, prepared,
+                                       tenant, http)
 
     async def prepare(self, body: ResponsesRequest) -> PreparedJob:
         context = self.context
@@ -60,13 +72,41 @@ class OpenAIServingResponses:
         if max_tokens is None:
             max_tokens = context.default_max_tokens(len(token_ids))
         structured = _text_format(body)
+        prewarm = body.prompt_cache_options is not None and body.prompt_cache_options.prewarm
+        if prewarm:  # the prompt's prefill alone: its first token is computed, never shown
+            max_tokens, structured = 1, None
         params = context.sampling_params(
             lambda: SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature),
                                    top_p=float(body.top_p), structured_outputs=structured),
             param_names={"max_tokens": "max_output_tokens"})
         await context.compile(params, "text.format")
-        return PreparedJob([(token_ids, None)], params,
+        return PreparedJob([(token_ids, None)], params, RenderOptions(prefill_only=prewarm),
                            retention_s=retention_s(body.prompt_cache_retention))
+
+
+def _segments(body: ResponsesRequest) -> list[tuple[str, object]]:
+    """What OpenAI's diagnostics compare before the input, each its own reason."""
+    fmt = body.text.format if body.text is not None else None
+    return [("model", body.model), ("prompt_cache_key", body.prompt_cache_key),
+            ("tools", body.tools),
+            ("text_format", fmt.model_dump(exclude_none=True) if fmt is not None else None)]
+
+
+def openai_diagnostics(outcome: Outcome) -> JSONObject | None:
+    """OpenAI's ``prompt_cache_diagnostics`` (None: not asked for). ``evicted``: our reason
+    where the request changed nothing and the cache still served less."""
+    if outcome is None:
+        return None
+    if outcome == NOT_FOUND:
+        return {"type": "comparison_response_not_found"}
+    assert isinstance(outcome, Verdict)
+    if outcome.reason is None:
+        return {"type": "cache_hit"}
+    reason = {"messages": "input_changed"}.get(outcome.reason, outcome.reason)
+    if reason != "evicted":
+        reason = reason if reason.endswith("_changed") else f"{reason}_changed"
+    return {"type": "cache_miss", "reason": reason, "cache_missed_tokens": outcome.missed_tokens,
+            "comparison_reusable_tokens": outcome.reusable_tokens}
 
 
 def _text_format(body: ResponsesRequest) -> StructuredOutputs | None:
@@ -101,21 +141,36 @@ class ResponsesRendering(Rendering):
 
     id_prefix = "resp"
 
-    def __init__(self, request: ResponsesRequest) -> None:
+    def __init__(self, request: ResponsesRequest, diagnosis: Diagnosis | None = None) -> None:
         self.request = request
+        self.diagnosis = diagnosis
 
     def body(self, job: Job) -> JSONObject:
         choice = job.prompts[0].choices[0]
         status, incomplete = response_status(choice.reason)
+        if job.options.prefill_only:  # a prewarm: complete, nothing output
+            return self._snapshot(job, "completed", _usage(job), [], None, final=True)
         message = protocol.response_message(f"msg_{job.public_id[5:]}", choice.text, "completed")
-        return self._snapshot(job, status, _usage(job), [message], incomplete)
+        return self._snapshot(job, status, _usage(job), [message], incomplete, final=True)
 
     def _snapshot(self, job: Job, status: str, use: JSONObject | None = None,
                   output: list[JSONObject] | None = None,
-                  incomplete: str | None = None) -> JSONObject:
-        return protocol.response_object(job.public_id, self.request, job.created, status=status,
-                                        output=output or [], use=use,
-                                        incomplete_reason=incomplete)
+                  incomplete: str | None = None, *, final: bool = False) -> JSONObject:
+        """The ``response`` object; ``final``: with its cache diagnostics, if asked for."""
+        response = protocol.response_object(job.public_id, self.request, job.created,
+                                            status=status, output=output or [], use=use,
+                                            incomplete_reason=incomplete)
+        options = self.request.prompt_cache_options
+        if options is not None:
+            response["prompt_cache_options"] = {
+                "mode": options.mode, "ttl": options.ttl,
+                "comparison_response_id": options.comparison_response_id}
+        if final and self.diagnosis is not None:
+            diagnostics = openai_diagnostics(self.diagnosis.outcome(
+                job.public_id, job.prompts[0].num_cached))
+            if diagnostics is not None:
+                response["prompt_cache_diagnostics"] = diagnostics
+        return response
 
     async def stream(self, job: Job, outputs: AsyncIterator[Step]) -> AsyncIterator[str]:
         """The event sequence of a streamed response, each event with its ``sequence_number``."""
@@ -124,6 +179,15 @@ class ResponsesRendering(Rendering):
         part = {"item_id": item_id, "output_index": 0, "content_index": 0}
         yield events("response.created", response=self._snapshot(job, "in_progress"))
         yield events("response.in_progress", response=self._snapshot(job, "in_progress"))
+        if job.options.prefill_only:  # a prewarm: no output item, then completed
+            try:
+                async for _ in outputs:
+                    pass
+            except ApiError as exc:
+                yield events("error", code="server_error", message=exc.message, param=None)
+                return
+            yield events("response.completed", response=self.body(job))
+            return
         yield events("response.output_item.added", output_index=0,
                      item=protocol.response_message(item_id, "", "in_progress"))
         yield events("response.content_part.added", **part, part=protocol.output_text(""))
@@ -144,8 +208,8 @@ class ResponsesRendering(Rendering):
         status, incomplete = response_status(choice.reason)
         # "response.completed" even when cut at max_output_tokens (as vLLM): clients wait
         # for it; the response's status says "incomplete"
-        yield events("response.completed",
-                     response=self._snapshot(job, status, _usage(job), [message], incomplete))
+        yield events("response.completed", response=self._snapshot(
+            job, status, _usage(job), [message], incomplete, final=True))
 
 
 class _Events:
@@ -162,4 +226,4 @@ class _Events:
 
 def _usage(job: Job) -> JSONObject:
     return protocol.response_usage(job.num_prompt_tokens, job.num_output_tokens,
-                                   job.prompts[0].num_cached)
+                                   job.prompts[0].num_cached, job.num_written)

@@ -15,21 +15,23 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from prefixcache.cache import Sequence as CacheSequence
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.errors import InvalidParam
 from prefixcache.server.async_engine import AsyncEngine
+from prefixcache.server.diagnostics import Diagnoser, Diagnosis, Fingerprint
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Prompts
 from prefixcache.server.logprobs import TokenText
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.protocol import ChatMessage, JSONObject, Lenient
 from prefixcache.server.request_params import render_chat
-from prefixcache.server.tenancy import TenantRegistry
+from prefixcache.server.tenancy import Tenant, TenantRegistry
 
 __all__ = ["ServingContext", "ServingOptions", "as_api_error", "param_of", "text_bytes"]
 
@@ -70,7 +72,22 @@ class ServingContext:
         self.options = options
         self.model_name = options.model_name
         self.token_text = TokenText(self.tokenizer)
+        self.diagnoser = Diagnoser(self.block_size)  # why a request missed: per tenant
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    def diagnosis(
+        self, tenant: Tenant, cache_salt: str | None, token_ids: list[int],
+        segments: Sequence[tuple[str, object]], messages: Sequence[object], earlier_id: str | None,
+    ) -> Diagnosis:  # fmt: skip
+        """``tenant``'s request as diagnostics compare it: its ``segments`` (in the order a
+        change is reported), ``messages``, and its prompt's blocks as its cache names them."""
+        scope = self.tenants.scope(tenant, cache_salt)
+        seq = CacheSequence("diagnosis", token_ids, scope.salt, use_cache=scope.use_cache)
+        blocks = self.engine.cache_identity.block_digests(seq) if scope.use_cache else []
+        fingerprint = Fingerprint.of(segments, messages, blocks, len(token_ids))
+        reasons = self.metrics.miss_reasons
+        return Diagnosis(self.diagnoser, tenant.tenant_id, fingerprint, earlier_id,
+                         lambda reason: reasons.labels(reason=reason).inc())
 
     async def off_loop(self, fn: Callable[[A], T], arg: A) -> T:
         """Run ``fn(arg)`` (tokenizing, a chat template, a grammar) on a worker thread."""

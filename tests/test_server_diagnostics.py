@@ -1,0 +1,150 @@
+"""Why did it miss? The vendors' prompt-cache diagnostics through the official `anthropic` and
+`openai` SDKs against a real server: an unchanged prefix, a changed system prompt, added tools,
+a changed message, an evicted prefix, an unknown id and another tenant's id (answered exactly as
+an unknown one); OpenAI's prewarm and cache writes in usage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from prefixcache.server.diagnostics import Diagnoser, Fingerprint
+from server_harness import RunningServer, start_server
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tenants.toml"
+SECRET = b"0123456789abcdef0123456789abcdef"
+ACME, GLOBEX = "sk-acme-example-key-1", "sk-globex-example-key"
+GREEDY = {"temperature": 0.0}
+SYSTEM = "You are the archive's clerk. Answer in one short sentence, citing the shelf."
+TOOL = {"name": "find_shelf", "description": "Find a shelf by topic.",
+        "input_schema": {"type": "object", "properties": {"topic": {"type": "string"}}}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    secret = tmp_path_factory.mktemp("secret") / "secret"
+    secret.write_bytes(SECRET)
+    running = start_server(["--model", "tiny", "--tenants", str(EXAMPLE), "--secret-file",
+                            str(secret), "--num-kv-blocks", "160", "--block-size", "8"])
+    yield running
+    running.stop()
+
+
+def claude(server: RunningServer, key: str = ACME) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=key, max_retries=0)
+
+
+def gpt(server: RunningServer, key: str = ACME) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+
+
+def ask(client: anthropic.Anthropic, previous: str | None, *, system: str = SYSTEM,
+        messages: list[dict[str, str]] | None = None, tools: list[dict] | None = None,
+        ) -> anthropic.types.Message:  # fmt: skip
+    extra = {"tools": tools} if tools else {}
+    return client.messages.create(
+        model="tiny", max_tokens=4, system=system, extra_body=GREEDY,
+        messages=messages or [{"role": "user", "content": "Where is the map room?"}],
+        diagnostics={"previous_message_id": previous}, **extra)
+
+
+def test_messages_name_the_first_change_in_the_vendors_shape(server: RunningServer) -> None:
+    client = claude(server)
+    first = ask(client, None)
+    assert first.diagnostics is None  # the first turn opts in; nothing to compare yet
+    same = ask(client, first.id)
+    assert same.diagnostics is None and same.usage.cache_read_input_tokens > 0  # no divergence
+    changed = ask(client, same.id, system="You are the archive's porter. " + SYSTEM)
+    reason = changed.diagnostics.cache_miss_reason
+    assert reason.type == "system_changed" and reason.cache_missed_input_tokens > 0
+    tooled = ask(client, same.id, tools=[TOOL])
+    assert tooled.diagnostics.cache_miss_reason.type == "tools_changed"
+    other = ask(client, same.id, messages=[{"role": "user", "content": "Where is the loo?"}])
+    assert other.diagnostics.cache_miss_reason.type == "messages_changed"
+    longer = ask(client, same.id, messages=[
+        {"role": "user", "content": "Where is the map room?"},
+        {"role": "assistant", "content": "Shelf 4."},
+        {"role": "user", "content": "And the globes?"}])
+    assert longer.diagnostics is None  # appended to, not changed: the prefix was served
+
+
+def test_an_unknown_id_and_another_tenants_id_are_the_same_answer(server: RunningServer) -> None:
+    mine = ask(claude(server), None)
+    theirs = ask(claude(server, GLOBEX), None)
+    for previous in ("msg_" + "0" * 32, theirs.id):
+        reply = ask(claude(server), previous)
+        assert reply.diagnostics.cache_miss_reason.type == "previous_message_not_found"
+    bodies = []
+    for previous in ("msg_" + "0" * 32, theirs.id):
+        raw = httpx.post(server.base_url + "/v1/messages", timeout=60, headers={
+            "x-api-key": ACME, "anthropic-version": "2023-06-01"}, json={
+            "model": "tiny", "max_tokens": 4, "system": SYSTEM, **GREEDY,
+            "messages": [{"role": "user", "content": "Where is the map room?"}],
+            "diagnostics": {"previous_message_id": previous}})
+        bodies.append(raw.json()["diagnostics"])
+    assert bodies[0] == bodies[1] == {"cache_miss_reason": {"type": "previous_message_not_found"}}
+    assert ask(claude(server), mine.id).diagnostics is None  # the owner's own id still works
+
+
+def test_an_evicted_prefix_is_named_and_counted(server: RunningServer) -> None:
+    client = claude(server)
+    long_system = "The catalogue lists every shelf, map and globe by room. " * 3
+    first = ask(client, None, system=long_system)
+    for i in range(24):  # other prompts churn the 160-block pool
+        client.messages.create(model="tiny", max_tokens=1, extra_body=GREEDY, messages=[
+            {"role": "user", "content": f"Flood {i}: " + "ledger entry " * 8}])
+    again = ask(client, first.id, system=long_system)
+    reason = again.diagnostics.cache_miss_reason
+    assert reason.type == "evicted" and reason.cache_missed_input_tokens > 0
+    metrics = httpx.get(server.base_url + "/metrics", timeout=30,
+                        headers={"Authorization": "Bearer sk-ops-admin-example-key"}).text
+    assert 'prefixcache:prefix_cache_miss_reasons_total{reason="evicted"}' in metrics
+
+
+def test_responses_diagnostics_prewarm_and_cache_writes(server: RunningServer) -> None:
+    client = gpt(server)
+    warm = client.responses.create(model="tiny", instructions=SYSTEM, input="Where is the map?",
+                                   prompt_cache_options={"prewarm": True}, **GREEDY)
+    assert warm.status == "completed" and warm.output == [] and warm.usage.output_tokens == 0
+    assert warm.usage.input_tokens_details.cache_write_tokens > 0
+    hit = client.responses.create(model="tiny", instructions=SYSTEM, input="Where is the map?",
+                                  max_output_tokens=4, **GREEDY,
+                                  prompt_cache_options={"comparison_response_id": warm.id})
+    assert hit.prompt_cache_diagnostics.type == "cache_hit"
+    assert hit.usage.input_tokens_details.cached_tokens > 0
+    moved = client.responses.create(model="tiny", instructions="Be brief. " + SYSTEM,
+                                    input="Where is the map?", max_output_tokens=4, **GREEDY,
+                                    prompt_cache_options={"comparison_response_id": warm.id})
+    miss = moved.prompt_cache_diagnostics
+    assert miss.type == "cache_miss" and miss.reason == "input_changed"
+    assert 0 < miss.cache_missed_tokens <= miss.comparison_reusable_tokens
+    theirs = gpt(server, GLOBEX).responses.create(model="tiny", input="Hello", **GREEDY,
+                                                  max_output_tokens=2)
+    lost = client.responses.create(model="tiny", input="Hello", max_output_tokens=2, **GREEDY,
+                                   prompt_cache_options={"comparison_response_id": theirs.id})
+    assert lost.prompt_cache_diagnostics.type == "comparison_response_not_found"
+    plain = client.responses.create(model="tiny", input="Hello", max_output_tokens=2, **GREEDY)
+    assert plain.prompt_cache_diagnostics is None  # not asked for
+    chat = client.chat.completions.create(model="tiny", max_tokens=2, **GREEDY, messages=[
+        {"role": "system", "content": SYSTEM + " Chat."}, {"role": "user", "content": "Hi"}])
+    details = chat.usage.prompt_tokens_details
+    assert details.cache_write_tokens == chat.usage.prompt_tokens // 8 * 8 - details.cached_tokens
+
+
+def test_the_store_is_bounded_and_forgets_after_its_ttl() -> None:
+    now = [0.0]
+    store = Diagnoser(block_size=4, max_entries=2, ttl_s=10.0, clock=lambda: now[0])
+    print_ = Fingerprint.of([("model", "m")], ["hi"], [b"a" * 32], 9)
+    for rid in ("r1", "r2", "r3"):
+        store.remember("tenant", rid, print_)
+    assert store.find("tenant", "r1") is None and store.find("tenant", "r3") is print_
+    assert store.find("other", "r3") is None  # a scope sees its own fingerprints only
+    now[0] = 11.0
+    assert store.find("tenant", "r3") is None and len(store) == 1
