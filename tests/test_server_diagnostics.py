@@ -138,6 +138,25 @@ def test_responses_diagnostics_prewarm_and_cache_writes(server: RunningServer) -
     assert details.cache_write_tokens == chat.usage.prompt_tokens // 8 * 8 - details.cached_tokens
 
 
+def test_chat_completions_take_the_same_comparison_as_an_extension(server: RunningServer) -> None:
+    client = gpt(server)
+    messages = [{"role": "system", "content": SYSTEM + " Chat two."},
+                {"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model="tiny", max_tokens=2, **GREEDY,
+                                           messages=messages)
+    again = client.chat.completions.create(
+        model="tiny", max_tokens=2, **GREEDY, messages=messages,
+        extra_body={"prompt_cache_options": {"comparison_response_id": first.id}})
+    assert again.model_extra["prompt_cache_diagnostics"] == {"type": "cache_hit"}
+    stream = client.chat.completions.create(
+        model="tiny", max_tokens=2, **GREEDY, stream=True,
+        stream_options={"include_usage": True}, messages=[messages[0], {
+            "role": "user", "content": "Hello"}],
+        extra_body={"prompt_cache_options": {"comparison_response_id": first.id}})
+    last = list(stream)[-1]
+    assert last.model_extra["prompt_cache_diagnostics"]["reason"] == "input_changed"
+
+
 def test_the_store_is_bounded_and_forgets_after_its_ttl() -> None:
     now = [0.0]
     store = Diagnoser(block_size=4, max_entries=2, ttl_s=10.0, clock=lambda: now[0])

@@ -14,10 +14,11 @@ from fastapi.responses import Response
 
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.server import protocol
+from prefixcache.server.diagnostics import Diagnosis
 from prefixcache.server.errors import ApiError
 from prefixcache.server.job_runner import JobRunner
 from prefixcache.server.jobs import Choice, Job, PreparedJob, RenderOptions, finish_reason_of
-from prefixcache.server.logprobs import chat_logprobs
+from prefixcache.server.logprobs import TokenText, chat_logprobs
 from prefixcache.server.openapi import operation_id
 from prefixcache.server.protocol import ChatCompletionRequest, JSONObject
 from prefixcache.server.rendering import ChunkRendering
@@ -30,6 +31,7 @@ from prefixcache.server.request_params import (
     structured_of,
     tool_choice_of,
 )  # fmt: skip
+from prefixcache.server.responses import openai_diagnostics
 from prefixcache.server.serving_context import ServingContext, text_bytes
 from prefixcache.server.tenancy import Tenant
 from prefixcache.server.tools import parse_tool_calls, tool_grammar
@@ -49,8 +51,13 @@ class OpenAIServingChat:
     ) -> Response:
         prepared = await self.prepare(body)
         prepared.retention_s = retention_s(body.prompt_cache_retention)
-        return await self.runner.serve(ChatRendering(self.context.token_text), body, prepared,
-                                       tenant, http)
+        options = body.prompt_cache_options
+        diagnosis = self.context.diagnosis(
+            tenant, body.cache_salt, prepared.prompts[0][0], _segments(body),
+            [m.model_dump(exclude_none=True) for m in body.messages],
+            options.comparison_response_id if options is not None else None)
+        return await self.runner.serve(ChatRendering(self.context.token_text, diagnosis), body,
+                                       prepared, tenant, http)
 
     async def prepare(self, body: ChatCompletionRequest) -> PreparedJob:
         """A chat body's prompt, sampling parameters and rendering options, every check done
@@ -104,11 +111,30 @@ def chat_router(
     return router
 
 
+def _segments(body: ChatCompletionRequest) -> list[tuple[str, object]]:
+    """What OpenAI's diagnostics compare before the messages, each its own reason."""
+    fmt = body.response_format
+    return [("model", body.model), ("prompt_cache_key", body.prompt_cache_key),
+            ("tools", [t.model_dump(exclude_none=True) for t in body.tools or []]),
+            ("text_format", fmt.model_dump(exclude_none=True) if fmt is not None else None)]
+
+
 class ChatRendering(ChunkRendering):
-    """A chat job as ``chat.completion`` objects (tool calls parsed out of the text)."""
+    """A chat job as ``chat.completion`` objects (tool calls parsed out of the text); with a
+    ``diagnosis``, ``prompt_cache_diagnostics`` as on /v1/responses (our extension: in the
+    body, or in the usage chunk of a stream)."""
 
     id_prefix = "chatcmpl"
     usage_object = "chat.completion.chunk"
+
+    def __init__(self, token_text: TokenText, diagnosis: Diagnosis | None = None) -> None:
+        super().__init__(token_text)
+        self.diagnosis = diagnosis
+
+    def diagnostics(self, job: Job) -> JSONObject | None:
+        if self.diagnosis is None:
+            return None
+        return openai_diagnostics(self.diagnosis.outcome(job.public_id, job.prompts[0].num_cached))
 
     def opening(self, job: Job) -> list[JSONObject]:
         return [protocol.chat_chunk(job.public_id, job.model, job.created, j,
@@ -132,6 +158,9 @@ class ChatRendering(ChunkRendering):
         body = protocol.chat_response(job.public_id, job.model, job.created, choices, job.usage())
         if job.options.prompt_logprobs:  # vLLM puts a chat's prompt logprobs beside its choices
             body["prompt_logprobs"] = self.prompt_logprobs(job.prompts[0])
+        diagnostics = self.diagnostics(job)
+        if diagnostics is not None:
+            body["prompt_cache_diagnostics"] = diagnostics
         return body
 
     def chunk(

@@ -199,6 +199,16 @@ class _FunctionName(Lenient):
     name: StrictStr
 
 
+class PromptCacheOptions(Lenient):
+    """OpenAI's ``prompt_cache_options``: ``comparison_response_id`` asks for diagnostics against
+    that response; ``prewarm`` computes and caches the prompt, generating nothing."""
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m", "12h"] = "30m"
+    comparison_response_id: StrictStr | None = None
+    prewarm: StrictBool = False
+
+
 class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: _FunctionName
@@ -213,6 +223,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True  # extension (vLLM)
+    # OpenAI's mode and ttl; comparison_response_id is our extension (as on /v1/responses)
+    prompt_cache_options: PromptCacheOptions | None = None
 
 
 class ResponsesFormat(Lenient):
@@ -227,16 +239,6 @@ class ResponsesFormat(Lenient):
 
 class ResponsesText(Lenient):
     format: ResponsesFormat | None = None
-
-
-class PromptCacheOptions(Lenient):
-    """OpenAI's ``prompt_cache_options``: ``comparison_response_id`` asks for diagnostics against
-    that response; ``prewarm`` computes and caches the prompt, generating nothing."""
-
-    mode: Literal["implicit", "explicit"] = "implicit"
-    ttl: Literal["30m", "12h"] = "30m"
-    comparison_response_id: StrictStr | None = None
-    prewarm: StrictBool = False
 
 
 class ResponsesRequest(Lenient):

@@ -76,9 +76,17 @@ class ChunkRendering(Rendering):
             yield sse({"error": {"message": exc.message, "type": "server_error",
                                  "param": None, "code": None}})
         if job.options.include_usage and job.done:
-            yield sse(protocol.usage_chunk(job.public_id, self.usage_object, job.model,
-                                           job.created, job.usage()))
+            usage = protocol.usage_chunk(job.public_id, self.usage_object, job.model,
+                                         job.created, job.usage())
+            diagnostics = self.diagnostics(job)
+            if diagnostics is not None:
+                usage["prompt_cache_diagnostics"] = diagnostics
+            yield sse(usage)
         yield "data: [DONE]\n\n"
+
+    def diagnostics(self, job: Job) -> JSONObject | None:
+        """Why the cache missed, where the request asked (None: it did not)."""
+        return None
 
 
 def sse(payload: JSONObject) -> str:
