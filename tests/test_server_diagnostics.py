@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from prefixcache.cache.fates import BlockFates
 from prefixcache.server.diagnostics import Diagnoser, Fingerprint
 from server_harness import RunningServer, start_server
 
@@ -93,19 +94,85 @@ def test_an_unknown_id_and_another_tenants_id_are_the_same_answer(server: Runnin
     assert ask(claude(server), mine.id).diagnostics is None  # the owner's own id still works
 
 
-def test_an_evicted_prefix_is_named_and_counted(server: RunningServer) -> None:
+def flood(client: anthropic.Anthropic, tag: str) -> None:
+    for i in range(24):  # other prompts churn the 160-block pool
+        client.messages.create(model="tiny", max_tokens=1, extra_body=GREEDY, messages=[
+            {"role": "user", "content": f"Flood {tag} {i}: " + "ledger entry " * 8}])
+
+
+def test_an_evicted_prefix_is_named_with_its_pressure_and_counted(server: RunningServer) -> None:
     client = claude(server)
     long_system = "The catalogue lists every shelf, map and globe by room. " * 3
     first = ask(client, None, system=long_system)
-    for i in range(24):  # other prompts churn the 160-block pool
-        client.messages.create(model="tiny", max_tokens=1, extra_body=GREEDY, messages=[
-            {"role": "user", "content": f"Flood {i}: " + "ledger entry " * 8}])
+    flood(client, "own")
     again = ask(client, first.id, system=long_system)
     reason = again.diagnostics.cache_miss_reason
     assert reason.type == "evicted" and reason.cache_missed_input_tokens > 0
+    assert reason.pressure == "same_tenant" and 0 <= reason.evicted_seconds_ago < 120
     metrics = httpx.get(server.base_url + "/metrics", timeout=30,
                         headers={"Authorization": "Bearer sk-ops-admin-example-key"}).text
     assert 'prefixcache:prefix_cache_miss_reasons_total{reason="evicted"}' in metrics
+
+
+def test_block_fates_tell_the_pressure_in_the_callers_terms_only() -> None:
+    now = [10.0]
+    fates = BlockFates(max_entries=3, clock=lambda: now[0])
+    fates.evicted([b"a" * 32], "tenant:acme")
+    fates.evicted([b"b" * 32], "tenant:globex")
+    fates.evicted([b"c" * 32], None)
+    assert fates.of(b"a" * 8, "tenant:acme", since=0.0).pressure == "same_tenant"
+    assert fates.of(b"b" * 32, "tenant:acme", since=0.0).pressure == "other_tenants"
+    assert fates.of(b"c" * 32, "tenant:acme", since=0.0).pressure == "purge"
+    assert fates.of(b"a" * 32, "tenant:acme", since=11.0) is None  # an older story
+    now[0] = 20.0
+    fates.unpinned([b"d" * 32], expired=False)  # released for a request that could not start
+    fates.evicted([b"d" * 32], "tenant:globex")
+    fate = fates.of(b"d" * 32, "tenant:acme", since=0.0)
+    assert fate.pressure == "pins" and fate.pin_yielded
+    fates.tier_failed(b"d" * 32)
+    assert fates.of(b"d" * 32, "tenant:acme", since=0.0).tier_failed
+    assert fates.of(b"a" * 32, "tenant:acme", since=0.0) is None  # bounded: the oldest went
+    fates.reset()
+    assert fates.of(b"d" * 32, "tenant:acme", since=0.0).pressure == "reset"
+
+
+def test_a_pinned_prefix_past_its_ttl_says_ttl_expired(server: RunningServer) -> None:
+    class Clock:
+        now = 1000.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    client = claude(server)
+    system = [{"type": "text", "text": "Pinned: the reading room closes at dusk. " * 3,
+               "cache_control": {"type": "ephemeral", "ttl": "5m"}}]
+    pins = server.engine.pins
+    before, pins.clock = pins.clock, Clock()
+    try:
+        first = ask(client, None, system=system)
+        pins.clock.now += 301.0  # past the 5-minute TTL: released at the next step
+        flood(client, "ttl")
+        reason = ask(client, first.id, system=system).diagnostics.cache_miss_reason
+    finally:
+        pins.clock = before
+    assert reason.type == "ttl_expired" and reason.cache_missed_input_tokens > 0
+    assert reason.ttl_expired_seconds_ago >= reason.evicted_seconds_ago >= 0
+
+
+def test_a_tenant_without_a_cache_is_told_so(server: RunningServer) -> None:
+    client = claude(server, "sk-hospital-example-key")
+    first = ask(client, None)
+    reason = ask(client, first.id).diagnostics.cache_miss_reason
+    assert reason.type == "cache_disabled_for_tenant" and reason.cache_missed_input_tokens > 0
+
+
+def test_a_prompt_shorter_than_a_block_is_below_block() -> None:
+    store = Diagnoser(block_size=16)
+    short = Fingerprint.of([("model", "m")], ["hi"], [], 9)
+    longer = Fingerprint.of([("model", "m")], ["hi", "there"], [b"b" * 32], 20)
+    verdict = store.compare(short, longer, num_cached=0)
+    assert verdict.reason == "below_block" and verdict.missed_tokens == 9
+    assert store.compare(longer, longer, num_cached=16).reason is None
 
 
 def test_responses_diagnostics_prewarm_and_cache_writes(server: RunningServer) -> None:
@@ -163,7 +230,8 @@ def test_the_store_is_bounded_and_forgets_after_its_ttl() -> None:
     print_ = Fingerprint.of([("model", "m")], ["hi"], [b"a" * 32], 9)
     for rid in ("r1", "r2", "r3"):
         store.remember("tenant", rid, print_)
-    assert store.find("tenant", "r1") is None and store.find("tenant", "r3") is print_
+    found = store.find("tenant", "r3")
+    assert store.find("tenant", "r1") is None and found is not None and found[1] is print_
     assert store.find("other", "r3") is None  # a scope sees its own fingerprints only
     now[0] = 11.0
     assert store.find("tenant", "r3") is None and len(store) == 1

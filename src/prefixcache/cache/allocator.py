@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from prefixcache.cache.block_pool import BlockPool, KVBlock, Taken
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import BlockRemoved, EventBuffer
+from prefixcache.cache.fates import BlockFates
 from prefixcache.cache.identity import CacheIdentity
 from prefixcache.cache.index import CacheHit, PrefixIndex, SeqBlocks
 from prefixcache.cache.sequence import Sequence
@@ -54,6 +55,7 @@ class TableAllocator:
         self.observers = observers
         self.admitted, self.evicted = admitted, evicted
         self.protection: Protection | None = None
+        self.fates: BlockFates | None = None  # why blocks left (diagnostics); None: not kept
 
     def writes(self, seq: Sequence) -> bool:
         return self.config.enable_prefix_caching and seq.writes_cache
@@ -80,7 +82,8 @@ class TableAllocator:
         if num_hit:
             self.admitted(table, hit)
         # touch before allocate (radix holds its path through the index, not by references)
-        taken = self.take(num_new, self.owner_root(seq), protected, hit_blocks[table.num_path :])
+        taken = self.take(num_new, self.owner_root(seq), protected, hit_blocks[table.num_path :],
+                          domain=seq.domain)
         table.blocks += taken.blocks
         table.block_ids += taken.block_ids
         self.tables.add(table)
@@ -134,11 +137,11 @@ class TableAllocator:
             return None
         root = self.owner_root(table.seq)
         for i in shared:  # a shared block is never written: the table gets its own copy
-            (dst,) = self.take(1, root, protected).blocks
+            (dst,) = self.take(1, root, protected, domain=domain).blocks
             self.pool.copy_on_write(blocks[i], dst, copy=i * bs < computed)
             blocks[i] = dst
             table.block_ids[i] = dst.block_id
-        taken = self.take(num_new, root, protected)
+        taken = self.take(num_new, root, protected, domain=domain)
         if taken.blocks:
             self.tables.grew(domain, len(taken.blocks))
             blocks += taken.blocks
@@ -152,14 +155,18 @@ class TableAllocator:
         owner_root: bytes | None,
         protected: frozenset[str],
         touch: list[KVBlock] | None = None,
+        *,
+        domain: str | None,
     ) -> Taken:
-        """``num`` new blocks from the pool (after a reference on each of ``touch``); evictions
-        are counted, announced and forgotten by the index here, and the free-block low watermark
-        kept."""
+        """``num`` new blocks from the pool (after a reference on each of ``touch``) for a
+        sequence of ``domain`` (None: a purge); evictions are counted, announced, recorded in
+        ``fates`` and forgotten by the index here, and the free-block low watermark kept."""
         taken = self.pool.take(num, owner_root, protected, touch)
         if taken.evicted_digests:
             self.stats.num_evictions += len(taken.evicted_digests)
             self.evicted(taken.evicted_digests)
+            if self.fates is not None:
+                self.fates.evicted(taken.evicted_digests, domain)
             if self.events.enabled:
                 self.events.emit(
                     BlockRemoved(block_hashes=taken.evicted_digests, block_ids=taken.evicted_ids)

@@ -255,6 +255,8 @@ class PrefixCache:
         if not self.pool.reset():
             return False
         self.index.clear()
+        if self.allocator.fates is not None:
+            self.allocator.fates.reset()
         self.stats.num_resets += 1
         self.events.emit(AllBlocksCleared())
         return True

@@ -158,6 +158,7 @@ class PinTable:
         now = self.clock()
         done = [pin_id for pin_id, p in self.pins.items() if p.expires_at <= now]
         for pin_id in done:
+            self._note_unpinned(self.pins[pin_id], expired=True)
             self.release(pin_id)
         self.num_expired += len(done)
         return len(done)
@@ -177,9 +178,16 @@ class PinTable:
             return False
         pin = next((p for p in self.pins.values() if p.domain != domain),
                    next(iter(self.pins.values())))
+        self._note_unpinned(pin, expired=False)
         self.release(pin.pin_id)
         self.num_yielded += 1
         return True
+
+    def _note_unpinned(self, pin: Pin, expired: bool) -> None:
+        """Tell the cache's fates (diagnostics) why ``pin``'s blocks are no longer held."""
+        fates = self.cache.allocator.fates
+        if fates is not None:
+            fates.unpinned(pin.seq.block_digests[: pin.num_blocks], expired)
 
     def release_all(self) -> int:
         ids = list(self.pins)

@@ -20,6 +20,6 @@ def evict_domain(cache: PrefixCache, domain: str) -> list[int]:
     others = frozenset(d for d in free_cached if d != domain)
     # take hands out uncached free blocks first: take them too, and give them all back
     num_uncached = pool.num_free - sum(free_cached.values())
-    taken = cache.allocator.take(num_uncached + num, None, others)
+    taken = cache.allocator.take(num_uncached + num, None, others, domain=None)
     pool.release(reversed(taken.blocks))
     return taken.evicted_ids

@@ -23,6 +23,7 @@ from prefixcache.attention.kv_cache import PagedKVCache
 from prefixcache.cache import CacheIdentity, PrefixCache, evict_domain, make_prefix_cache
 from prefixcache.cache.base import CacheObserver
 from prefixcache.cache.events import KVCacheEvent
+from prefixcache.cache.fates import BlockFates, Fate
 from prefixcache.cache.pins import PinTable
 from prefixcache.engine import observation
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
@@ -89,12 +90,16 @@ class LLMEngine:
             self.loaded.model, self.loaded.make_kv_cache(num_blocks, self.block_size)
         )
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
+        # why blocks left the cache (evictions, pin releases, tier checks), for diagnostics
+        self.fates = self.cache.allocator.fates = BlockFates()
         # the lower tiers (disk, Valkey): written behind each step, read ahead of admission
         self.tiers = TierTraffic.open(config.tiers, self.loaded.identity, self.cache,
                                       self.runner.kv_cache, self.scheduler)
         if self.tiers is not None:  # its threads must not outlive the engine; not at exit,
             # where waking them would run tensor work while torch is being torn down
             weakref.finalize(self, self.tiers.offload.stop).atexit = False
+            for tier in self.tiers.offload.store.tiers:
+                tier.stats.on_bad = self.fates.tier_failed
         # prefixes kept from eviction for a time (cache_control), per domain within a budget
         max_pinned = config.max_pinned_blocks
         self.pins = PinTable(self.cache, num_blocks // 4 if max_pinned is None else max_pinned,
@@ -124,6 +129,11 @@ class LLMEngine:
     def tier_stats(self) -> dict[str, Any] | None:
         """The lower tiers' counters (None without tiers); safe from any thread."""
         return self.tiers.offload.stats_dict() if self.tiers is not None else None
+
+    def block_fate(self, digest: bytes, domain: str, since: float) -> Fate | None:
+        """Why ``domain``'s block ``digest`` (whole or truncated) left the cache after
+        ``since`` (`time.monotonic`), if it is known; safe from any thread."""
+        return self.fates.of(digest, domain, since)
 
     def add_cache_observer(self, observer: CacheObserver) -> None:
         """Tell ``observer`` about the cache's admissions, commits and frees (before the

@@ -26,6 +26,7 @@ from prefixcache.server.protocol import JSONObject
 
 if TYPE_CHECKING:
     from prefixcache.cache import CacheIdentity, KVCacheEvent
+    from prefixcache.cache.fates import Fate
     from prefixcache.engine.input_processor import InputProcessor
     from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.engine.outputs import EngineLimits, RequestOutput
@@ -145,6 +146,10 @@ class AsyncEngine:
     def cache_identity(self) -> CacheIdentity:
         """What names the engine's cache blocks (a cluster ingress digests prompts with it)."""
         return self.engine.cache_identity
+
+    def block_fate(self, digest: bytes, domain: str, since: float) -> Fate | None:
+        """Why ``domain``'s block ``digest`` left the cache after ``since`` (diagnostics)."""
+        return self.engine.block_fate(digest, domain, since)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block between steps; False while requests hold blocks."""

@@ -6,7 +6,13 @@ under its response id: the digests of its segments (model, system, tools, the ot
 prompt-affecting fields, each message) and of its prompt's full blocks in the cache's own chain,
 and its token count — never text or token ids. A later request names that id; `Diagnoser.compare`
 finds the first segment that changed, or, the new request extending the old one, checks what the
-cache served against what it could have served (``evicted``: our reason beyond the vendors').
+cache served against what it could have served. Beyond the vendors' reasons, the engine's own
+(`ENGINE_REASONS`): ``evicted`` (with how long ago and by which pressure: the caller's own
+requests, other tenants', a pin released for a waiting request, a purge or a reset),
+``ttl_expired`` (its pin's TTL ran out, then it was evicted), ``tier_verify_failed`` (evicted,
+and the lower tier's copy failed its checks), ``below_block`` (the shared part fits no whole
+block) and ``cache_disabled_for_tenant``. What became of a block is asked of the cache's fates
+(`prefixcache.cache.fates`) under the caller's own digests and domain only.
 
 Fingerprints are kept per tenant (``scope``) in a bounded store with a TTL: another tenant's id is
 looked up in the caller's own scope, where it is exactly as absent as an id never issued.
@@ -19,11 +25,16 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixcache.cache.fates import Fate
 
 __all__ = [
-    "NOT_FOUND", "Diagnoser", "Diagnosis", "Fingerprint", "Outcome", "Verdict", "segment_digest",
+    "ENGINE_REASONS", "NOT_FOUND", "Diagnoser", "Diagnosis", "Fingerprint", "Outcome", "Verdict",
+    "segment_digest",
 ]  # fmt: skip
 
 DEFAULT_MAX_ENTRIES = 8192
@@ -58,31 +69,42 @@ class Fingerprint:
                    tuple(d[:_BLOCK_DIGEST_BYTES] for d in block_digests), num_tokens)
 
 
+ENGINE_REASONS = ("evicted", "ttl_expired", "below_block", "tier_verify_failed",
+                  "cache_disabled_for_tenant")  # beyond the vendors' segment reasons
+FateOf = Callable[[bytes, float], "Fate | None"]  # (block digest, since): why it left
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """The comparison of a request with an earlier one. ``reason``: the first segment that
-    changed (a segment's name, or ``messages``), ``evicted`` (nothing changed, the cache served
-    less than the earlier request left), or None (nothing changed, the cache served it).
-    ``missed_tokens``: of the earlier request's reusable tokens, those this one could not reuse;
-    ``reusable_tokens``: the earlier request's (its full blocks)."""
+    changed (a segment's name, or ``messages``), one of `ENGINE_REASONS` (nothing changed, the
+    cache served less than the earlier request left), or None (nothing changed, the cache served
+    it). ``missed_tokens``: of the earlier request's reusable tokens, those this one could not
+    reuse; ``reusable_tokens``: the earlier request's (its full blocks); ``detail``: how long
+    ago and by which pressure the prefix left (``evicted``, ``ttl_expired``,
+    ``tier_verify_failed``), numbers and names only."""
 
     reason: str | None
     missed_tokens: int
     reusable_tokens: int
+    detail: Mapping[str, float | str] | None = None
 
 
 class Diagnoser:
     """The fingerprints of recent requests, per scope, at most ``max_entries`` (the oldest go
-    first) and each for ``ttl_s`` seconds; thread safe."""
+    first) and each for ``ttl_s`` seconds; thread safe. ``now`` stamps each with the fates'
+    clock (`prefixcache.cache.fates`), to ask what became of its blocks since."""
 
     def __init__(self, block_size: int, max_entries: int = DEFAULT_MAX_ENTRIES,
-                 ttl_s: float = DEFAULT_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic,
+                 now: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.block_size = block_size
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self.clock = clock
-        self._entries: OrderedDict[tuple[str, str], tuple[float, Fingerprint]] = OrderedDict()
+        self.now = now
+        self._entries: OrderedDict[tuple[str, str], tuple[float, float, Fingerprint]] = (
+            OrderedDict())
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -90,26 +112,29 @@ class Diagnoser:
 
     def remember(self, scope: str, response_id: str, fingerprint: Fingerprint) -> None:
         with self._lock:
-            self._entries[(scope, response_id)] = (self.clock() + self.ttl_s, fingerprint)
+            entry = (self.clock() + self.ttl_s, self.now(), fingerprint)
+            self._entries[(scope, response_id)] = entry
             self._entries.move_to_end((scope, response_id))
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
 
-    def find(self, scope: str, response_id: str) -> Fingerprint | None:
-        """The fingerprint ``scope`` left under ``response_id`` (None: never, expired, evicted
-        from the store, or another scope's)."""
+    def find(self, scope: str, response_id: str) -> tuple[float, Fingerprint] | None:
+        """The fingerprint ``scope`` left under ``response_id``, with when (``now``'s clock);
+        None: never, expired, evicted from the store, or another scope's."""
         with self._lock:
             entry = self._entries.get((scope, response_id))
             if entry is None:
                 return None
-            expires_at, fingerprint = entry
+            expires_at, made_at, fingerprint = entry
             if expires_at <= self.clock():
                 del self._entries[(scope, response_id)]
                 return None
-            return fingerprint
+            return made_at, fingerprint
 
-    def compare(self, earlier: Fingerprint, now: Fingerprint, num_cached: int) -> Verdict:
-        """``now`` (which the cache served ``num_cached`` tokens of) against ``earlier``."""
+    def compare(self, earlier: Fingerprint, now: Fingerprint, num_cached: int,
+                fate_of: FateOf | None = None, since: float = 0.0) -> Verdict:  # fmt: skip
+        """``now`` (which the cache served ``num_cached`` tokens of) against ``earlier`` (left
+        at ``since``); ``fate_of`` tells what became of a block that the cache no longer had."""
         bs = self.block_size
         common = 0
         for a, b in zip(earlier.blocks, now.blocks, strict=False):
@@ -127,8 +152,28 @@ class Diagnoser:
         # an extension of the earlier request: what it left, up to this prompt's last block
         could = min(common, max(0, (now.num_tokens - 1) // bs)) * bs
         if num_cached < could:
-            return Verdict("evicted", could - num_cached, reusable)
+            return self._lost(now, num_cached, could, reusable, fate_of, since)
+        if not could and not num_cached and earlier.num_tokens:  # the shared part fits no block
+            return Verdict("below_block", min(earlier.num_tokens, now.num_tokens), reusable)
         return Verdict(None, 0, reusable)
+
+    def _lost(self, now: Fingerprint, num_cached: int, could: int, reusable: int,
+              fate_of: FateOf | None, since: float) -> Verdict:  # fmt: skip
+        """The cache served ``num_cached`` of the ``could`` tokens the earlier request left:
+        why its first block missing left the cache, where that is known."""
+        missed = could - num_cached
+        fate = fate_of(now.blocks[num_cached // self.block_size], since) if fate_of else None
+        if fate is None:
+            return Verdict("evicted", missed, reusable)
+        detail: dict[str, float | str] = {
+            "evicted_seconds_ago": round(max(0.0, self.now() - fate.at), 3),
+            "pressure": fate.pressure}
+        if fate.tier_failed:
+            return Verdict("tier_verify_failed", missed, reusable, detail)
+        if fate.pin_expired_at is not None:
+            detail["ttl_expired_seconds_ago"] = round(max(0.0, self.now() - fate.pin_expired_at), 3)
+            return Verdict("ttl_expired", missed, reusable, detail)
+        return Verdict("evicted", missed, reusable, detail)
 
 
 NOT_FOUND = "not_found"  # the earlier id names no fingerprint of this scope
@@ -138,16 +183,21 @@ Outcome = Verdict | str | None  # a verdict, NOT_FOUND, or None: nothing to comp
 class Diagnosis:
     """One request's diagnostics: its ``fingerprint``, compared with the one ``earlier_id``
     left (None: nothing to compare, the request only opts in) once its prefill is done, and
-    left under its own id for the next request. ``on_reason`` counts each reason given."""
+    left under its own id for the next request. ``on_reason`` counts each reason given;
+    ``fate_of`` (the caller's own blocks only) says why a block left the cache; ``use_cache``:
+    False where the caller's tenant shares no cache (every comparison then says so)."""
 
     def __init__(self, diagnoser: Diagnoser, scope: str, fingerprint: Fingerprint,
                  earlier_id: str | None,
-                 on_reason: Callable[[str], None] = lambda reason: None) -> None:  # fmt: skip
+                 on_reason: Callable[[str], None] = lambda reason: None,
+                 fate_of: FateOf | None = None, use_cache: bool = True) -> None:  # fmt: skip
         self.diagnoser = diagnoser
         self.scope = scope
         self.fingerprint = fingerprint
         self.earlier_id = earlier_id
         self.on_reason = on_reason
+        self.fate_of = fate_of
+        self.use_cache = use_cache
         self._outcome: Outcome = None
         self._done = False
 
@@ -159,10 +209,17 @@ class Diagnosis:
         self._done = True
         diagnoser = self.diagnoser
         if self.earlier_id is not None:
-            earlier = diagnoser.find(self.scope, self.earlier_id)
-            self._outcome = NOT_FOUND if earlier is None else diagnoser.compare(
-                earlier, self.fingerprint, num_cached)
-            reason = self._outcome if isinstance(self._outcome, str) else self._outcome.reason
-            self.on_reason(reason or "none")
+            outcome = self._outcome = self._compare(self.earlier_id, num_cached)
+            self.on_reason(outcome if isinstance(outcome, str) else outcome.reason or "none")
         diagnoser.remember(self.scope, response_id, self.fingerprint)
         return self._outcome
+
+    def _compare(self, earlier_id: str, num_cached: int) -> Verdict | str:
+        found = self.diagnoser.find(self.scope, earlier_id)
+        if found is None:
+            return NOT_FOUND
+        since, earlier = found
+        if not self.use_cache:
+            return Verdict("cache_disabled_for_tenant",
+                           min(earlier.num_tokens, self.fingerprint.num_tokens), 0)
+        return self.diagnoser.compare(earlier, self.fingerprint, num_cached, self.fate_of, since)

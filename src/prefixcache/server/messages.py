@@ -23,7 +23,13 @@ from fastapi.responses import Response
 
 from prefixcache.cache.pins import TTLS
 from prefixcache.server.chat import OpenAIServingChat
-from prefixcache.server.diagnostics import NOT_FOUND, Diagnosis, Outcome, Verdict
+from prefixcache.server.diagnostics import (
+    ENGINE_REASONS,
+    NOT_FOUND,
+    Diagnosis,
+    Outcome,
+    Verdict,
+)
 from prefixcache.server.errors import ApiError
 from prefixcache.server.job_runner import JobRunner
 from prefixcache.server.jobs import Choice, Job, Step
@@ -194,7 +200,8 @@ def _without_cache_control(value: object) -> object:
 
 def anthropic_diagnostics(outcome: Outcome) -> JSONObject | None:
     """Anthropic's ``diagnostics``: null when nothing was compared or nothing changed, else the
-    earliest divergence (``evicted``: our reason where the request changed nothing)."""
+    earliest divergence (the engine's own reasons, `ENGINE_REASONS`, where the request changed
+    nothing, with their detail beside the token count)."""
     if outcome is None:
         return None
     if outcome == NOT_FOUND:
@@ -204,9 +211,10 @@ def anthropic_diagnostics(outcome: Outcome) -> JSONObject | None:
         return None
     if outcome.reason == "other":
         return {"cache_miss_reason": {"type": "unavailable"}}
-    kind = "evicted" if outcome.reason == "evicted" else f"{outcome.reason}_changed"
-    return {"cache_miss_reason": {"type": kind,
-                                  "cache_missed_input_tokens": outcome.missed_tokens}}
+    engine = outcome.reason in ENGINE_REASONS
+    kind = outcome.reason if engine else f"{outcome.reason}_changed"
+    return {"cache_miss_reason": {"type": kind, "cache_missed_input_tokens": outcome.missed_tokens,
+                                  **(outcome.detail or {})}}
 
 
 class MessagesRendering(Rendering):

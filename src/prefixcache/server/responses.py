@@ -20,7 +20,13 @@ from fastapi.responses import Response
 from prefixcache.engine.sampling_params import SamplingParams, StructuredOutputs
 from prefixcache.errors import InvalidParam
 from prefixcache.server import protocol
-from prefixcache.server.diagnostics import NOT_FOUND, Diagnosis, Outcome, Verdict
+from prefixcache.server.diagnostics import (
+    ENGINE_REASONS,
+    NOT_FOUND,
+    Diagnosis,
+    Outcome,
+    Verdict,
+)
 from prefixcache.server.errors import ApiError
 from prefixcache.server.job_runner import JobRunner
 from prefixcache.server.jobs import Job, PreparedJob, RenderOptions, Step
@@ -93,8 +99,9 @@ def _segments(body: ResponsesRequest) -> list[tuple[str, object]]:
 
 
 def openai_diagnostics(outcome: Outcome) -> JSONObject | None:
-    """OpenAI's ``prompt_cache_diagnostics`` (None: not asked for). ``evicted``: our reason
-    where the request changed nothing and the cache still served less."""
+    """OpenAI's ``prompt_cache_diagnostics`` (None: not asked for). The engine's own reasons
+    (`ENGINE_REASONS`) where the request changed nothing and the cache still served less, with
+    their detail beside the counts."""
     if outcome is None:
         return None
     if outcome == NOT_FOUND:
@@ -103,10 +110,10 @@ def openai_diagnostics(outcome: Outcome) -> JSONObject | None:
     if outcome.reason is None:
         return {"type": "cache_hit"}
     reason = {"messages": "input_changed"}.get(outcome.reason, outcome.reason)
-    if reason != "evicted":
+    if reason not in ENGINE_REASONS:
         reason = reason if reason.endswith("_changed") else f"{reason}_changed"
     return {"type": "cache_miss", "reason": reason, "cache_missed_tokens": outcome.missed_tokens,
-            "comparison_reusable_tokens": outcome.reusable_tokens}
+            "comparison_reusable_tokens": outcome.reusable_tokens, **(outcome.detail or {})}
 
 
 def _text_format(body: ResponsesRequest) -> StructuredOutputs | None:

@@ -86,8 +86,11 @@ class ServingContext:
         blocks = self.engine.cache_identity.block_digests(seq) if scope.use_cache else []
         fingerprint = Fingerprint.of(segments, messages, blocks, len(token_ids))
         reasons = self.metrics.miss_reasons
+        domain, engine = tenant.scheduling_domain, self.engine
         return Diagnosis(self.diagnoser, tenant.tenant_id, fingerprint, earlier_id,
-                         lambda reason: reasons.labels(reason=reason).inc())
+                         lambda reason: reasons.labels(reason=reason).inc(),
+                         lambda digest, since: engine.block_fate(digest, domain, since),
+                         use_cache=scope.use_cache)
 
     async def off_loop(self, fn: Callable[[A], T], arg: A) -> T:
         """Run ``fn(arg)`` (tokenizing, a chat template, a grammar) on a worker thread."""

@@ -38,6 +38,8 @@ class TierStats:
     evicted: int = 0  # entries removed to keep the capacity
     up: bool = True  # the storage answers (Valkey reachable; the disk writable)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # told the digest of each record that failed its checks when read (the cache's fates)
+    on_bad: Callable[[bytes], None] | None = field(default=None, repr=False, compare=False)
 
     def note_read(self, num_asked: int, num_found: int, num_bytes: int, seconds: float) -> None:
         """One batched read: ``num_found`` of ``num_asked`` blocks, from the first."""
@@ -48,8 +50,16 @@ class TierStats:
             self.misses += num_found < num_asked
             self.bytes_read += num_bytes
 
+    def note_bad(self, digest: bytes) -> None:
+        """A record of ``digest`` failed its checks when read: counted, and ``on_bad`` told."""
+        with self.lock:
+            self.quarantined += 1
+        if self.on_bad is not None:
+            self.on_bad(digest)
+
     def as_dict(self) -> dict[str, float | int | bool]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("lock", "on_bad")}
 
 
 class KVTier(Protocol):

@@ -197,7 +197,7 @@ class DiskTier:
                 payload = record.decode(data, self.identity_json, key)
             except BadRecord as exc:
                 self._forget(digest)
-                self._quarantine(path, str(exc))
+                self._quarantine(path, str(exc), digest)
                 break
             out.append(payload)
             with self._lock:
@@ -216,10 +216,14 @@ class DiskTier:
             if size is not None:
                 self._bytes -= size
 
-    def _quarantine(self, path: Path, why: str) -> None:
-        """Set a bad file aside (never served again), or delete it if that fails."""
-        with self.stats.lock:
-            self.stats.quarantined += 1
+    def _quarantine(self, path: Path, why: str, digest: bytes | None = None) -> None:
+        """Set a bad file aside (never served again), or delete it if that fails; ``digest``:
+        it was found bad when read."""
+        if digest is None:
+            with self.stats.lock:
+                self.stats.quarantined += 1
+        else:
+            self.stats.note_bad(digest)
         logger.warning("disk KV tier: a record failed its checks (%s); quarantined", why)
         try:
             self.quarantine_dir.mkdir(parents=True, exist_ok=True)

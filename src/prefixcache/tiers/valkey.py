@@ -165,8 +165,7 @@ class ValkeyTier:
                 out.append(record.decode(value, self.identity_json, key))
             except BadRecord as exc:
                 logger.warning("Valkey KV tier: a record failed its checks (%s); deleted", exc)
-                with self.stats.lock:
-                    self.stats.quarantined += 1
+                self.stats.note_bad(key.digest)
                 self.discard([key.digest])
                 break
         self.stats.note_read(len(keys), len(out), num_read, time.perf_counter() - start)
