@@ -159,6 +159,57 @@ def test_a_pinned_prefix_past_its_ttl_says_ttl_expired(server: RunningServer) ->
     assert reason.ttl_expired_seconds_ago >= reason.evicted_seconds_ago >= 0
 
 
+def test_a_prefix_whose_disk_copy_fails_its_checks_says_tier_verify_failed(
+    tmp_path: Path,
+) -> None:
+    running = start_server(["--model", "tiny", "--num-kv-blocks", "96", "--block-size", "8",
+                            "--kv-disk", str(tmp_path / "kv")])
+    try:
+        client = anthropic.Anthropic(base_url=running.base_url, api_key="none", max_retries=0)
+        system = "The disk keeps what the pool lets go, until a record goes bad. " * 3
+        first = ask(client, None, system=system)
+        assert running.engine.flush_tiers(30)
+        flood(client, "tier")
+        assert running.engine.flush_tiers(30)
+        for record in (tmp_path / "kv").rglob("*.kv"):  # every record on disk goes bad
+            data = bytearray(record.read_bytes())
+            data[-1] ^= 0xFF
+            record.write_bytes(bytes(data))
+        reason = ask(client, first.id, system=system).diagnostics.cache_miss_reason
+    finally:
+        running.stop()
+    assert reason.type == "tier_verify_failed" and reason.cache_missed_input_tokens > 0
+    assert reason.pressure == "same_tenant"
+
+
+def test_messages_and_the_warm_up_prewarm_without_output(server: RunningServer) -> None:
+    client = claude(server)
+    system = [{"type": "text", "text": "Prewarmed: the atlas room opens at nine. " * 3,
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    warm = client.messages.create(model="tiny", max_tokens=0, system=system, extra_body=GREEDY,
+                                  messages=[{"role": "user", "content": "When?"}])
+    assert warm.content == [] and warm.stop_reason == "max_tokens"
+    assert warm.usage.output_tokens == 0
+    assert warm.usage.cache_creation.ephemeral_1h_input_tokens > 0
+    with client.messages.stream(model="tiny", max_tokens=0, system=system, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": "When?"}]) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert "content_block_start" not in kinds and streamed.content == []
+    assert streamed.usage.cache_read_input_tokens >= warm.usage.cache_creation_input_tokens
+    hit = client.messages.create(model="tiny", max_tokens=2, system=system, extra_body=GREEDY,
+                                 messages=[{"role": "user", "content": "When?"}])
+    assert hit.usage.cache_read_input_tokens >= warm.usage.cache_creation_input_tokens
+    body = httpx.post(server.base_url + "/v1/cache/warm", timeout=60,
+                      headers={"Authorization": f"Bearer {ACME}"},
+                      json={"model": "tiny", "prompt": "A warm-up that writes blocks. " * 4}).json()
+    assert body["cache_write_tokens"] == body["prompt_tokens"] // 8 * 8 > 0
+    again = httpx.post(server.base_url + "/v1/cache/warm", timeout=60,
+                       headers={"Authorization": f"Bearer {ACME}"},
+                       json={"model": "tiny", "prompt": "A warm-up that writes blocks. " * 4}).json()
+    assert again["cache_write_tokens"] == 0 and again["cached_tokens"] > 0
+
+
 def test_a_tenant_without_a_cache_is_told_so(server: RunningServer) -> None:
     client = claude(server, "sk-hospital-example-key")
     first = ask(client, None)

@@ -37,9 +37,9 @@ class Pressure:
 @dataclass(frozen=True, slots=True)
 class Fate:
     """How a block left the cache: ``pressure`` (a `Pressure`), when (``at``, the record's
-    clock), and whether a pin held it until its TTL ran out (``pin_expired_at``) or until it
-    was released for another request (``pin_yielded``), and whether a lower tier's copy of it
-failed its checks when it was read back (``tier_failed``)."""
+    clock), whether a pin held it until its TTL ran out (``pin_expired_at``) or until it was
+    released for another request (``pin_yielded``), and whether a lower tier's copy of it
+    failed its checks when it was read back (``tier_failed``)."""
 
     pressure: str
     at: float

@@ -50,7 +50,7 @@ class ServingCache:
         if body.ttl is not None and ttl_s is None:
             raise ApiError(400, "ttl must be '5m', '1h', '24h' or seconds in (0, 86400]",
                            param="ttl")
-        options = RenderOptions()
+        options = RenderOptions(prefill_only=True)
         if ttl_s is not None:
             options.pins.append((len(token_ids) - 1, ttl_s))
         params = self.context.sampling_params(
@@ -143,8 +143,8 @@ def cache_router(serving: ServingCache, auth: Callable[[Request], Tenant]) -> AP
 
 
 class WarmRendering(Rendering):
-    """What a warm-up did: the prompt's tokens, those already cached, those pinned (in whole
-    blocks of ``block_size``)."""
+    """What a warm-up did: the prompt's tokens, those already cached, those it wrote to the
+    cache, those pinned (in whole blocks of ``block_size``)."""
 
     id_prefix = "warm"
 
@@ -156,7 +156,8 @@ class WarmRendering(Rendering):
         bs = self.block_size
         pinned = max((n // bs * bs for n, _ in job.options.pins), default=0)
         return {"object": "cache.warm", "prompt_tokens": len(prompt.token_ids),
-                "cached_tokens": prompt.num_cached, "pinned_tokens": pinned,
+                "cached_tokens": prompt.num_cached, "cache_write_tokens": prompt.num_written,
+                "pinned_tokens": pinned,
                 "ttl_s": max((t for _, t in job.options.pins), default=None)}
 
     async def stream(self, job: Job, outputs: AsyncIterator[Step]) -> AsyncIterator[str]:

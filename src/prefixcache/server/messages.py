@@ -10,6 +10,8 @@ stream (`MessagesRendering`): text and ``tool_use`` content blocks, ``stop_reaso
 ``cache_read_input_tokens`` (served from the prefix cache) and ``cache_creation_input_tokens``
 (written and pinned). Each ``cache_control`` breakpoint pins the prefix through its block for
 its TTL (`breakpoints`; `cache/pins.py`); the definitions are in ``docs/prompt-caching.md``.
+``max_tokens: 0`` is a prewarm: the prompt is computed and cached (and its breakpoints pinned),
+the message has no content.
 Errors on these routes use Anthropic's shape (`errors.install_error_handlers`).
 """
 
@@ -66,11 +68,14 @@ class AnthropicServingMessages:
     async def create_message(
         self, body: MessagesRequest, tenant: Tenant, http: Request
     ) -> Response:
-        if body.max_tokens < 1:
-            raise ApiError(400, "max_tokens must be >= 1", param="max_tokens")
+        if body.max_tokens < 0:
+            raise ApiError(400, "max_tokens must be >= 0 (0: a prewarm, the prompt cached and "
+                           "nothing generated)", param="max_tokens")
+        prewarm = body.max_tokens == 0
         breaks = breakpoints(body)
-        chat = chat_body_of(body)
+        chat = chat_body_of(body.model_copy(update={"max_tokens": 1}) if prewarm else body)
         prepared = await self.chat.prepare(chat)
+        prepared.options.prefill_only = prewarm
         token_ids = prepared.prompts[0][0]
         bs = self.context.block_size
         for truncated, ttl_s in breaks:
@@ -244,6 +249,8 @@ class MessagesRendering(Rendering):
                 "output_tokens": num_output}
 
     def _blocks(self, job: Job, choice: Choice) -> tuple[list[JSONObject], str]:
+        if job.options.prefill_only:  # a prewarm: the prompt is cached, nothing is said
+            return [], "max_tokens"
         text: str | None = choice.text
         calls: list[JSONObject] = []
         if job.options.tools:
@@ -282,7 +289,7 @@ class MessagesRendering(Rendering):
         whole usage) and message_stop, as Anthropic sends them. With tools the answer is parsed
         whole, so its blocks come at the end."""
         choice = job.prompts[0].choices[0]  # a message has one
-        live = not job.options.tools
+        live = not (job.options.tools or job.options.prefill_only)
         opened = False
         started = False
         try:
