@@ -200,13 +200,14 @@ def test_messages_and_the_warm_up_prewarm_without_output(server: RunningServer) 
     hit = client.messages.create(model="tiny", max_tokens=2, system=system, extra_body=GREEDY,
                                  messages=[{"role": "user", "content": "When?"}])
     assert hit.usage.cache_read_input_tokens >= warm.usage.cache_creation_input_tokens
-    body = httpx.post(server.base_url + "/v1/cache/warm", timeout=60,
-                      headers={"Authorization": f"Bearer {ACME}"},
-                      json={"model": "tiny", "prompt": "A warm-up that writes blocks. " * 4}).json()
+    def warm_up() -> dict:
+        return httpx.post(server.base_url + "/v1/cache/warm", timeout=60,
+                          headers={"Authorization": f"Bearer {ACME}"},
+                          json={"model": "tiny", "prompt": "A warm-up writes blocks. " * 4}).json()
+
+    body = warm_up()
     assert body["cache_write_tokens"] == body["prompt_tokens"] // 8 * 8 > 0
-    again = httpx.post(server.base_url + "/v1/cache/warm", timeout=60,
-                       headers={"Authorization": f"Bearer {ACME}"},
-                       json={"model": "tiny", "prompt": "A warm-up that writes blocks. " * 4}).json()
+    again = warm_up()
     assert again["cache_write_tokens"] == 0 and again["cached_tokens"] > 0
 
 

@@ -210,7 +210,7 @@ class PrefixCache:
                                             self.config.events_with_tokens))
         if end > start and notify:
             for observer in self.observers:
-                observer.on_commit(seq, start, end, list(table.block_ids))
+                observer.on_commit(seq, start, end, table.block_ids[start:end])
 
     # -- free, fork, reset ----------------------------------------------------------------------
 

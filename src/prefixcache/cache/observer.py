@@ -19,7 +19,9 @@ class CacheObserver(Protocol):
         """``seq`` was admitted with ``hit``; ``block_ids`` is its new block table."""
 
     def on_commit(self, seq: Sequence, start: int, end: int, block_ids: list[int]) -> None:
-        """Blocks ``start..end-1`` of ``seq`` (table ``block_ids``) are full and computed."""
+        """Blocks ``start..end-1`` of ``seq`` (``block_ids``: theirs, in order) are full and
+        computed. Told what the chunk committed, never the whole table: a long prompt's
+        commits cost its chunks, not its length each time."""
 
     def on_free(self, seq: Sequence, num_blocks: int) -> None:
         """``seq`` let go of its ``num_blocks`` blocks."""

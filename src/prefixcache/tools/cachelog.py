@@ -140,12 +140,10 @@ class CacheDecisionLog:
         if not logger.isEnabledFor(logging.DEBUG):
             return
         root, digests = self._chain(seq)
-        for index in range(start, min(end, len(digests), len(block_ids))):
+        for index in range(start, min(end, len(digests), start + len(block_ids))):
+            block_id = block_ids[index - start]
             fields = self._block_fields(root, digests, index)
-            fields.update(
-                event="commit", block_id=block_ids[index],
-                ref_cnt=self._ref_count(block_ids[index]),
-            )  # fmt: skip
+            fields.update(event="commit", block_id=block_id, ref_cnt=self._ref_count(block_id))
             logger.debug("block committed", extra=fields)
 
     def on_free(self, seq: Sequence, num_blocks: int) -> None:
