@@ -160,6 +160,33 @@ def test_the_data_agrees_with_metrics_under_load_and_equals_them_at_rest(server)
     assert acme["requests"] == metrics["prefixcache:time_to_first_token_seconds_count"]
 
 
+def test_diagnosed_misses_are_shown_by_reason_per_tenant(server) -> None:
+    def chat(system: str, previous: str | None) -> str:
+        body = {"model": "tiny", "max_tokens": 2, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "Diagnose me"}]}
+        if previous is not None:
+            body["prompt_cache_options"] = {"comparison_response_id": previous}
+        reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json=body,
+                           headers={"Authorization": f"Bearer {ACME}"})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["id"]
+
+    before = next((d["miss_reasons"] for d in _data(server)["domains"]
+                   if d["domain"] == "tenant:acme"), {})
+    first = chat(SYSTEM, None)
+    chat("A different system prompt. " + SYSTEM, first)  # the messages changed
+    chat(SYSTEM, "chatcmpl-never-issued")  # not_found
+    acme = next(d for d in _data(server)["domains"] if d["domain"] == "tenant:acme")
+    counts = acme["miss_reasons"]
+    assert counts["messages_changed"] == before.get("messages_changed", 0) + 1
+    assert counts["not_found"] == before.get("not_found", 0) + 1
+    metrics = _metrics(server)
+    total = sum(v for k, v in metrics.items()
+                if k.startswith("prefixcache:prefix_cache_miss_reasons"))
+    assert total >= 2
+    assert "Diagnose me" not in httpx.get(server.base_url + "/dashboard/data", headers=ADMIN).text
+
+
 def test_the_tree_shows_the_shared_prefix_by_digest_never_text(server) -> None:
     for i in range(3):
         _ask(server, 5000 + i)

@@ -111,7 +111,8 @@ def test_an_evicted_prefix_is_named_with_its_pressure_and_counted(server: Runnin
     assert reason.pressure == "same_tenant" and 0 <= reason.evicted_seconds_ago < 120
     metrics = httpx.get(server.base_url + "/metrics", timeout=30,
                         headers={"Authorization": "Bearer sk-ops-admin-example-key"}).text
-    assert 'prefixcache:prefix_cache_miss_reasons_total{reason="evicted"}' in metrics
+    assert 'prefixcache:prefix_cache_miss_reasons_total{domain="tenant:acme",reason="evicted"}' \
+        in metrics
 
 
 def test_block_fates_tell_the_pressure_in_the_callers_terms_only() -> None:

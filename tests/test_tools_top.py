@@ -24,9 +24,10 @@ SYSTEM = "The terminal view's shared system prompt, several blocks long. " * 4
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     running = start_server(["--model", "tiny"])
-    for i in range(3):
+    for i in range(3):  # the last two compared with an id never issued: diagnosed not_found
+        options = {"prompt_cache_options": {"comparison_response_id": "chatcmpl-x"}} if i else {}
         reply = httpx.post(running.base_url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "max_tokens": 2, "messages": [
+            "model": "tiny", "max_tokens": 2, **options, "messages": [
                 {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Q{i}"}]})
         assert reply.status_code == 200
     yield running
@@ -46,6 +47,7 @@ def test_once_prints_the_dashboards_numbers(server) -> None:
     assert f"{data['counters']['prefix_cache_hits']:,}" in out.stdout
     assert "hit ratio" in out.stdout and "tenant:default" in out.stdout
     assert data["tree"][0]["digest"] in out.stdout and "full-hit" in out.stdout
+    assert "misses by reason" in out.stdout and "not_found 2" in out.stdout
     assert "terminal view" not in out.stdout  # digests, never text
 
 

@@ -180,6 +180,17 @@ NOT_FOUND = "not_found"  # the earlier id names no fingerprint of this scope
 Outcome = Verdict | str | None  # a verdict, NOT_FOUND, or None: nothing to compare with
 
 
+def reason_label(outcome: Verdict | str) -> str:
+    """An outcome as metrics count it: ``none`` (no miss), ``not_found``, an engine reason, or
+    ``<segment>_changed`` (``messages_changed``: the prompt's messages or input)."""
+    if isinstance(outcome, str):
+        return outcome
+    reason = outcome.reason
+    if reason is None:
+        return "none"
+    return reason if reason in ENGINE_REASONS else f"{reason}_changed"
+
+
 class Diagnosis:
     """One request's diagnostics: its ``fingerprint``, compared with the one ``earlier_id``
     left (None: nothing to compare, the request only opts in) once its prefill is done, and
@@ -210,7 +221,7 @@ class Diagnosis:
         diagnoser = self.diagnoser
         if self.earlier_id is not None:
             outcome = self._outcome = self._compare(self.earlier_id, num_cached)
-            self.on_reason(outcome if isinstance(outcome, str) else outcome.reason or "none")
+            self.on_reason(reason_label(outcome))
         diagnoser.remember(self.scope, response_id, self.fingerprint)
         return self._outcome
 

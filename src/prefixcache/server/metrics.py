@@ -93,7 +93,8 @@ class ServerMetrics:
                                       ("finished_reason",))
         self.miss_reasons = self._counter(
             "prefix_cache_miss_reasons", "Diagnosed requests by why the cache missed them "
-            "(none: it did not; not_found: the earlier request is unknown).", ("reason",))
+            "(none: it did not; not_found: the earlier request is unknown), per domain.",
+            ("domain", "reason"))
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time to first token, server side.",
             ["domain", "cache"], buckets=_TTFT_BUCKETS, registry=self.registry,
@@ -164,6 +165,20 @@ class ServerMetrics:
         return {"prompt_tokens": _total(self.prompt_tokens),
                 "generation_tokens": _total(self.generation_tokens),
                 "requests_finished": _total(self.requests)}
+
+    def count_miss_reason(self, domain: str, reason: str) -> None:
+        """One diagnosed request of isolation ``domain`` missed for ``reason``."""
+        self.miss_reasons.labels(domain=self.domain_label(domain), reason=reason).inc()
+
+    def miss_reasons_by_domain(self) -> dict[str, dict[str, int]]:
+        """Diagnosed requests per domain label and reason, as ``/metrics`` counts them."""
+        out: dict[str, dict[str, int]] = {}
+        for metric in self.miss_reasons.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    by_reason = out.setdefault(sample.labels["domain"], {})
+                    by_reason[sample.labels["reason"]] = int(sample.value)
+        return out
 
     def ttft_quantiles(self, label: str) -> tuple[float | None, float | None, int]:
         """p50 and p99 time to first token of the domain labelled ``label`` (hits and misses),

@@ -85,10 +85,10 @@ class ServingContext:
         seq = CacheSequence("diagnosis", token_ids, scope.salt, use_cache=scope.use_cache)
         blocks = self.engine.cache_identity.block_digests(seq) if scope.use_cache else []
         fingerprint = Fingerprint.of(segments, messages, blocks, len(token_ids))
-        reasons = self.metrics.miss_reasons
+        metrics, isolation = self.metrics, tenant.isolation_domain
         domain, engine = tenant.scheduling_domain, self.engine
         return Diagnosis(self.diagnoser, tenant.tenant_id, fingerprint, earlier_id,
-                         lambda reason: reasons.labels(reason=reason).inc(),
+                         lambda reason: metrics.count_miss_reason(isolation, reason),
                          lambda digest, since: engine.block_fate(digest, domain, since),
                          use_cache=scope.use_cache)
 

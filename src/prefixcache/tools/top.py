@@ -3,7 +3,8 @@
 Reads the server's ``GET /dashboard/data`` (the same document the browser page polls, behind the
 same admin or metrics key) every ``--interval`` seconds and draws it with rich: the KV pool's
 occupancy, hit ratio in tokens (overall and over the last interval), prefill tokens saved,
-evictions and preemptions per second, queue and batch, per-domain hit ratio and TTFT, the most
+evictions and preemptions per second, queue and batch, per-domain hit ratio, TTFT and diagnosed
+misses by reason (counts, never text), the most
 shared prefixes (digests) and the last admissions' first-miss reasons. Works over SSH; ``--once``
 prints one frame and exits (for scripts and logs). Ctrl-C quits.
 """
@@ -138,13 +139,21 @@ def _domains(data: dict[str, Any]) -> Table:
     from rich.table import Table
 
     domains = Table(title="isolation domains", title_justify="left", expand=False)
-    for column in ("domain", "hit ratio", "queried", "TTFT p50", "TTFT p99", "requests"):
+    for column in ("domain", "hit ratio", "queried", "TTFT p50", "TTFT p99", "requests",
+                   "misses by reason"):
         domains.add_column(column)
     for d in data["domains"]:
         domains.add_row(d["domain"] or "(single tenant)", f"{d['hit_ratio']:.1%}",
                         f"{d['queried_tokens']:,}", _secs(d["ttft_p50_s"]),
-                        _secs(d["ttft_p99_s"]), str(d["requests"]))
+                        _secs(d["ttft_p99_s"]), str(d["requests"]),
+                        _reasons(d.get("miss_reasons", {})))
     return domains
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    """Diagnosed misses by reason, most first (``none``: diagnosed hits, left out)."""
+    misses = sorted(((n, r) for r, n in counts.items() if r != "none" and n), reverse=True)
+    return " ".join(f"{r} {n}" for n, r in misses) or "-"
 
 
 def _shared_prefixes(data: dict[str, Any]) -> Tree:

@@ -190,11 +190,13 @@ def dashboard_data(
     cached_free = snap.num_cached_free_blocks
     counters = metrics.counter_values()
     domains = []
+    reasons = metrics.miss_reasons_by_domain()
     for label, (queried, hit) in sorted(view.domain_tokens().items()):
         p50, p99, n = metrics.ttft_quantiles(label)
         domains.append({"domain": label, "queried_tokens": queried, "hit_tokens": hit,
                         "hit_ratio": hit / queried if queried else 0.0,
-                        "ttft_p50_s": p50, "ttft_p99_s": p99, "requests": n})
+                        "ttft_p50_s": p50, "ttft_p99_s": p99, "requests": n,
+                        "miss_reasons": reasons.get(label, {})})
     return {
         "time": time.time(), "model": model, "step": snap.num_steps, "block_size": block_size,
         "pool": {"blocks": snap.num_blocks, "used": snap.num_blocks - num_free,

@@ -94,9 +94,17 @@ function rows(tableId, items, cells) {
   }));
 }
 
+// diagnosed misses by reason, most first ("none": diagnosed hits, left out)
+function reasons(counts) {
+  const misses = Object.entries(counts).filter(([r, n]) => r !== "none" && n > 0);
+  misses.sort((a, b) => b[1] - a[1]);
+  return misses.map(([r, n]) => `${r} ${fmt(n)}`).join(" ") || "–";
+}
+
 function tables(d) {
   rows("domains", d.domains, (x) => [x.domain || "(single tenant)", pct(x.hit_ratio),
-    fmt(x.queried_tokens), secs(x.ttft_p50_s), secs(x.ttft_p99_s), fmt(x.requests)]);
+    fmt(x.queried_tokens), secs(x.ttft_p50_s), secs(x.ttft_p99_s), fmt(x.requests),
+    reasons(x.miss_reasons || {})]);
   rows("recent", d.recent.slice(0, 15), (x) => [new Date(x.t * 1000).toLocaleTimeString(), x.domain || "–",
     fmt(x.prompt_tokens), fmt(x.cached_tokens), fmt(x.first_miss_block), x.reason]);
   const replicas = d.cluster ? d.cluster.replicas : [];
