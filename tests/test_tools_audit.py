@@ -74,6 +74,9 @@ def test_audit_against_our_server(tmp_path: Path, capsys: pytest.CaptureFixture[
     # runs by design; 1e-3 keeps the test honest (the full run in docs/ reports the figure).
     assert report["cross_key"]["p_value"] > 1e-3, out
     assert report["leaked_cached_tokens"] == 0
+    # the diagnostics answer another key's id exactly as an id never issued
+    assert report["diagnostics_bodies"] == ['{"type": "comparison_response_not_found"}'], out
+    assert report["diagnostics"]["p_value"] > 1e-3, out
     assert max(report["cross_key"]["hit_cached_tokens"]) == 0
     assert "ISOLATED" in report["verdict"] and "verdict: ISOLATED" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

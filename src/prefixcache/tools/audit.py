@@ -15,6 +15,12 @@ runs twice: same key (V = A, the positive control: it must detect the cache, or 
 blind) and cross key (V != A: isolation holds when it detects nothing). It also reports every
 ``cached_tokens`` the server returned to the attacker across keys, which must be 0.
 
+A third test asks whether the cache diagnostics are an oracle: the attacker names, as the earlier
+request to compare with (``prompt_cache_options.comparison_response_id``), either the id the
+victim's chat completion just got or an id never issued, of the same shape. Both must be answered
+alike: the same ``prompt_cache_diagnostics`` body every time, and request times that a two-sided
+KS test cannot tell apart.
+
 This module is an HTTP client of the OpenAI-compatible API; it knows nothing of the server's code.
 """
 
@@ -107,17 +113,21 @@ class AuditReport:
     cross_key: TestResult
     leaked_cached_tokens: int
     prompt_tokens_measured: int
+    diagnostics: TestResult | None = None  # "hit": the victim's id, "miss": one never issued
+    diagnostics_bodies: list[str] = field(default_factory=list)  # each distinct answer
     verdict: str = ""
     isolated: bool = True
     control_detects_cache: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"config": self.config}
-        for test in (self.same_key, self.cross_key):
+        tests = (self.same_key, self.cross_key, *([self.diagnostics] if self.diagnostics else []))
+        for test in tests:
             entry = asdict(test)
             entry.update(median_hit_s=test.median_hit_s, median_miss_s=test.median_miss_s)
             out[test.name] = entry
         out.update(
+            diagnostics_bodies=self.diagnostics_bodies,
             leaked_cached_tokens=self.leaked_cached_tokens,
             prompt_tokens_measured=self.prompt_tokens_measured,
             control_detects_cache=self.control_detects_cache,
@@ -139,6 +149,14 @@ def ks_test(hit: list[float], miss: list[float]) -> tuple[float, float]:
     from scipy.stats import ks_2samp  # type: ignore[import-untyped]
 
     result = ks_2samp(hit, miss, alternative="greater")
+    return float(result.statistic), float(result.pvalue)
+
+
+def ks_two_sided(one: list[float], other: list[float]) -> tuple[float, float]:
+    """Two-sample KS, either direction: do the samples come from one distribution?"""
+    from scipy.stats import ks_2samp
+
+    result = ks_2samp(one, other)
     return float(result.statistic), float(result.pvalue)
 
 
@@ -226,6 +244,22 @@ class Client:
             raise CliError("the stream ended without a token")
         return Measurement(ttft, cached)
 
+    def chat(self, key: str, prompt: str, comparison_id: str | None = None,
+             ) -> tuple[str, float, str]:  # fmt: skip
+        """One chat completion (``max_tokens = 1``) compared with ``comparison_id``: its id,
+        the request's time, and its ``prompt_cache_diagnostics`` as canonical JSON."""
+        body: dict[str, Any] = {"model": self.model, "max_tokens": 1, "temperature": 0.0,
+                                "messages": [{"role": "user", "content": prompt}]}
+        if comparison_id is not None:
+            body["prompt_cache_options"] = {"comparison_response_id": comparison_id}
+        start = time.perf_counter()
+        response = self._checked(
+            self.http.post("/v1/chat/completions", json=body, headers=self._auth(key)))
+        seconds = time.perf_counter() - start
+        reply = response.json()
+        diagnostics = json.dumps(reply.get("prompt_cache_diagnostics"), sort_keys=True)
+        return str(reply.get("id", "")), seconds, diagnostics
+
     def close(self) -> None:
         self.http.close()
 
@@ -283,6 +317,26 @@ def _run_test(
     return result
 
 
+def _run_diagnostics_test(client: Client, maker: PromptMaker, config: AuditConfig,
+                          rng: random.Random) -> tuple[TestResult, list[str]]:  # fmt: skip
+    """The attacker compares with the victim's fresh id ("hit") or an id never issued of the
+    same shape ("miss"): request times, and every distinct diagnostics body."""
+    kinds = ["hit"] * config.samples + ["miss"] * config.samples
+    rng.shuffle(kinds)
+    result, bodies = TestResult("diagnostics"), set()
+    length = min(config.prompt_tokens, 256)  # the comparison, not the prefill, is measured
+    for kind in kinds:
+        victim_id, _, _ = client.chat(config.key_a, maker.text(length))
+        head, _, tail = victim_id.rpartition("-")
+        unknown = f"{head}-" + "".join(rng.choices("0123456789abcdef", k=len(tail) or 32))
+        _, seconds, body = client.chat(config.key_b, maker.text(length),
+                                       victim_id if kind == "hit" else unknown)
+        result.add(kind, Measurement(seconds, -1))
+        bodies.add(body)
+    result.ks_statistic, result.p_value = ks_two_sided(result.hit_ttft_s, result.miss_ttft_s)
+    return result, sorted(bodies)
+
+
 def run_audit(config: AuditConfig, progress: bool = False) -> AuditReport:
     """Warm up, calibrate, then the same-key and cross-key tests, in random order."""
     rng = random.Random(config.seed)
@@ -298,9 +352,16 @@ def run_audit(config: AuditConfig, progress: bool = False) -> AuditReport:
             if progress:
                 print(f"audit: {name} test, {2 * config.samples} procedures ...", flush=True)
             results[name] = _run_test(client, maker, config, name, attacker, rng)
+        if progress:
+            print(f"audit: diagnostics test, {2 * config.samples} procedures ...", flush=True)
+        diagnostics, bodies = _run_diagnostics_test(client, maker, config, rng)
     finally:
         client.close()
-    return _report(config, results["same_key"], results["cross_key"], measured)
+    report = _report(config, results["same_key"], results["cross_key"], measured)
+    report.diagnostics, report.diagnostics_bodies = diagnostics, bodies
+    report.isolated = report.isolated and diagnostics.p_value >= config.alpha and len(bodies) == 1
+    report.verdict = _verdict(report, config.alpha)
+    return report
 
 
 def _report(config: AuditConfig, same: TestResult, cross: TestResult, measured: int) -> AuditReport:
@@ -315,7 +376,14 @@ def _report(config: AuditConfig, same: TestResult, cross: TestResult, measured: 
 
 def _verdict(report: AuditReport, alpha: float) -> str:
     if not report.isolated:
-        why = "cached_tokens leaked" if report.leaked_cached_tokens else f"p < {alpha:g}"
+        if report.leaked_cached_tokens:
+            why = "cached_tokens leaked"
+        elif len(report.diagnostics_bodies) > 1:
+            why = "diagnostics answer another key's id unlike an unknown one"
+        elif report.diagnostics is not None and report.diagnostics.p_value < alpha:
+            why = f"diagnostics timing p < {alpha:g}"
+        else:
+            why = f"p < {alpha:g}"
         return f"CACHE SHARED ACROSS KEYS ({why})"
     if not report.control_detects_cache:
         return "INCONCLUSIVE: the same-key control does not detect the cache (longer prompts?)"
@@ -333,6 +401,13 @@ def format_report(report: AuditReport) -> list[str]:
             f"{test.median_miss_s * 1e3:8.2f} ms, KS D={test.ks_statistic:.3f} "
             f"p={test.p_value:.3g}"
         )
+    if report.diagnostics is not None:
+        test = report.diagnostics
+        lines.append(
+            f"  diagnostics: another key's id vs an unknown id, median time "
+            f"{test.median_hit_s * 1e3:.2f} vs {test.median_miss_s * 1e3:.2f} ms, KS "
+            f"(two-sided) D={test.ks_statistic:.3f} p={test.p_value:.3g}, "
+            f"{len(report.diagnostics_bodies)} distinct answer(s)")
     lines.append(f"  cached_tokens leaked across keys: {report.leaked_cached_tokens}")
     lines.append(f"verdict: {report.verdict}")
     return lines
