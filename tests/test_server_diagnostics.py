@@ -212,6 +212,44 @@ def test_messages_and_the_warm_up_prewarm_without_output(server: RunningServer) 
     assert again["cache_write_tokens"] == 0 and again["cached_tokens"] > 0
 
 
+def test_fingerprints_outlive_a_restart_beside_the_tier_and_name_a_dtype_change(
+    tmp_path: Path,
+) -> None:
+    def serve(dtype: str) -> RunningServer:
+        return start_server(["--model", "tiny", "--block-size", "8", "--dtype", dtype,
+                             "--kv-disk", str(tmp_path / "kv")])
+
+    def respond(running: RunningServer, earlier: str | None) -> openai.types.responses.Response:
+        client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="none", max_retries=0)
+        options = {"comparison_response_id": earlier} if earlier else None
+        return client.responses.create(model="tiny", instructions=SYSTEM, input="Restarted?",
+                                       max_output_tokens=2, prompt_cache_options=options,
+                                       **GREEDY)
+
+    running = serve("float32")
+    try:
+        first = respond(running, None)
+    finally:
+        running.stop()  # the fingerprints are flushed to DIR/diagnostics at shutdown
+    running = serve("float32")
+    try:  # a restart on the same weights: the disk tier serves the prefix again
+        again = respond(running, first.id)
+    finally:
+        running.stop()
+    assert again.prompt_cache_diagnostics.type == "cache_hit"
+    assert again.usage.input_tokens_details.cached_tokens > 0
+    running = serve("bfloat16")
+    try:
+        moved = respond(running, first.id)
+    finally:
+        running.stop()
+    miss = moved.prompt_cache_diagnostics
+    assert miss.type == "cache_miss" and miss.reason == "dtype_or_weights_changed"
+    assert miss.cache_missed_tokens > 0
+    assert "Restarted" not in "".join(p.read_text(errors="replace")
+                                      for p in (tmp_path / "kv" / "diagnostics").iterdir())
+
+
 def test_a_tenant_without_a_cache_is_told_so(server: RunningServer) -> None:
     client = claude(server, "sk-hospital-example-key")
     first = ask(client, None)

@@ -22,6 +22,8 @@ from prefixcache.server.async_engine import AsyncEngine
 from prefixcache.server.cache_api import ServingCache, cache_router
 from prefixcache.server.chat import OpenAIServingChat, chat_router
 from prefixcache.server.completions import OpenAIServingCompletion, completion_router
+from prefixcache.server.diagnostics import DEFAULT_MAX_ENTRIES
+from prefixcache.server.diagnostics_store import open_store
 from prefixcache.server.errors import ApiError, install_error_handlers
 from prefixcache.server.job_runner import JobRunner
 from prefixcache.server.limits import BodyLimit
@@ -69,12 +71,14 @@ def create_app(
     per_domain = None if tenants.trusted else max(1, max_pending // 2)
     async_engine = AsyncEngine(engine, max_pending=max_pending, metrics=metrics,
                                log_interval_s=log_interval_s, max_pending_per_domain=per_domain)
+    store = open_store(engine.engine_config.tiers, DEFAULT_MAX_ENTRIES)
     context = ServingContext(async_engine, tenants, metrics, ServingOptions(
-        model_name, default_max_tokens, trust_content_markers, strict_api))
-    app = FastAPI(title="prefixcache", lifespan=_lifespan(engine, async_engine),
+        model_name, default_max_tokens, trust_content_markers, strict_api), store)
+    app = FastAPI(title="prefixcache", lifespan=_lifespan(engine, async_engine, context),
                   generate_unique_id_function=operation_id)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.tier_stats = engine.tier_stats  # thread safe: a cluster replica's routing costs
     install_error_handlers(app)
     _add_routes(app, context, metrics_key)
     install_openapi(app, model_name)
@@ -96,10 +100,10 @@ def _metrics(
 
 
 def _lifespan(
-    engine: LLMEngine, async_engine: AsyncEngine
+    engine: LLMEngine, async_engine: AsyncEngine, context: ServingContext
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """Starting the app starts the engine thread; stopping it stops the thread and flushes what
-    the write-behind queued to the tiers."""
+    the write-behind queued to the tiers, and the diagnostics' fingerprints to their store."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -109,6 +113,7 @@ def _lifespan(
         finally:
             async_engine.stop()
             engine.flush_tiers()
+            context.diagnoser.close()
 
     return lifespan
 

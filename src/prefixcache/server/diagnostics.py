@@ -26,8 +26,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from prefixcache.server.diagnostics_store import FingerprintStore, store_key
 
 if TYPE_CHECKING:
     from prefixcache.cache.fates import Fate
@@ -68,6 +71,25 @@ class Fingerprint:
                    tuple(segment_digest(m) for m in messages),
                    tuple(d[:_BLOCK_DIGEST_BYTES] for d in block_digests), num_tokens)
 
+    def to_bytes(self, made_at_wall: float) -> bytes:
+        """The fingerprint (made at ``made_at_wall``, `time.time`) as stored: hex digests."""
+        return json.dumps({"t": made_at_wall, "n": self.num_tokens,
+                           "s": [[name, d.hex()] for name, d in self.segments],
+                           "m": [d.hex() for d in self.messages],
+                           "b": [d.hex() for d in self.blocks]}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> tuple[float, Fingerprint] | None:
+        """(made at, the fingerprint) of `to_bytes`' output; None for anything else."""
+        try:
+            v = json.loads(data)
+            return float(v["t"]), cls(
+                tuple((str(name), bytes.fromhex(d)) for name, d in v["s"]),
+                tuple(bytes.fromhex(d) for d in v["m"]),
+                tuple(bytes.fromhex(d) for d in v["b"]), int(v["n"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
 
 ENGINE_REASONS = ("evicted", "ttl_expired", "below_block", "tier_verify_failed",
                   "cache_disabled_for_tenant")  # beyond the vendors' segment reasons
@@ -93,16 +115,22 @@ class Verdict:
 class Diagnoser:
     """The fingerprints of recent requests, per scope, at most ``max_entries`` (the oldest go
     first) and each for ``ttl_s`` seconds; thread safe. ``now`` stamps each with the fates'
-    clock (`prefixcache.cache.fates`), to ask what became of its blocks since."""
+    clock (`prefixcache.cache.fates`), to ask what became of its blocks since. With a
+    ``store`` (`prefixcache.server.diagnostics_store`) each is also written there, written
+    behind on a thread of its own, and read back when memory does not hold it (another
+    replica's, or the process restarted)."""
 
     def __init__(self, block_size: int, max_entries: int = DEFAULT_MAX_ENTRIES,
                  ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic,
-                 now: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 now: Callable[[], float] = time.monotonic,
+                 store: FingerprintStore | None = None) -> None:  # fmt: skip
         self.block_size = block_size
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self.clock = clock
         self.now = now
+        self.store = store
+        self._writer = ThreadPoolExecutor(1, "diagnostics-store") if store is not None else None
         self._entries: OrderedDict[tuple[str, str], tuple[float, float, Fingerprint]] = (
             OrderedDict())
         self._lock = threading.Lock()
@@ -112,24 +140,46 @@ class Diagnoser:
 
     def remember(self, scope: str, response_id: str, fingerprint: Fingerprint) -> None:
         with self._lock:
-            entry = (self.clock() + self.ttl_s, self.now(), fingerprint)
-            self._entries[(scope, response_id)] = entry
-            self._entries.move_to_end((scope, response_id))
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self._keep(scope, response_id, self.now(), fingerprint)
+        if self.store is not None and self._writer is not None:
+            self._writer.submit(self.store.put, store_key(scope, response_id),
+                                fingerprint.to_bytes(time.time()), self.ttl_s)
+
+    def _keep(self, scope: str, response_id: str, made_at: float, fingerprint: Fingerprint,
+              ) -> None:  # fmt: skip
+        self._entries[(scope, response_id)] = (self.clock() + self.ttl_s, made_at, fingerprint)
+        self._entries.move_to_end((scope, response_id))
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
 
     def find(self, scope: str, response_id: str) -> tuple[float, Fingerprint] | None:
         """The fingerprint ``scope`` left under ``response_id``, with when (``now``'s clock);
         None: never, expired, evicted from the store, or another scope's."""
         with self._lock:
             entry = self._entries.get((scope, response_id))
-            if entry is None:
-                return None
-            expires_at, made_at, fingerprint = entry
-            if expires_at <= self.clock():
+            if entry is not None:
+                expires_at, made_at, fingerprint = entry
+                if expires_at > self.clock():
+                    return made_at, fingerprint
                 del self._entries[(scope, response_id)]
-                return None
-            return made_at, fingerprint
+        return self._stored(scope, response_id)
+
+    def _stored(self, scope: str, response_id: str) -> tuple[float, Fingerprint] | None:
+        """The fingerprint from the store (another replica's, or before a restart)."""
+        data = self.store.get(store_key(scope, response_id)) if self.store is not None else None
+        found = Fingerprint.from_bytes(data) if data is not None else None
+        if found is None:
+            return None
+        made_wall, fingerprint = found
+        made_at = self.now() - max(0.0, time.time() - made_wall)  # on the fates' clock
+        with self._lock:
+            self._keep(scope, response_id, made_at, fingerprint)
+        return made_at, fingerprint
+
+    def close(self) -> None:
+        """Finish the store's pending writes."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
     def compare(self, earlier: Fingerprint, now: Fingerprint, num_cached: int,
                 fate_of: FateOf | None = None, since: float = 0.0) -> Verdict:  # fmt: skip

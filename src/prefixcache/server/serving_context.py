@@ -25,6 +25,7 @@ from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.errors import InvalidParam
 from prefixcache.server.async_engine import AsyncEngine
 from prefixcache.server.diagnostics import Diagnoser, Diagnosis, Fingerprint
+from prefixcache.server.diagnostics_store import FingerprintStore
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Prompts
 from prefixcache.server.logprobs import TokenText
@@ -57,7 +58,7 @@ class ServingContext:
 
     def __init__(
         self, engine: AsyncEngine, tenants: TenantRegistry, metrics: ServerMetrics,
-        options: ServingOptions,
+        options: ServingOptions, diagnostics_store: FingerprintStore | None = None,
     ) -> None:
         self.engine = engine
         self.inputs = engine.inputs
@@ -72,7 +73,9 @@ class ServingContext:
         self.options = options
         self.model_name = options.model_name
         self.token_text = TokenText(self.tokenizer)
-        self.diagnoser = Diagnoser(self.block_size)  # why a request missed: per tenant
+        # why a request missed: per tenant, kept beside the lower tier where there is one
+        self.diagnoser = Diagnoser(self.block_size, store=diagnostics_store)
+        self.model_identity = engine.cache_identity.model_id  # weights, dtype: what KV means
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     def diagnosis(
@@ -80,7 +83,9 @@ class ServingContext:
         segments: Sequence[tuple[str, object]], messages: Sequence[object], earlier_id: str | None,
     ) -> Diagnosis:  # fmt: skip
         """``tenant``'s request as diagnostics compare it: its ``segments`` (in the order a
-        change is reported), ``messages``, and its prompt's blocks as its cache names them."""
+        change is reported; the model's weights and dtype right after its name), ``messages``,
+        and its prompt's blocks as its cache names them."""
+        segments = [*segments[:1], ("dtype_or_weights", self.model_identity), *segments[1:]]
         scope = self.tenants.scope(tenant, cache_salt)
         seq = CacheSequence("diagnosis", token_ids, scope.salt, use_cache=scope.use_cache)
         blocks = self.engine.cache_identity.block_digests(seq) if scope.use_cache else []
