@@ -197,7 +197,7 @@ class ValkeyTier:
                 pipe.sadd(domain_key, key.digest.hex())
                 if self.ttl_s is not None:
                     pipe.expire(domain_key, self.ttl_s)
-            replies = pipe.execute()
+            replies = pipe.execute(raise_on_error=False)  # a refusal is a reply, counted
         except self._errors as exc:
             self._down(exc)
             with self.stats.lock:
@@ -206,8 +206,15 @@ class ValkeyTier:
             return 0
         self._ok()
         step = 3 if self.ttl_s is not None else 2
-        written = [bool(r) for r in replies[::step]]
+        sets = replies[::step]
+        refused = sum(isinstance(r, Exception) for r in sets)  # e.g. OOM under noeviction
+        written = [bool(r) and not isinstance(r, Exception) for r in sets]
+        if refused:
+            logger.warning("Valkey KV tier: the server refused %d of %d writes (%s)", refused,
+                           len(sets), next(r for r in sets if isinstance(r, Exception)))
         with self.stats.lock:
+            self.stats.write_errors += refused > 0
+            self.stats.dropped += refused
             self.stats.blocks_written += sum(written)
             self.stats.bytes_written += sum(
                 len(data) for data, w in zip(records, written, strict=True) if w)
