@@ -250,6 +250,27 @@ def test_fingerprints_outlive_a_restart_beside_the_tier_and_name_a_dtype_change(
                                       for p in (tmp_path / "kv" / "diagnostics").iterdir())
 
 
+def test_prompt_cache_options_ttl_pins_the_implicit_breakpoint(server: RunningServer) -> None:
+    client = gpt(server, GLOBEX)  # a tenant of its own pins here
+    reply = client.responses.create(model="tiny", instructions=SYSTEM, input="Pin me for long",
+                                    max_output_tokens=2, **GREEDY,
+                                    prompt_cache_options={"ttl": "12h"})
+    pins = httpx.get(server.base_url + "/v1/cache/pins", timeout=30,
+                     headers={"Authorization": f"Bearer {GLOBEX}"}).json()["data"]
+    mine = [p for p in pins if p["ttl_s"] == 43200.0]
+    assert mine and mine[0]["num_tokens"] == (reply.usage.input_tokens - 1) // 8 * 8
+    explicit = client.responses.create(model="tiny", instructions=SYSTEM, input="No pin",
+                                       max_output_tokens=2, **GREEDY,
+                                       prompt_cache_options={"mode": "explicit"})
+    after = httpx.get(server.base_url + "/v1/cache/pins", timeout=30,
+                      headers={"Authorization": f"Bearer {GLOBEX}"}).json()["data"]
+    assert explicit.usage.output_tokens > 0 and len(after) == len(pins)
+    with pytest.raises(openai.BadRequestError) as both:
+        client.responses.create(model="tiny", input="Both", max_output_tokens=2,
+                                prompt_cache_retention="24h", prompt_cache_options={"ttl": "30m"})
+    assert both.value.body["param"] == "prompt_cache_retention"
+
+
 def test_a_tenant_without_a_cache_is_told_so(server: RunningServer) -> None:
     client = claude(server, "sk-hospital-example-key")
     first = ask(client, None)

@@ -50,8 +50,8 @@ class OpenAIServingChat:
         self, body: ChatCompletionRequest, tenant: Tenant, http: Request
     ) -> Response:
         prepared = await self.prepare(body)
-        prepared.retention_s = retention_s(body.prompt_cache_retention)
         options = body.prompt_cache_options
+        prepared.retention_s = retention_s(body.prompt_cache_retention, options)
         diagnosis = self.context.diagnosis(
             tenant, body.cache_salt, prepared.prompts[0][0], _segments(body),
             [m.model_dump(exclude_none=True) for m in body.messages],

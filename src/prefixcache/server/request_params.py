@@ -138,10 +138,22 @@ def sampling_params_of(
     )
 
 
-def retention_s(retention: str | None) -> float | None:
-    """OpenAI's ``prompt_cache_retention``: ``24h`` pins the whole prompt for a day; otherwise
-    the prompt stays only as long as the cache keeps it (None)."""
+def retention_s(retention: str | None,
+                options: protocol.PromptCacheOptions | None = None) -> float | None:
+    """How long the whole prompt is pinned. OpenAI's ``prompt_cache_retention``: ``24h`` pins
+    it for a day; ``prompt_cache_options`` (which supersedes it: both given is a 400) pins its
+    implicit breakpoint, the whole prompt, for ``ttl`` (``30m`` by default, ``12h``), none in
+    ``explicit`` mode (there is no explicit breakpoint but a pin). Otherwise the prompt stays
+    only as long as the cache keeps it (None)."""
+    if options is not None:
+        if retention is not None:
+            raise ApiError(400, "give prompt_cache_options.ttl or prompt_cache_retention, not "
+                           "both", param="prompt_cache_retention")
+        return _OPTION_TTLS[options.ttl] if options.mode == "implicit" else None
     return TTLS["24h"] if retention == "24h" else None
+
+
+_OPTION_TTLS = {"30m": 1800.0, "12h": 43200.0}  # prompt_cache_options.ttl
 
 
 def include_usage(body: protocol._SamplingFields) -> bool:

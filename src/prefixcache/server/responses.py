@@ -87,7 +87,8 @@ class OpenAIServingResponses:
             param_names={"max_tokens": "max_output_tokens"})
         await context.compile(params, "text.format")
         return PreparedJob([(token_ids, None)], params, RenderOptions(prefill_only=prewarm),
-                           retention_s=retention_s(body.prompt_cache_retention))
+                           retention_s=retention_s(body.prompt_cache_retention,
+                                                   body.prompt_cache_options))
 
 
 def _segments(body: ResponsesRequest) -> list[tuple[str, object]]:
