@@ -253,6 +253,80 @@ def test_event_feed_reports_a_gap_the_replay_buffer_no_longer_holds() -> None:
         publisher.close()
 
 
+def test_event_feed_keeps_each_events_medium() -> None:
+    seen: list = []
+    feed = EventFeed(lambda topic, events: seen.extend(events), lambda topic: None)
+    publisher = _publisher("r0")
+    digest = [bytes([7]) * 32]
+    try:
+        feed.watch("r0", publisher.endpoint, publisher.replay_endpoint)
+        time.sleep(0.3)
+        publisher.publish([BlockStored(digest, b"\0" * 32, [], 16, medium="DISK"),
+                           BlockRemoved(digest), BlockRemoved(digest, medium="DISK")])
+        _until(lambda: len(seen) == 3)
+        assert [e.medium for e in seen] == ["DISK", None, "DISK"]  # None: the KV pool
+    finally:
+        feed.close()
+        publisher.close()
+
+
+# ---- what a replica measures for its router ------------------------------------------------
+
+
+def test_a_replica_reports_its_measured_prefill_and_disk_load_costs(tmp_path) -> None:
+    from prefixcache.cluster.costs import replica_costs
+    from prefixcache.engine import LLMEngine, SamplingParams
+    from prefixcache.sim.replica_costs import ReplicaCosts
+
+    engine = LLMEngine("tiny", num_kv_blocks=24, kv_disk=str(tmp_path))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def prompt(i: int) -> list[int]:
+        return [(i * 131 + j * 37) % 250 + 3 for j in range(161)]  # 10 complete blocks
+
+    try:
+        assert replica_costs(engine.snapshot(), engine.tier_stats(), 16) == ReplicaCosts()
+        for i in (0, 1, 2, 3, 0):  # the pool turns over; the last request loads from the disk
+            engine.add_request(f"r{i}-{engine.num_steps}", prompt_token_ids=prompt(i),
+                               sampling_params=params)
+            while engine.has_unfinished():
+                engine.step()
+            assert engine.flush_tiers(30)
+        costs = replica_costs(engine.snapshot(), engine.tier_stats(), engine.block_size)
+        assert costs.prefill_s_per_block and costs.prefill_s_per_block > 0
+        assert set(costs.load_s_per_block) == {"DISK"} and costs.load_s_per_block["DISK"] > 0
+        assert costs.backlog_s == 0.0  # idle
+        stats = engine.tier_stats()["tiers"]["disk"]  # type: ignore[index]
+        assert costs.load_s_per_block["DISK"] == stats["read_seconds"] / stats["hits"]
+        assert costs.weight("DISK") == max(0.0, min(1.0, 1 - costs.load_s_per_block["DISK"]
+                                                    / costs.prefill_s_per_block))
+        for i in (4, 5):  # waiting, not yet computed: the backlog at the measured speed
+            engine.add_request(f"q{i}", prompt_token_ids=prompt(i), sampling_params=params)
+        snap = engine.snapshot()
+        assert snap.queued_prefill_tokens == 2 * 161
+        queued = replica_costs(snap, engine.tier_stats(), engine.block_size)
+        assert queued.backlog_s == pytest.approx(2 * 161 * snap.prefill_s_per_token)
+        assert ReplicaCosts.from_dict(json.loads(json.dumps(queued.as_dict()))) == queued
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.close()
+
+
+def test_router_belief_beside_each_replica_truth_per_medium() -> None:
+    from prefixcache.cluster.metrics import belief_beside_truth
+
+    doc = {"pool": {"cached": 12},
+           "tiers": {"disk": {"blocks_held": 40}, "valkey": {"blocks_held": None}}}
+    rows = belief_beside_truth({"POOL": 14, "DISK": 40, "VALKEY": 25}, doc)
+    assert rows == {"POOL": {"believes": 14, "holds": 12, "drift": 2},
+                    "DISK": {"believes": 40, "holds": 40, "drift": 0},
+                    "VALKEY": {"believes": 25, "holds": None, "drift": None}}
+    assert list(belief_beside_truth(None, doc)) == ["POOL", "DISK", "VALKEY"]
+    assert belief_beside_truth({"POOL": 3}, None) == {
+        "POOL": {"believes": 3, "holds": None, "drift": None}}
+
+
 # ---- metrics and traces --------------------------------------------------------------------
 
 

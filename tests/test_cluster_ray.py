@@ -122,6 +122,10 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica(cluster) -> None:
     routing = httpx.get(cluster + "/cluster/routing", headers=METRICS).json()
     assert routing["policy"] == "cache-aware"
     assert all(n > 0 for n in routing["routed_per_slot"])  # the prefixes were spread
+    for info in routing["replicas"].values():  # what each replica measured reaches the router
+        costs = info["routing_stats"]["kv_costs"]
+        assert costs["prefill_s_per_block"] > 0 and costs["load_s_per_block"] == {}
+        assert info["mirror_blocks_by_medium"] == {"POOL": info["mirror_blocks"]}
     assert httpx.get(cluster + "/cluster/routing", headers=KEY).status_code == 403
     assert httpx.get(cluster + "/metrics", headers=KEY).status_code == 403
     text = httpx.get(cluster + "/metrics", headers=METRICS).text
@@ -141,6 +145,11 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica(cluster) -> None:
                for r in rows.values())
     assert sum(r["replica_holds"] for r in rows.values()) >= sum(
         r["router_believes"] for r in rows.values()) > 0
+    for r in rows.values():  # per medium: only the pool, with its drift
+        pool = r["by_medium"]["POOL"]
+        assert list(r["by_medium"]) == ["POOL"]
+        assert (pool["believes"], pool["holds"]) == (r["router_believes"], r["replica_holds"])
+        assert pool["drift"] == pool["believes"] - pool["holds"]
 
 
 def test_streaming_through_serve_with_the_openai_client(cluster) -> None:

@@ -1,7 +1,8 @@
 """KV events on the wire: a real server publishing over ZMQ, decoded here with msgspec structs
 written independently from vLLM 0.32's definitions (batch as an array; events as maps tagged by
 ``type``; vLLM's field order), checked against the cache's own state through stores, evictions
-and a reset, and the replay socket serving a subscriber that missed batches."""
+and a reset, and the replay socket serving a subscriber that missed batches; with a disk tier,
+every event's medium, checked against the pool and the disk."""
 
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def test_events_follow_the_cache_through_store_evict_and_reset(
     num_full = (len(seq.token_ids)) // 16
     assert stored[0].block_hashes == digests[:num_full]
     assert stored[0].parent_block_hash == seq.root_digest(cache.hasher, cache.model_id)
-    assert stored[0].block_size == 16 and stored[0].medium == "CPU"
+    assert stored[0].block_size == 16 and stored[0].medium == "GPU"  # vLLM's name for the pool
     assert stored[0].token_ids == seq.token_ids[: 16 * num_full]  # no tenants: ids included
 
     # fill the pool with other prompts: the first prompt's blocks are evicted
@@ -250,3 +251,78 @@ def test_a_stuck_or_vanished_subscriber_never_holds_the_publisher_up() -> None:
         stuck.close(0)
         healthy.close(0)
         publisher.close()
+
+
+# ---- the medium of every event: the KV pool, and each lower tier by its name -----------------
+
+
+def _prompt(i: int) -> list[int]:
+    return [(i * 131 + j * 37) % 250 + 3 for j in range(161)]  # 10 complete blocks
+
+
+def _by_medium(state: dict[str | None, set[bytes]], batch: Batch) -> None:
+    for event in batch.events:
+        if isinstance(event, Stored):
+            state.setdefault(event.medium, set()).update(event.block_hashes)
+        elif isinstance(event, Removed):
+            state.setdefault(event.medium, set()).difference_update(event.block_hashes)
+        else:
+            state.get("GPU", set()).clear()  # a reset clears the pool, not the tiers
+
+
+def test_every_store_and_removal_names_its_medium_and_a_pool_eviction_keeps_the_disk_entry(
+    tmp_path,
+) -> None:
+    from prefixcache.engine import LLMEngine, SamplingParams
+    from prefixcache.server.kv_events import encode_batch
+    from prefixcache.sim.router import CacheAware
+
+    engine = LLMEngine("tiny", num_kv_blocks=NUM_BLOCKS, kv_disk=str(tmp_path), kv_events=True)
+    disk = engine.tiers.offload.store.tiers[0]  # type: ignore[union-attr]
+    router = CacheAware(2)
+    state: dict[str | None, set[bytes]] = {}
+    batches: list[Batch] = []
+    seen: list[bytes] = []
+
+    def run(i: int) -> list[bytes]:
+        engine.add_request(f"r{i}", prompt_token_ids=_prompt(i),
+                           sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.flush_tiers(30)
+        events = engine.take_kv_events()
+        router.observe(0, events)  # as the cluster's router: in-process, then over the wire
+        batches.append(DECODER.decode(encode_batch(events, 0.0, with_tokens=False)))
+        _by_medium(state, batches[-1])
+        seen.extend(engine.cache_identity.block_digests(Sequence(f"r{i}", _prompt(i)))[:10])
+        return seen[-10:]
+
+    def truth() -> dict[str | None, set[bytes]]:
+        pool = {b.digest for b in engine.cache.pool.blocks if b.digest is not None}
+        held = disk.contains(seen)
+        return {"GPU": pool, "DISK": {d for d, h in zip(seen, held, strict=True) if h}}
+
+    try:
+        first = run(0)
+        stored = [e for e in batches[0].events if isinstance(e, Stored)]
+        assert {e.medium for e in stored} == {"GPU", "DISK"}  # vLLM's pool medium; the tier's
+        on_disk = [e for e in stored if e.medium == "DISK"]
+        assert [d for e in on_disk for d in e.block_hashes] == first
+        assert on_disk[0].parent_block_hash == engine.cache_identity.root(Sequence("x", [1]))
+        for i in (1, 2, 3):  # the pool (24 blocks) turns over; the disk keeps everything
+            run(i)
+        removed = [e for b in batches for e in b.events if isinstance(e, Removed)]
+        assert removed and {e.medium for e in removed} == {"GPU"}
+        assert set(first) <= state["DISK"] and not set(first) & state["GPU"]
+        assert state == truth()
+        assert router.held_blocks(0) == {"POOL": len(state["GPU"]), "DISK": 40}
+        assert router.credit(0, first) == 5.0  # on disk, at the default weight until measured
+        size = disk.num_bytes // disk.num_blocks
+        disk.capacity_bytes = 25 * size  # the disk now evicts its oldest blocks: the first's
+        run(4)
+        dropped = [e for e in batches[-1].events if isinstance(e, Removed) and e.medium == "DISK"]
+        assert set(first) <= {d for e in dropped for d in e.block_hashes}
+        assert state == truth() and len(state["DISK"]) == 25
+        assert router.credit(0, first) == 0.0 and router.held_blocks(0)["DISK"] == 25
+    finally:
+        engine.close()

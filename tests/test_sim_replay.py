@@ -278,3 +278,139 @@ def test_cache_aware_follows_requests_it_routed_before_their_events_arrive() -> 
     assert all(len(e) <= 6 for e in router.expected)
     router.forget(first)
     assert not router.mirrors[first] and not router.expected[first]
+
+
+# ---- tier-weighted routing: where a replica holds a prefix, and what loading it costs there ----
+
+
+def _chain(name: str, n: int = 10) -> list[bytes]:
+    return [f"{name}-{i}".encode().ljust(32, b"\0") for i in range(n)]
+
+
+def _held(router, replica: int, digests: list[bytes], medium: str | None) -> None:
+    from prefixcache.cache import BlockStored
+
+    router.observe(replica, [BlockStored(digests, b"\0" * 32, [], 16, medium=medium)])
+
+
+@pytest.mark.parametrize("holder", [0, 1])
+def test_a_replica_holding_the_prefix_on_disk_beats_a_cold_one(holder: int) -> None:
+    from prefixcache.sim.replica_costs import ReplicaCosts
+    from prefixcache.sim.router import CacheAware
+
+    prompt = _chain("doc")
+    busier = [1, 1]
+    busier[holder] = 3  # busier, within the load guard: the cold one is less loaded
+
+    def router(disk_load_s: float | None):
+        """Two replicas, ``holder`` with the prompt on its disk only; a disk load of a block
+        measured at ``disk_load_s`` (None: not measured yet) against 1 ms of prefill."""
+        rule = CacheAware(2)
+        _held(rule, holder, prompt, "DISK")
+        if disk_load_s is not None:
+            rule.set_costs(holder, ReplicaCosts(1e-3, {"DISK": disk_load_s}))
+        return rule
+
+    assert router(None).credit(holder, prompt) == 5.0  # the tier's default weight
+    assert router(None).choose(prompt, busier) == holder
+    assert router(2e-4).credit(holder, prompt) == pytest.approx(8.0)  # saves 0.8 of a prefill
+    assert router(2e-4).choose(prompt, busier) == holder
+    # a disk no faster than the replica's prefill saves nothing: the less loaded one is chosen
+    assert router(1.5e-3).credit(holder, prompt) == 0.0
+    assert router(1.5e-3).choose(prompt, busier) == 1 - holder
+    assert router(2e-4).credit(1 - holder, prompt) == 0.0  # a disk is its replica's own
+
+
+@pytest.mark.parametrize("ram", [0, 1])
+def test_the_kv_pool_beats_a_disk_when_loads_are_equal(ram: int) -> None:
+    from prefixcache.sim.replica_costs import ReplicaCosts
+    from prefixcache.sim.router import CacheAware
+
+    prompt = _chain("doc")
+    router = CacheAware(2)
+    _held(router, ram, prompt, None)
+    _held(router, 1 - ram, prompt + _chain("tail", 4), "DISK")
+    router.set_costs(1 - ram, ReplicaCosts(1e-3, {"DISK": 1e-6}))  # nearly free, still a load
+    assert router.credit(ram, prompt) > router.credit(1 - ram, prompt)
+    assert router.choose(prompt, [2, 2]) == ram
+    # a longer run on disk outweighs a shorter one in the pool
+    assert router.choose(prompt + _chain("tail", 4), [2, 2]) == 1 - ram
+
+
+def test_a_shared_tier_credits_every_replica_with_its_own_weight() -> None:
+    from prefixcache.sim.replica_costs import ReplicaCosts
+    from prefixcache.sim.router import CacheAware
+
+    prompt = _chain("doc")
+    router = CacheAware(3)
+    _held(router, 0, prompt, "VALKEY")  # replica 0 wrote it; any replica loads it
+    assert [router.credit(i, prompt) for i in range(3)] == [5.0, 5.0, 5.0]
+    assert router.choose(prompt, [4, 1, 2]) == 1  # equal credit: the least loaded
+    other = _chain("other")
+    _held(router, 1, other, "VALKEY")
+    router.set_costs(2, ReplicaCosts(1e-3, {"VALKEY": 1e-4}))  # replica 2 loads it faster
+    assert [router.credit(i, other) for i in range(3)] == [5.0, 5.0, pytest.approx(9.0)]
+    assert router.choose(other, [4, 1, 2]) == 2
+    router.observe(0, [_removed(prompt[5:], "VALKEY")])  # Valkey dropped the tail
+    assert [router._matched(i, prompt) for i in (0, 2)] == [5, 5]
+    assert router.held_blocks(0) == {"POOL": 0, "VALKEY": 15}
+
+
+def _removed(digests: list[bytes], medium: str | None):
+    from prefixcache.cache import BlockRemoved
+
+    return BlockRemoved(digests, medium=medium)
+
+
+def test_a_pool_eviction_keeps_the_tier_entry_and_a_tier_eviction_keeps_the_pool() -> None:
+    from prefixcache.cache import AllBlocksCleared
+    from prefixcache.sim.router import CacheAware
+
+    prompt = _chain("doc")
+    router = CacheAware(2)
+    _held(router, 1, prompt, None)
+    _held(router, 1, prompt, "DISK")
+    router.observe(1, [_removed(prompt, None)])  # evicted from the pool, still on disk
+    assert router.held_blocks(1) == {"POOL": 0, "DISK": 10}
+    assert router.credit(1, prompt) == 5.0
+    _held(router, 1, prompt[:4], None)  # the first four are loaded back into the pool
+    router.observe(1, [_removed(prompt, "DISK")])  # then the disk evicts all ten
+    assert router.held_blocks(1) == {"POOL": 4, "DISK": 0}
+    assert router.credit(1, prompt) == 4.0
+    _held(router, 1, prompt, "DISK")
+    router.observe(1, [AllBlocksCleared()])  # a reset clears the pool, not the tiers
+    assert router.held_blocks(1) == {"POOL": 0, "DISK": 10}
+    assert router.choose(prompt, [0, 0]) == 1
+    router.forget(1)  # a replaced replica: nothing is known of it
+    assert router.held_blocks(1) == {"POOL": 0}
+    assert router.credit(1, prompt) == 0.0
+
+
+def test_the_backlog_ahead_of_a_request_outweighs_its_cached_prefix() -> None:
+    from prefixcache.sim.replica_costs import ReplicaCosts
+    from prefixcache.sim.router import CacheAware
+
+    prompt = _chain("doc")
+    router = CacheAware(2)
+    _held(router, 0, prompt, None)
+    router.set_costs(0, ReplicaCosts(1e-3, backlog_s=5e-3))  # 5 blocks of prefill queued there
+    router.set_costs(1, ReplicaCosts(1e-3))
+    assert router.choose(prompt, [1, 1]) == 0  # 5 ms of queue beats 10 ms of prefill
+    router.set_costs(0, ReplicaCosts(1e-3, backlog_s=20e-3))
+    assert router.choose(prompt, [1, 1]) == 1  # 20 ms of queue does not
+
+
+def test_replica_costs_round_trip_and_a_bad_report_is_ignored() -> None:
+    import json
+
+    from prefixcache.sim.replica_costs import DEFAULT_TIER_WEIGHT, ReplicaCosts
+
+    costs = ReplicaCosts(2e-3, {"DISK": 5e-4, "VALKEY": 3e-3}, 0.25)
+    again = ReplicaCosts.from_dict(json.loads(json.dumps(costs.as_dict())))
+    assert again == costs
+    assert [again.weight(m) for m in (None, "DISK", "VALKEY", "S3")] == [
+        1.0, 0.75, 0.0, DEFAULT_TIER_WEIGHT]
+    bad = ReplicaCosts.from_dict({"prefill_s_per_block": "fast", "backlog_s": -1.0,
+                                  "load_s_per_block": {"DISK": float("nan"), "VALKEY": 1e-4}})
+    assert bad == ReplicaCosts(None, {"VALKEY": 1e-4}, 0.0)
+    assert bad.weight("VALKEY") == DEFAULT_TIER_WEIGHT  # no prefill speed to weigh it against

@@ -71,6 +71,20 @@ def test_valkey_is_shared_by_the_replicas_and_a_disk_is_not(conversation: Trace)
     assert valkey.tier_hit_ratios["valkey"] > 0
 
 
+def test_cache_aware_routes_to_a_disk_holder_when_its_loads_beat_prefill(
+    conversation: Trace,
+) -> None:
+    """The replicas announce their disks' stores and evictions to the router, and their read
+    time per block beside their prefill time per block: a disk faster than prefill draws a
+    conversation's next turn back to the replica holding its history on disk; one slower than
+    prefill counts for nothing, so those turns go by load and are loaded less often."""
+    spec = RunSpec("hash", "lru", 300, 2, "cache-aware", tier_gib=(("disk", 64.0),))
+    fast = replace(COST, tier_reads={"disk": (1e12, 0.0)})
+    slow = replace(COST, tier_reads={"disk": (1e7, 0.05)})  # 52 ms a block against 26 ms
+    ((fast_run,), (slow_run,)) = (replay_sequential(conversation, [spec], c) for c in (fast, slow))
+    assert fast_run.tier_hit_ratios["disk"] > slow_run.tier_hit_ratios["disk"] + 0.01
+
+
 def test_the_tiers_refuse_what_they_cannot_model(conversation: Trace) -> None:
     with pytest.raises(ValueError, match="sequential mode only"):
         replay_timed(conversation, RunSpec("hash", "lru", 300, tier_gib=(("disk", 1.0),)), COST)

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 class BlockStored:
     """Blocks that became hittable, in chain order: ``block_hashes[0]``'s parent is
     ``parent_block_hash`` (the namespace root for a first block). ``medium`` (vLLM's field):
-    None for the replica's own KV pool, else the shared lower tier that holds them (one every
-    replica reads, ``"VALKEY"``): a block there is every replica's."""
+    None for the replica's own KV pool, else the lower tier now holding them, by its
+    `TierKind.medium` (``"DISK"``: this replica's; ``"VALKEY"``: a shared tier, whose blocks
+    every replica can load)."""
 
     block_hashes: list[bytes]
     parent_block_hash: bytes
@@ -33,10 +34,13 @@ class BlockStored:
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks that stopped being hittable (evicted for reuse)."""
+    """Blocks that stopped being hittable in one ``medium`` (as `BlockStored`'s: None for the
+    KV pool, evicted for reuse; a tier's name for what that tier dropped). A block leaving the
+    pool may still be held by a tier, and the other way round."""
 
     block_hashes: list[bytes]
     block_ids: list[int] = field(default_factory=list)
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,12 @@ class EngineReplica:
         return {**self.identity, "replica": self.topic}
 
     def record_routing_stats(self) -> dict[str, Any]:
+        from prefixcache.cluster.costs import replica_costs
+
+        costs = replica_costs(self.async_engine.snapshot, self.app.state.tier_stats(),
+                              self.async_engine.limits.block_size)
         return {**(self.events or {}), "num_pending": self.async_engine.num_pending,
+                "kv_costs": costs.as_dict(),  # what its prefill and tier loads cost
                 "pid": os.getpid()}  # the process to look at (or kill, in a fault drill)
 
     def check_health(self) -> None:
@@ -224,8 +229,9 @@ class Ingress:
 
     async def _dashboard(self, request: Request) -> Response:
         """The first replica's dashboard document, with ``cluster``: per replica the router's
-        belief (the blocks its event mirror holds) beside the replica's own cached blocks.
-        Each replica checks the caller's key or session itself."""
+        belief (the blocks its event mirror holds) beside the replica's own cached blocks, and
+        the same per medium (pool and tiers) with the drift between them. Each replica checks
+        the caller's key or session itself."""
         from prefixcache.cluster.registry import router_stats
 
         stats = router_stats("EngineReplica")
@@ -244,6 +250,8 @@ class Ingress:
         if not docs:
             return _error(503, "no replica answered", code="replica_unavailable")
         body = dict(next(iter(docs.values())))
+        from prefixcache.cluster.metrics import belief_beside_truth
+
         rows = []
         for replica, info in sorted(stats["replicas"].items()):
             doc = docs.get(replica)
@@ -253,6 +261,7 @@ class Ingress:
                 "replica": replica, "slot": info.get("slot"), "in_flight": info.get("in_flight"),
                 "router_believes": info.get("mirror_blocks"),
                 "replica_holds": doc["pool"]["cached"] if doc else None,
+                "by_medium": belief_beside_truth(info.get("mirror_blocks_by_medium"), doc),
                 "hit_ratio": counters.get("prefix_cache_hits", 0) / queries if queries else None,
                 "running": doc["requests"]["running"] if doc else None,
             })

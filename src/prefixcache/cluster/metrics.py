@@ -5,12 +5,13 @@ mean, ``model_info`` one value), parsed and re-rendered with ``prometheus_client
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["merge_replica_metrics", "router_belief"]
+__all__ = ["belief_beside_truth", "merge_replica_metrics", "router_belief"]
 
 
 def merge_replica_metrics(pages: dict[str, str]) -> bytes:
@@ -79,3 +80,24 @@ def router_belief(replicas: dict[str, dict[str, object]]) -> bytes:
 
     registry.register(_One())
     return generate_latest(registry)
+
+
+def belief_beside_truth(
+    believed: dict[str, int] | None, doc: dict[str, Any] | None
+) -> dict[str, dict[str, int | None]]:
+    """Per medium (``POOL``, ``DISK``, ``VALKEY``): the blocks the router believes a replica holds
+    (``believed``, its `CacheAware.held_blocks`), the blocks the replica says it holds (``doc``,
+    its dashboard document: the pool's cached blocks, each tier's ``blocks_held``, None where
+    the tier cannot count them, as Valkey), and ``drift``, belief minus truth where both are
+    known."""
+    truth: dict[str, int | None] = {}
+    if doc is not None:
+        truth["POOL"] = doc["pool"]["cached"]
+        for name, tier in (doc.get("tiers") or {}).items():
+            truth[str(name).upper()] = tier.get("blocks_held")
+    out: dict[str, dict[str, int | None]] = {}
+    for medium in sorted({*(believed or {}), *truth}, key=lambda m: (m != "POOL", m)):
+        believes, holds = (believed or {}).get(medium), truth.get(medium)
+        drift = believes - holds if believes is not None and holds is not None else None
+        out[medium] = {"believes": believes, "holds": holds, "drift": drift}
+    return out

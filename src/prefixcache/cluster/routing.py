@@ -29,6 +29,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from prefixcache.cluster import registry
 from prefixcache.cluster.asgi import ForwardedRequest
+from prefixcache.sim.replica_costs import ReplicaCosts
 from prefixcache.sim.router import Router, make_router
 
 __all__ = ["PrefixCacheRouter"]
@@ -156,6 +157,10 @@ class PrefixCacheRouter(RequestRouter):
         if not by_slot:
             return [candidate_replicas]
         with self._lock:
+            for index, replica in by_slot.items():  # what each measured its loads to cost
+                costs = (replica.routing_stats or {}).get("kv_costs")
+                if isinstance(costs, dict):
+                    self.rule.set_costs(index, ReplicaCosts.from_dict(costs))
             slot = self.rule.choose(digests, loads, key)
         first = by_slot.get(slot)
         if first is None:  # the rule's replica is not live: the least loaded one is
@@ -182,17 +187,24 @@ class PrefixCacheRouter(RequestRouter):
 
     def describe(self) -> dict[str, Any]:
         mirrors = getattr(self.rule, "mirrors", None)
+        held_blocks = getattr(self.rule, "held_blocks", None)
 
         def believed(slot: int | None) -> int | None:
-            """Blocks the router believes the replica in ``slot`` holds (its event mirror)."""
+            """Blocks the router believes the replica in ``slot`` holds in its KV pool."""
             return None if mirrors is None or slot is None else len(mirrors[slot])
 
-        replicas = {r.replica_id.unique_id: {"slot": self._slot_of.get(r.replica_id),
-                                             "in_flight": self._in_flight.get(r.replica_id, 0),
-                                             "mirror_blocks": believed(
-                                                 self._slot_of.get(r.replica_id)),
-                                             "routing_stats": dict(r.routing_stats or {})}
-                    for r in self.curr_replicas.values()}
+        def believed_by_medium(slot: int | None) -> dict[str, int] | None:
+            """The same per medium: the pool (``POOL``), its tiers and the shared ones."""
+            return None if held_blocks is None or slot is None else held_blocks(slot)
+
+        replicas = {}
+        for r in self.curr_replicas.values():
+            slot = self._slot_of.get(r.replica_id)
+            replicas[r.replica_id.unique_id] = {
+                "slot": slot, "in_flight": self._in_flight.get(r.replica_id, 0),
+                "mirror_blocks": believed(slot),
+                "mirror_blocks_by_medium": believed_by_medium(slot),
+                "routing_stats": dict(r.routing_stats or {})}
         return {"policy": self.policy, "routed_per_slot": list(self.num_routed),
                 "routed_with_digests": self.num_with_digests,
                 "routed_with_key": self.num_with_key, "replicas": replicas,

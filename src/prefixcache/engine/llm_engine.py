@@ -86,20 +86,16 @@ class LLMEngine:
         self.cache: PrefixCache = make_prefix_cache(
             replace(config.cache, num_blocks=num_blocks, model_id=self.loaded.identity)
         )
-        self.runner = ModelRunner(
-            self.loaded.model, self.loaded.make_kv_cache(num_blocks, self.block_size)
-        )
+        self.runner = ModelRunner(self.loaded.model,
+                                  self.loaded.make_kv_cache(num_blocks, self.block_size))
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
-        # why blocks left the cache (evictions, pin releases, tier checks), for diagnostics
-        self.fates = self.cache.allocator.fates = BlockFates()
+        self.fates = self.cache.allocator.fates = BlockFates()  # why blocks left: diagnostics
         # the lower tiers (disk, Valkey): written behind each step, read ahead of admission
         self.tiers = TierTraffic.open(config.tiers, self.loaded.identity, self.cache,
                                       self.runner.kv_cache, self.scheduler)
         if self.tiers is not None:  # its threads must not outlive the engine; not at exit,
             # where waking them would run tensor work while torch is being torn down
             weakref.finalize(self, self.tiers.offload.stop).atexit = False
-            for tier in self.tiers.offload.store.tiers:
-                tier.stats.on_bad = self.fates.tier_failed
         # prefixes kept from eviction for a time (cache_control), per domain within a budget
         max_pinned = config.max_pinned_blocks
         self.pins = PinTable(self.cache, num_blocks // 4 if max_pinned is None else max_pinned,

@@ -102,7 +102,18 @@ def snapshot_of(engine: Observed) -> EngineSnapshot:
         evictions=stats.num_evictions,
         preemptions=scheduler.num_preemptions,
         duplicate_blocks=stats.num_duplicate_blocks,
+        prefill_s_per_token=engine.runner.prefill_speed.s_per_token,
+        queued_prefill_tokens=_queued_prefill_tokens(engine),
     )
+
+
+def _queued_prefill_tokens(engine: Observed) -> int:
+    """Prompt tokens not computed yet of the requests running, waiting or waiting for a tier's
+    blocks (those count whole: what the tier serves is not known yet)."""
+    scheduler, tiers = engine.scheduler, engine.tiers
+    loading = tiers.loading.values() if tiers is not None else ()
+    return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+               for queue in (scheduler.waiting, scheduler.running, loading) for r in queue)
 
 
 def stats_of(engine: Observed) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixcache.attention.kv_cache import PagedKVCache
-from prefixcache.cache import BlockStored, CacheIdentity, Sequence
+from prefixcache.cache import BlockRemoved, BlockStored, CacheIdentity, KVCacheEvent, Sequence
 from prefixcache.errors import describe_exception
 from prefixcache.tiers import BlockKey, TierConfig, TieredStore, TierIdentity, domain_tag
 from prefixcache.tiers import token_check as make_token_check
@@ -103,10 +103,10 @@ class KVOffload:
         self._done: queue.Queue[Load] = queue.Queue()
         self._num_loading = 0
         self._closed = False
-        # `BlockStored` events of blocks written to a shared tier (for a cache-aware router),
-        # filled by the writer thread when ``emit_events`` and drained by `take_events`
-        self.emit_events = False
-        self._events: list[BlockStored] = []
+        # the tiers' KV events (`BlockStored`/`BlockRemoved` with the tier's medium, for a
+        # cache-aware router), filled by the writer and loader threads once `emit_events` and
+        # drained by `take_events`
+        self._events: list[KVCacheEvent] = []
         self._events_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
                                         daemon=True)
@@ -121,6 +121,14 @@ class KVOffload:
     ) -> KVOffload:
         store = TieredStore.open(tier_identity(model_id, kv_cache, identity), config)
         return cls(store, kv_cache, identity, config)
+
+    @property
+    def emit_events(self) -> bool:
+        return self.store.on_stored is not None
+
+    def start_events(self) -> None:
+        """Announce from now on what each tier stores and evicts (`take_events`)."""
+        self.store.watch(self._note_stored, self._note_removed)
 
     @property
     def num_pending_writes(self) -> int:
@@ -257,37 +265,33 @@ class KVOffload:
             keys, data = item
             try:
                 raw = data.contiguous().view(torch.uint8).view(len(keys), -1).numpy()
-                shared = self.store.store([(key, memoryview(raw[i])) for i, key in enumerate(keys)])
-                if self.emit_events:
-                    for medium, digests in shared.items():
-                        self._note_shared(keys, digests, medium)
+                self.store.store([(key, memoryview(raw[i])) for i, key in enumerate(keys)])
             except Exception as exc:  # noqa: BLE001 - a failed write is dropped, never a crash
                 logger.error("KV tier write failed: %s", describe_exception(exc))
             finally:
                 with self._pending_lock:
                     self._pending -= len(keys)
 
-    def _note_shared(self, keys: list[BlockKey], digests: set[bytes], medium: str) -> None:
-        """Events for the runs of ``keys`` the shared tier ``medium`` now holds (chain order
-        kept)."""
+    def _note_stored(self, medium: str, keys: list[BlockKey]) -> None:
+        """One `BlockStored` per chained run of ``keys``, which tier ``medium`` now holds."""
         bs = self.kv_cache.block_size
-        run: list[BlockKey] = []
-        events = []
-        for key in [*keys, None]:
-            if key is not None and key.digest in digests and (
-                not run or key.parent == run[-1].digest
-            ):
-                run.append(key)
-                continue
-            if run:
-                events.append(BlockStored([k.digest for k in run], run[0].parent, [], bs,
-                                          medium=medium))
-            run = [key] if key is not None and key.digest in digests else []
+        runs: list[list[BlockKey]] = []
+        for key in keys:
+            if runs and key.parent == runs[-1][-1].digest:
+                runs[-1].append(key)
+            else:
+                runs.append([key])
+        events = [BlockStored([k.digest for k in run], run[0].parent, [], bs, medium=medium)
+                  for run in runs]
         with self._events_lock:
             self._events += events
 
-    def take_events(self) -> list[BlockStored]:
-        """The shared tier's `BlockStored` events since the last call."""
+    def _note_removed(self, medium: str, digests: list[bytes]) -> None:
+        with self._events_lock:
+            self._events.append(BlockRemoved(list(digests), medium=medium))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The tiers' events since the last call."""
         with self._events_lock:
             events, self._events = self._events, []
         return events

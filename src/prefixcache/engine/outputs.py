@@ -157,6 +157,9 @@ class EngineSnapshot:
     evictions: int = 0
     preemptions: int = 0
     duplicate_blocks: int = 0
+    # the step time per prompt token computed, recent steps (`PrefillSpeed`; 0.0: not yet)
+    prefill_s_per_token: float = 0.0
+    queued_prefill_tokens: int = 0  # prompt tokens running, waiting or loading, not computed
 
     @property
     def hit_rate(self) -> float:

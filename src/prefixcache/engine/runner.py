@@ -7,6 +7,7 @@ the `SchedulerOutput` and are executed *before* the step's KV writes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from prefixcache.attention import AttentionMetadata, PagedKVCache
 from prefixcache.sched import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepLogits"]
+__all__ = ["ModelRunner", "PrefillSpeed", "StepLogits"]
 
 
 @dataclass(slots=True)
@@ -26,18 +27,52 @@ class StepLogits:
     every_token: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class PrefillSpeed:
+    """Seconds per prompt token computed, measured over the steps that computed any: a step's
+    whole time over its prompt tokens, so the decode tokens riding along make a busy engine's
+    prefill slower, as a new request there finds it. Sums decay by ``decay`` per step, so the
+    figure follows the recent steps; the first step (kernels warming up) is left out."""
+
+    decay: float = 0.98
+    seconds: float = 0.0
+    tokens: float = 0.0
+    num_steps: int = 0
+
+    def add(self, seconds: float, num_tokens: int) -> None:
+        self.num_steps += 1
+        if self.num_steps > 1:
+            self.seconds = self.seconds * self.decay + seconds
+            self.tokens = self.tokens * self.decay + num_tokens
+
+    @property
+    def s_per_token(self) -> float:
+        """0.0 until measured."""
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+
 class ModelRunner:
-    """Runs the model over a step's chunks, all tokens flattened into one batch."""
+    """Runs the model over a step's chunks, all tokens flattened into one batch; measures its
+    prefill speed (`PrefillSpeed`)."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
         self.model = model
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
         self.kv_cache = kv_cache
+        self.prefill_speed = PrefillSpeed()
 
     def execute_step(self, out: SchedulerOutput) -> StepLogits:
         """The step's logits: at each chunk's last token, and at every token of the chunks
         whose request needs prompt logprobs (`ScheduledChunk.logits_every_token`)."""
+        started = time.perf_counter()
+        logits = self._execute(out)
+        num_prompt_tokens = sum(c.num_new_tokens for c in out.chunks if c.is_prefill)
+        if num_prompt_tokens:
+            self.prefill_speed.add(time.perf_counter() - started, num_prompt_tokens)
+        return logits
+
+    def _execute(self, out: SchedulerOutput) -> StepLogits:
         # zero first: a freshly reused block may also be a copy-on-write destination
         self.kv_cache.zero_blocks(out.blocks_to_zero)
         self.kv_cache.copy_blocks(out.block_copies)

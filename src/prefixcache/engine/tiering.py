@@ -49,7 +49,12 @@ class TierTraffic:
         if not (config.enabled and cache.enable_prefix_caching):
             return None
         offload = KVOffload.open(config, model_identity, kv_cache, cache.identity)
-        offload.emit_events = cache.events.enabled
+        if cache.events.enabled:
+            offload.start_events()
+        fates = cache.allocator.fates
+        if fates is not None:  # a record failing its checks when read: a block's fate
+            for tier in offload.store.tiers:
+                tier.stats.on_bad = fates.tier_failed
         return cls(offload, cache, kv_cache, scheduler)
 
     def start_load(self, request: Request) -> bool:
@@ -105,10 +110,11 @@ class TierTraffic:
             self.offload.write_through(seq, self.cache.block_table(seq))
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The shared tier's events (`BlockStored` with ``medium="VALKEY"``), if it emits."""
+        """The tiers' events (`BlockStored`, `BlockRemoved` with the tier's medium: ``"DISK"``,
+        ``"VALKEY"``), if they are announced."""
         if not self.offload.emit_events:
             return []
-        return list[KVCacheEvent](self.offload.take_events())
+        return self.offload.take_events()
 
     def purge_domain(self, domain: str) -> dict[str, int]:
         return self.offload.store.purge_domain(domain)

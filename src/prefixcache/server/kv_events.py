@@ -14,9 +14,11 @@ as ``[b"", topic, seq, payload]``, then ``[b"", b"", -1 (8 bytes, signed), b""]`
 Block hashes are our block digests (32 bytes, `docs/block-key.md`), which vLLM's
 ``ExternalBlockHash`` (``bytes | int``) carries as bytes: chained and namespace-rooted, so equal
 digests mean equal KV within one model and cache salt and never across tenants. A chain's first
-block has the namespace root as its ``parent_block_hash`` (vLLM sends None there). ``medium`` is
-``"CPU"`` for the replica's KV pool and ``"VALKEY"`` for blocks written to a shared Valkey tier
-(which every replica on that server can load). Token ids are tenant data: with a tenants file
+block has the namespace root as its ``parent_block_hash`` (vLLM sends None there). Every
+``BlockStored`` and ``BlockRemoved`` names its ``medium``: ``"GPU"`` for the replica's KV pool
+(vLLM's name for the KV cache attention reads, on every platform; the pool is in RAM here), else
+the lower tier by its `TierKind.medium`: ``"DISK"`` (this replica's own) or ``"VALKEY"`` (shared:
+every replica on that server can load its blocks). Token ids are tenant data: with a tenants file
 they are left out unless asked for.
 
 The sockets live on one publisher thread; the engine thread only hands it encoded batches
@@ -38,12 +40,14 @@ import msgspec
 from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from prefixcache.errors import CliError
 
-__all__ = ["KVEventsConfig", "ZmqEventPublisher", "decode_batch", "encode_batch"]
+__all__ = ["POOL_MEDIUM", "KVEventsConfig", "ZmqEventPublisher", "decode_batch", "encode_batch"]
 
 logger = logging.getLogger("prefixcache.server")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_MEDIUM = "CPU"
+POOL_MEDIUM = "GPU"  # the KV pool's medium on the wire (an event's medium None in-process)
+# read as the pool too: what replicas before tier-aware events sent for it
+_POOL_MEDIA = frozenset({POOL_MEDIUM, "CPU"})
 
 
 # ---- the wire structs (vLLM 0.32's field order) -------------------------------------------------
@@ -84,9 +88,9 @@ def _wire(
     if isinstance(event, BlockStored):
         return _BlockStored(list(event.block_hashes), event.parent_block_hash,
                             list(event.token_ids) if with_tokens else [], event.block_size,
-                            None, event.medium or _MEDIUM, None)
+                            None, event.medium or POOL_MEDIUM, None)
     if isinstance(event, BlockRemoved):
-        return _BlockRemoved(list(event.block_hashes), _MEDIUM)
+        return _BlockRemoved(list(event.block_hashes), event.medium or POOL_MEDIUM)
     if isinstance(event, AllBlocksCleared):
         return _AllBlocksCleared()
     raise TypeError(f"not a KV cache event: {type(event).__name__}")
@@ -106,14 +110,19 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVCacheEvent]]:
     events: list[KVCacheEvent] = []
     for event in batch.events:
         if isinstance(event, _BlockStored):
-            medium = event.medium if event.medium != _MEDIUM else None
             events.append(BlockStored(list(event.block_hashes), event.parent_block_hash or b"",
-                                      list(event.token_ids), event.block_size, medium=medium))
+                                      list(event.token_ids), event.block_size,
+                                      medium=_medium(event.medium)))
         elif isinstance(event, _BlockRemoved):
-            events.append(BlockRemoved(list(event.block_hashes)))
+            events.append(BlockRemoved(list(event.block_hashes), medium=_medium(event.medium)))
         else:
             events.append(AllBlocksCleared())
     return batch.ts, events
+
+
+def _medium(wire: str | None) -> str | None:
+    """An event's medium in-process: None for the KV pool (or no medium given)."""
+    return None if wire is None or wire in _POOL_MEDIA else wire
 
 
 # ---- configuration ------------------------------------------------------------------------------

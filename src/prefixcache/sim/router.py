@@ -4,9 +4,11 @@ A router sees only what a real one would: the request's block digests, the repli
 loads (requests in flight), the request's affinity ``key`` if it has one (OpenAI's
 ``prompt_cache_key``, scoped to its tenant by the ingress: never part of a block's identity) and,
 for ``cache-aware``, the KV events the replicas publish (it keeps its own mirror of each
-replica's cached digests). A key is combined with the prompt's prefix (the digest of its first
-``k`` blocks), as OpenAI routes: requests with one key and one prefix go to one replica, and one
-prefix under different keys may spread. Knows nothing about scheduling or time.
+replica's cached digests, per KV pool and tier) and what each replica measured a prefill and a
+load from each tier to cost (`ReplicaCosts`). A key is combined with the prompt's prefix (the
+digest of its first ``k`` blocks), as OpenAI routes: requests with one key and one prefix go to
+one replica, and one prefix under different keys may spread. Knows nothing about scheduling or
+time.
 """
 
 from __future__ import annotations
@@ -17,12 +19,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable
 
-from prefixcache.cache.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-)
+from prefixcache.cache.events import AllBlocksCleared, BlockStored, KVCacheEvent
+from prefixcache.sim.replica_costs import ReplicaCosts
+from prefixcache.tiers import TIERS
 
 
 class Router:
@@ -53,6 +52,10 @@ class Router:
 
     def forget(self, replica: int) -> None:
         """Replica ``replica`` was replaced by an empty one (its cache is gone)."""
+
+    def set_costs(self, replica: int, costs: ReplicaCosts) -> None:
+        """What replica ``replica`` measured its prefill and tier loads to cost (ignored
+        here)."""
 
     @property
     def wants_events(self) -> bool:
@@ -140,27 +143,71 @@ class PrefixAffinity(Router):
         return self._ring.owner(point)
 
 
+class TierHoldings:
+    """The digests a router believes held per tier medium, each an LRU of at most ``max_blocks``
+    (the oldest forgotten first: a tier may drop blocks without saying so)."""
+
+    __slots__ = ("max_blocks", "media")
+
+    def __init__(self, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self.media: dict[str, OrderedDict[bytes, None]] = {}
+
+    def store(self, medium: str, digests: list[bytes]) -> None:
+        held = self.media.setdefault(medium, OrderedDict())
+        for digest in digests:
+            held[digest] = None
+            held.move_to_end(digest)
+        while len(held) > self.max_blocks:
+            held.popitem(last=False)
+
+    def remove(self, medium: str, digests: list[bytes]) -> None:
+        held = self.media.get(medium)
+        if held is None:
+            return
+        for digest in digests:
+            held.pop(digest, None)
+
+    def clear(self) -> None:
+        self.media.clear()
+
+    def counts(self) -> dict[str, int]:
+        return {medium: len(held) for medium, held in self.media.items()}
+
+
+# which tier media every replica reads (Valkey); any other medium is one replica's own
+_SHARED_MEDIA = frozenset(kind.medium for kind in TIERS.values() if kind.shared)
+
+
 class CacheAware(Router):
-    """Longest cached prefix from the replicas' KV events, unless load is out of balance.
+    """The replica whose cache and tiers save the most prefill, unless load is out of balance.
 
     Like SGLang's router: when ``max_load - min_load > abs_threshold`` and ``max_load >
-    rel_threshold * min_load`` the request goes to the least-loaded replica; otherwise to the
-    replica holding the longest prefix (no match at all: least-loaded, then fewest blocks cached
-    or expected).
+    rel_threshold * min_load`` the request goes to the least-loaded replica. Otherwise each
+    replica's *credit* is the run of the prompt's blocks it holds, from the first, each block
+    weighted by where it is (`ReplicaCosts.weight`: 1 in the KV pool, ``1 - load / prefill`` in
+    a lower tier, from what the replica measured and exported, `set_costs`); the request goes
+    where ``backlog_s + prefill_s_per_block * (blocks - credit)`` is least: the prefill left to
+    do there, after the work queued ahead of it. Equal estimates go to the replica an affinity
+    key names, then the least loaded. No credit anywhere: the key's replica, else the least
+    loaded, then the one with fewest blocks cached or expected. With no costs reported (the same
+    prefill speed everywhere, no backlog) this is the longest weighted prefix.
 
-    A replica's blocks are what its events stored, plus what it was just sent: a routed
-    request's digests are *expected* there until the replica's events store or remove them, so
-    requests that share a prefix and arrive before the first one's blocks are committed follow it
-    (as SGLang's router inserts at routing time). At most ``max_expected`` digests are expected per
-    replica, the oldest forgotten first (a request that never committed cannot pin a prefix).
-    Blocks a replica stored in a shared tier (an event with a ``medium``: Valkey)
-    count as held by every replica: any of them loads them instead of computing (at most
-    ``max_shared`` remembered, the oldest forgotten first: the tier evicts silently).
+    A replica's blocks are what its events stored, per medium (`BlockStored.medium`): the KV
+    pool (None), its own tiers (``"DISK"``), and shared tiers (``"VALKEY"``), whose blocks every
+    replica holds (any of them loads them). A `BlockRemoved` removes a block from its medium
+    only, so a block evicted from the pool but kept on disk still counts, at the disk's weight;
+    `AllBlocksCleared` clears the pool (a reset leaves the tiers). A routed request's digests
+    are *expected* in the pool of the replica it went to until that replica's events store or
+    remove them, so requests that share a prefix and arrive before the first one's blocks are
+    committed follow it (as SGLang's router inserts at routing time); at most ``max_expected``
+    per replica, the oldest forgotten first. A tier's holdings are bounded too
+    (``max_tier_blocks`` per replica and tier, ``max_shared`` per shared tier): a tier may evict
+    silently, and a stale entry costs one routing choice, never a wrong answer.
 
     A request with an affinity ``key`` that no replica holds any of goes where the key and its
     first ``k`` blocks hash to (not the least loaded one), so the requests of one key gather on
-    one replica before any of them has committed; among replicas holding equally long prefixes,
-    the same replica wins the tie. The load guard still comes first.
+    one replica before any of them has committed. The load guard still comes first.
     """
 
     name = "cache-aware"
@@ -173,15 +220,17 @@ class CacheAware(Router):
         rel_threshold: float = 1.5,
         max_expected: int = 4096,
         max_shared: int = 1 << 20,
+        max_tier_blocks: int = 1 << 20,
     ) -> None:
         super().__init__(num_replicas, seed)
-        self.max_shared = max_shared
-        self.shared: OrderedDict[bytes, None] = OrderedDict()
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
         self.max_expected = max_expected
-        self.mirrors: list[set[bytes]] = [set() for _ in range(num_replicas)]
+        self.mirrors: list[set[bytes]] = [set() for _ in range(num_replicas)]  # the KV pools
         self.expected: list[dict[bytes, None]] = [{} for _ in range(num_replicas)]
+        self.tiers = [TierHoldings(max_tier_blocks) for _ in range(num_replicas)]
+        self.shared = TierHoldings(max_shared)
+        self.costs = [ReplicaCosts() for _ in range(num_replicas)]
         self.k = 4  # the prefix an affinity key is combined with, in blocks
         self._ring = _Ring(num_replicas)
 
@@ -189,31 +238,42 @@ class CacheAware(Router):
     def wants_events(self) -> bool:
         return True
 
+    def set_costs(self, replica: int, costs: ReplicaCosts) -> None:
+        self.costs[replica] = costs
+
     def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
         mirror, expected = self.mirrors[replica], self.expected[replica]
         for event in events:
-            if isinstance(event, BlockStored) and event.medium is not None:
-                shared = self.shared
-                for digest in event.block_hashes:
-                    shared[digest] = None
-                    shared.move_to_end(digest)
-                while len(shared) > self.max_shared:
-                    shared.popitem(last=False)
-                continue
-            if isinstance(event, (BlockStored, BlockRemoved)):
-                for digest in event.block_hashes:
-                    expected.pop(digest, None)
-                if isinstance(event, BlockStored):
-                    mirror.update(event.block_hashes)
-                else:
-                    mirror.difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
+            if isinstance(event, AllBlocksCleared):
                 mirror.clear()
                 expected.clear()
+                continue
+            medium = event.medium
+            if medium is not None:
+                holdings = self.shared if medium in _SHARED_MEDIA else self.tiers[replica]
+                if isinstance(event, BlockStored):
+                    holdings.store(medium, event.block_hashes)
+                else:
+                    holdings.remove(medium, event.block_hashes)
+                continue
+            for digest in event.block_hashes:
+                expected.pop(digest, None)
+            if isinstance(event, BlockStored):
+                mirror.update(event.block_hashes)
+            else:
+                mirror.difference_update(event.block_hashes)
 
     def forget(self, replica: int) -> None:
         self.mirrors[replica].clear()
         self.expected[replica].clear()
+        self.tiers[replica].clear()
+        self.costs[replica] = ReplicaCosts()
+
+    def held_blocks(self, replica: int) -> dict[str, int]:
+        """How many blocks the router believes ``replica`` holds, per medium (``"POOL"``, its
+        own tiers, the shared ones)."""
+        return {"POOL": len(self.mirrors[replica]), **self.tiers[replica].counts(),
+                **self.shared.counts()}
 
     def choose(self, digests: list[bytes], loads: list[int], key: bytes | None = None) -> int:
         chosen = self._choose(digests, loads, key)
@@ -230,23 +290,56 @@ class CacheAware(Router):
         low, high = min(loads), max(loads)
         if high - low > self.abs_threshold and high > self.rel_threshold * low:
             return self.least_loaded(loads)
-        matched = [self._matched(i, digests) for i in range(self.num_replicas)]
-        best = max(matched)
+        replicas = range(self.num_replicas)
+        credits = [self.credit(i, digests) for i in replicas]
         point = None if key is None else affinity_point(digests, self.k, key)
         owner = -1 if point is None else self._ring.owner(point)
-        if best == 0:
+        if max(credits) <= 0.0:
             if owner >= 0:
                 return owner
-            return min(range(self.num_replicas),
+            return min(replicas,
                        key=lambda i: (loads[i], len(self.mirrors[i]) + len(self.expected[i])))
-        return min((i for i in range(self.num_replicas) if matched[i] == best),
+        seconds = self._estimates(len(digests), credits)
+        best = min(seconds)
+        tolerance = 1e-9 * max(1.0, abs(best))
+        return min((i for i in replicas if seconds[i] <= best + tolerance),
                    key=lambda i: (i != owner, loads[i]))
 
+    def _estimates(self, num_blocks: int, credits: list[float]) -> list[float]:
+        """Each replica's prefill left to do for the request plus its backlog, in seconds (in
+        blocks where no replica reported its prefill speed)."""
+        known = [c.prefill_s_per_block for c in self.costs if c.prefill_s_per_block]
+        default = sum(known) / len(known) if known else 1.0
+        return [cost.backlog_s + (cost.prefill_s_per_block or default) * (num_blocks - credit)
+                for cost, credit in zip(self.costs, credits, strict=True)]
+
+    def credit(self, replica: int, digests: list[bytes]) -> float:
+        """The prefill, in blocks, ``replica`` saves on ``digests``: the run it holds from the
+        first block, each block weighted by the nearest medium holding it."""
+        mirror, expected = self.mirrors[replica], self.expected[replica]
+        media = [*self.tiers[replica].media.items(), *self.shared.media.items()]
+        weights = [self.costs[replica].weight(medium) for medium, _ in media]
+        credit = 0.0
+        for digest in digests:
+            if digest in mirror or digest in expected:
+                credit += 1.0
+                continue
+            weight = max((w for (_, held), w in zip(media, weights, strict=True)
+                          if digest in held), default=None)
+            if weight is None:
+                break
+            credit += weight
+        return credit
+
     def _matched(self, replica: int, digests: list[bytes]) -> int:
-        mirror, expected, shared = self.mirrors[replica], self.expected[replica], self.shared
+        """How many of ``digests``, from the first, ``replica`` holds anywhere."""
+        mirror, expected = self.mirrors[replica], self.expected[replica]
+        media = [*self.tiers[replica].media.values(), *self.shared.media.values()]
         n = 0
         for digest in digests:
-            if digest not in mirror and digest not in expected and digest not in shared:
+            if digest not in mirror and digest not in expected and not any(
+                digest in held for held in media
+            ):
                 break
             n += 1
         return n

@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
-from prefixcache.cache import PrefixCache, Sequence, adopt
+from prefixcache.cache import BlockRemoved, BlockStored, KVCacheEvent, PrefixCache, Sequence, adopt
 from prefixcache.cache.pins import PinTable
 from prefixcache.sim.config import RunSpec, build_cache, unlimited_blocks
 from prefixcache.sim.cost_model import CostModel
+from prefixcache.sim.replica_costs import ReplicaCosts
 from prefixcache.sim.report import ReplayResult, Tally, ideal_hit_ratio, percentile
 from prefixcache.sim.router import Router, make_router
 from prefixcache.sim.tiers import SimTier, TierSpec
@@ -31,10 +32,10 @@ Progress = Callable[[int], None]
 
 
 class _Replica:
-    """One cache, its lower tiers (nearest first), its pins (on the trace's clock) and the finish
-    times of the requests it is serving."""
+    """One cache, its lower tiers (nearest first), its pins (on the trace's clock), the finish
+    times of the requests it is serving, and the seconds and blocks of its tier reads."""
 
-    __slots__ = ("cache", "tally", "in_flight", "tiers", "pins", "now")
+    __slots__ = ("cache", "tally", "in_flight", "tiers", "pins", "now", "reads")
 
     def __init__(self, cache: PrefixCache, max_pinned_blocks: int | None = None) -> None:
         self.cache = cache
@@ -45,6 +46,14 @@ class _Replica:
         self.pins: PinTable | None = None
         if max_pinned_blocks is not None:
             self.pins = PinTable(cache, max_pinned_blocks, clock=lambda: self.now)
+        self.reads: dict[str, tuple[float, int]] = {}  # per tier: seconds, blocks
+
+    def costs(self, prefill_s_per_block: float) -> ReplicaCosts:
+        """What a serving replica reports: its prefill time per block and each tier's read
+        time per block it served (no queue: sequential replay has none)."""
+        loads = {TIERS[name].medium: seconds / blocks
+                 for name, (seconds, blocks) in self.reads.items() if blocks}
+        return ReplicaCosts(prefill_s_per_block, loads)
 
     def load(self, now: float) -> int:
         in_flight = self.in_flight
@@ -83,6 +92,9 @@ class SequentialRun:
             shared = SimTier(tier_spec) if TIERS[name].shared else None
             for replica in self.replicas:
                 replica.tiers.append(shared or SimTier(tier_spec))
+        self.prefill_s_per_block = trace.block_size / model.prefill_tokens_per_s
+        for i, replica in enumerate(self.replicas):
+            self.router.set_costs(i, replica.costs(self.prefill_s_per_block))
         self.wall_s = 0.0
 
     def feed(self, request: TraceRequest, seq: Sequence, digests: list[bytes]) -> None:
@@ -99,14 +111,15 @@ class SequentialRun:
             replica.pins.refresh(mine)  # a request through a pinned prefix extends the pin
         load_s = self._load(replica, mine, digests) if replica.tiers else 0.0
         num_hit = self._serve(replica, request, mine)
+        events = replica.cache.take_events()
         if replica.tiers and num_hit < request.input_length:
             bs = replica.cache.block_size
-            computed = digests[num_hit // bs : request.num_full_blocks(bs)]
-            for tier in replica.tiers:
-                tier.store(computed)
-        events = replica.cache.take_events()
+            start = num_hit // bs
+            events += _stored(replica.tiers, digests, start, request.num_full_blocks(bs), bs)
         if events and self.router.wants_events:
             self.router.observe(index, events)
+            if replica.tiers:
+                self.router.set_costs(index, replica.costs(self.prefill_s_per_block))
         prefill_s = self.cost.model.prefill_seconds(request.input_length - num_hit) + load_s
         replica.tally.add(request.input_length, num_hit, prefill_s,
                           request.tenant if self.split_tenants else None)
@@ -133,7 +146,10 @@ class SequentialRun:
         for tier, n in runs:
             if n:
                 tally[tier.name] = tally.get(tier.name, 0) + n * cache.block_size
-                seconds += tier.read_seconds(n, self.block_bytes)
+                read_s = tier.read_seconds(n, self.block_bytes)
+                total_s, total_n = replica.reads.get(tier.name, (0.0, 0))
+                replica.reads[tier.name] = (total_s + read_s, total_n + n)
+                seconds += read_s
         return seconds
 
     @staticmethod
@@ -165,6 +181,26 @@ class SequentialRun:
             [(r.cache, r.tally) for r in self.replicas],
             self.wall_s,
         )
+
+
+def _stored(
+    tiers: list[SimTier], digests: list[bytes], start: int, stop: int, block_size: int
+) -> list[KVCacheEvent]:
+    """Write blocks ``start .. stop - 1`` to every tier; the events an engine announces for
+    them, with each tier's medium: stored, then what a replica's own tier (its disk) evicted
+    to make room (a shared tier, Valkey, evicts without telling the engine)."""
+    events: list[KVCacheEvent] = []
+    computed = digests[start:stop]
+    if not computed:
+        return events
+    parent = digests[start - 1] if start else b""
+    for tier in tiers:
+        kind = TIERS[tier.name]
+        evicted = tier.store(computed)
+        events.append(BlockStored(computed, parent, [], block_size, medium=kind.medium))
+        if evicted and not kind.shared:
+            events.append(BlockRemoved(evicted, medium=kind.medium))
+    return events
 
 
 class SequentialCost:

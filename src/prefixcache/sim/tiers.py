@@ -6,7 +6,8 @@ whose prompt runs past the RAM hit reads the longest run of its next blocks from
 Valkey, and the run is adopted into the replica's cache (`PrefixCache.adopt`, the engine's own
 call); the blocks a request computed are written to every tier; a tier's read refreshes what it
 served. Reading a run costs ``latency + blocks * block bytes / read bandwidth`` per tier, added
-to the request's time to first token.
+to the request's time to first token. A cache-aware router hears of each tier's stores and
+evictions as the engine announces them (KV events with the tier's medium).
 """
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ class SimTier:
         self.num_read_blocks += n - start
         return n - start
 
-    def store(self, digests: list[bytes]) -> None:
+    def store(self, digests: list[bytes]) -> list[bytes]:
         """Write ``digests`` (already held ones are left where they are, as the engine skips
-        them), then evict down to the capacity."""
+        them), then evict down to the capacity; returns the digests evicted."""
         blocks = self.blocks
         for digest in digests:
             if digest not in blocks:
                 blocks[digest] = None
+        evicted = []
         while len(blocks) > self.spec.capacity_blocks:
-            blocks.popitem(last=False)
+            evicted.append(blocks.popitem(last=False)[0])
+        return evicted
 
     def read_seconds(self, num_blocks: int, block_bytes: float) -> float:
         if not num_blocks:

@@ -8,9 +8,10 @@ be evicted and can make a waiting request wait. Runs of identical decode-only st
 be admitted, no block boundary, no finish, no arrival) are advanced in one go with
 `Scheduler.repeat_steps`, which is exactly the same as stepping one by one.
 
-Before each arrival every replica runs up to that moment and publishes its KV events; the router
-then picks a replica from the request's digests and the replicas' loads (waiting + running
-requests). One replica with any router is exactly single mode.
+Before each arrival every replica runs up to that moment and publishes its KV events and its
+costs (prefill time per block, prompt tokens queued: `ReplicaCosts`); the router then picks a
+replica from the request's digests and the replicas' loads (waiting + running requests). One
+replica with any router is exactly single mode.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from prefixcache.sched import (
 )
 from prefixcache.sim.config import RunSpec, build_cache, unlimited_blocks
 from prefixcache.sim.cost_model import CostModel
+from prefixcache.sim.replica_costs import ReplicaCosts
 from prefixcache.sim.report import ReplayResult, Tally, ideal_hit_ratio
 from prefixcache.sim.router import Router, make_router
 from prefixcache.sim.sequential import Progress, summarize
@@ -118,6 +120,15 @@ class TimedReplica:
     @property
     def load(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self.decoding)
+
+    def costs(self) -> ReplicaCosts:
+        """What a serving replica would report to its router: its prefill time per block and
+        the prompt tokens queued ahead of a new request, at that speed (no lower tier here)."""
+        tps = self.cost.prefill_tokens_per_s
+        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                     for queue in (self.scheduler.waiting, self.scheduler.running)
+                     for r in queue)  # fmt: skip
+        return ReplicaCosts(self.cache.block_size / tps, backlog_s=queued / tps)
 
     def add(self, request: TraceRequest, seq: Sequence) -> None:
         """Queue a request that arrives now (the clock is at or past its arrival)."""
@@ -270,6 +281,8 @@ def replay_timed(
                        copy=False, domain=request.tenant)
         digests = identity.block_digests(seq)
         loads = [r.load for r in replicas]
+        for i, replica in enumerate(replicas if router.wants_events else ()):
+            router.set_costs(i, replica.costs())
         index = (router.choose_for(digests, request.recorded_digests, loads)
                  if len(replicas) > 1 else 0)
         replicas[index].add(request, seq)

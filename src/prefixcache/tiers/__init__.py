@@ -8,7 +8,7 @@ record format and the file and key layouts are in ``docs/tiers.md``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.tiers import disk, valkey
@@ -86,11 +86,24 @@ class TierConfig:
 
 
 class TieredStore:
-    """The tiers of one identity, nearest first."""
+    """The tiers of one identity, nearest first.
+
+    ``watch`` names listeners for what the tiers hold: ``on_stored(medium, keys)`` after blocks
+    were written to (or found in) a tier, in the keys' order; ``on_removed(medium, digests)``
+    after a tier evicted blocks to keep its capacity. They are called on the thread that
+    stores, loads or evicts. ``medium`` is the tier's `TierKind.medium` (``"DISK"``). A shared
+    tier that drops blocks silently (Valkey's own eviction, a TTL) reports no removal."""
 
     def __init__(self, identity: TierIdentity, tiers: Sequence[KVTier]) -> None:
         self.identity = identity
         self.tiers = list(tiers)
+        self.on_stored: Callable[[str, list[BlockKey]], None] | None = None
+
+    def watch(self, on_stored: Callable[[str, list[BlockKey]], None],
+              on_removed: Callable[[str, list[bytes]], None]) -> None:  # fmt: skip
+        self.on_stored = on_stored
+        for tier in self.tiers:
+            tier.stats.on_evicted = lambda digests, m=tier.name.upper(): on_removed(m, digests)
 
     @classmethod
     def open(cls, identity: TierIdentity, config: TierConfig) -> TieredStore:
@@ -115,6 +128,7 @@ class TieredStore:
                 promoted = list(zip(keys[start : start + len(got)], got, strict=True))
                 for nearer in self.tiers[:i]:
                     nearer.put(promoted)
+                    self._announce(nearer, [key for key, _ in promoted])
             payloads += got
             sources += [tier.name] * len(got)
         return payloads, sources
@@ -122,21 +136,34 @@ class TieredStore:
     def store(
         self, items: Sequence[tuple[BlockKey, bytes | memoryview]]
     ) -> dict[str, set[bytes]]:
-        """Write ``items`` to every tier that does not hold them yet. Returns, per shared tier
-        (every engine using it reads it: Valkey), its medium (`TierKind.medium`) and the
-        digests it now holds."""
-        shared: dict[str, set[bytes]] = {}
+        """Write ``items`` to every tier that does not hold them yet. Returns, per tier, its
+        medium (`TierKind.medium`) and the digests it now holds (all of them for a shared tier
+        that is up: one every engine using it reads, Valkey)."""
+        media: dict[str, set[bytes]] = {}
         if not items:
-            return shared
+            return media
         digests = [key.digest for key, _ in items]
         for tier in self.tiers:
             held = tier.contains(digests)
             todo = [item for item, h in zip(items, held, strict=True) if not h]
             if todo:
                 tier.put(todo)
-            if tier.shared and tier.stats.up:
-                shared.setdefault(tier.name.upper(), set()).update(digests)
-        return shared
+            keys = self._announce(tier, [key for key, _ in items])
+            if keys:
+                media[tier.name.upper()] = {key.digest for key in keys}
+        return media
+
+    def _announce(self, tier: KVTier, keys: list[BlockKey]) -> list[BlockKey]:
+        """Those of ``keys`` ``tier`` holds now (a shared tier: all, if it is up), told to
+        ``on_stored``."""
+        if tier.shared:
+            held = keys if tier.stats.up else []
+        else:  # the disk's own index: what a refused write left out is not there
+            found = tier.contains([key.digest for key in keys])
+            held = [key for key, h in zip(keys, found, strict=True) if h]
+        if held and self.on_stored is not None:
+            self.on_stored(tier.name.upper(), held)
+        return held
 
     def purge_domain(self, domain: str) -> dict[str, int]:
         """Remove one isolation domain's blocks from every tier: records removed per tier.

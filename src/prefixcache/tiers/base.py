@@ -40,6 +40,9 @@ class TierStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # told the digest of each record that failed its checks when read (the cache's fates)
     on_bad: Callable[[bytes], None] | None = field(default=None, repr=False, compare=False)
+    # told the digests of the records evicted to keep the capacity (the tier's KV events)
+    on_evicted: Callable[[list[bytes]], None] | None = field(default=None, repr=False,
+                                                             compare=False)
 
     def note_read(self, num_asked: int, num_found: int, num_bytes: int, seconds: float) -> None:
         """One batched read: ``num_found`` of ``num_asked`` blocks, from the first."""
@@ -57,9 +60,19 @@ class TierStats:
         if self.on_bad is not None:
             self.on_bad(digest)
 
+    def note_evicted(self, digests: list[bytes]) -> None:
+        """``digests``' records were removed to keep the capacity: counted, ``on_evicted``
+        told."""
+        if not digests:
+            return
+        with self.lock:
+            self.evicted += len(digests)
+        if self.on_evicted is not None:
+            self.on_evicted(digests)
+
     def as_dict(self) -> dict[str, float | int | bool]:
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("lock", "on_bad")}
+                if f.name not in ("lock", "on_bad", "on_evicted")}
 
 
 class KVTier(Protocol):

@@ -315,18 +315,19 @@ class DiskTier:
 
     def _evict_to(self, capacity: int) -> None:
         """Delete least recently used files until the tier holds at most ``capacity`` bytes."""
+        evicted: list[bytes] = []
         while True:
             with self._lock:
                 if self._bytes <= capacity or not self._index:
-                    return
+                    break
                 digest, size = self._index.popitem(last=False)
                 self._bytes -= size
             try:
                 os.unlink(self.path_of(digest))
             except OSError:
                 pass
-            with self.stats.lock:
-                self.stats.evicted += 1
+            evicted.append(digest)
+        self.stats.note_evicted(evicted)
 
     # -- purge -------------------------------------------------------------------------------------
 

@@ -101,6 +101,13 @@ function reasons(counts) {
   return misses.map(([r, n]) => `${r} ${fmt(n)}`).join(" ") || "–";
 }
 
+// per medium: the router's belief / the replica's truth (drift, where both are known)
+function media(byMedium) {
+  return Object.entries(byMedium).map(([m, x]) => `${m} ${fmt(x.believes)}/${fmt(x.holds)}` +
+    (x.drift === null || x.drift === undefined ? "" : ` (${x.drift > 0 ? "+" : ""}${x.drift})`))
+    .join(" · ") || "–";
+}
+
 function tables(d) {
   rows("domains", d.domains, (x) => [x.domain || "(single tenant)", pct(x.hit_ratio),
     fmt(x.queried_tokens), secs(x.ttft_p50_s), secs(x.ttft_p99_s), fmt(x.requests),
@@ -110,8 +117,8 @@ function tables(d) {
   const replicas = d.cluster ? d.cluster.replicas : [];
   el("cluster-box").hidden = replicas.length === 0;
   rows("cluster", replicas, (r) => [r.replica, r.slot === null ? "–" : r.slot,
-    fmt(r.router_believes), fmt(r.replica_holds), pct(r.hit_ratio), fmt(r.in_flight),
-    fmt(r.running)]);
+    fmt(r.router_believes), fmt(r.replica_holds), media(r.by_medium || {}), pct(r.hit_ratio),
+    fmt(r.in_flight), fmt(r.running)]);
   const tiers = Object.entries(d.tiers);
   el("tiers-box").hidden = tiers.length === 0;
   rows("tiers", tiers, ([name, t]) => [name, t.up ? "yes" : "no", fmt(t.blocks_held),
