@@ -1,7 +1,8 @@
 """prefixcache: a prefix-caching LLM inference engine.
 
 The cache layer (`prefixcache.cache`) and the simulator (`prefixcache.sim`) import no torch.
-`LLM` and `SamplingParams` are imported lazily so that `import prefixcache` stays light.
+`LLM`, `SamplingParams` and `LoRARequest` are imported lazily so that `import prefixcache`
+stays light.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LLM", "SamplingParams"):
+    if name in ("LLM", "LoRARequest", "SamplingParams"):
         from prefixcache import engine
 
         return getattr(engine, name)

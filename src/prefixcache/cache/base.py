@@ -20,7 +20,8 @@ lookup: a request's lookup is counted once, when `allocate` admits it with its h
 
 The features built on the contract are owners of their own that call it: lower tiers fill blocks
 through `adoption.adopt`, pins hold them (``pins.py``), a tenant's purge evicts its domain
-(`purge.evict_domain`), and the scheduler hands in which domains' free cached blocks an
+(`purge.evict_domain`), an unloaded LoRA adapter's namespaces are evicted (`evict_namespaces`),
+and the scheduler hands in which domains' free cached blocks an
 allocation may not evict (``protection``: fair shares live in ``sched/fairness.py``).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 from prefixcache.cache.allocator import Protection, TableAllocator
@@ -36,6 +38,7 @@ from prefixcache.cache.block_pool import BlockPool, PoolSize
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.events import (
     AllBlocksCleared,
+    BlockRemoved,
     EventBuffer,
     KVCacheEvent,
     stored,
@@ -260,6 +263,22 @@ class PrefixCache:
         self.stats.num_resets += 1
         self.events.emit(AllBlocksCleared())
         return True
+
+    def evict_namespaces(self, roots: Collection[bytes]) -> list[int]:
+        """Evict every free cached block under these namespace roots (an unloaded LoRA
+        adapter's, in each namespace its requests used), counted and announced as evictions;
+        blocks that live sequences or pins hold stay until they are freed. The evicted ids."""
+        blocks, digests = self.index.take_free_under(roots)
+        if not blocks:
+            return []
+        self.pool.epoch += 1  # hits looked up before are stale
+        self.stats.num_evictions += len(digests)
+        ids = [block.block_id for block in blocks]
+        if self.allocator.fates is not None:
+            self.allocator.fates.evicted(digests, None)
+        self.events.emit(BlockRemoved(block_hashes=digests, block_ids=ids))
+        self.pool.release(reversed(blocks))
+        return ids
 
     # -- views and drains -----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -116,6 +116,7 @@ class HashIndex(PrefixIndex):
         chunks = seq.block_token_bytes
         cached = self.digest_map
         domain = seq.domain
+        root = self.identity.root(seq)
         blocks = table.blocks
         runs: list[tuple[int, int]] = []
         num_dups = 0
@@ -131,6 +132,7 @@ class HashIndex(PrefixIndex):
             else:
                 cached[digest] = block
                 block.cache(digest, chunks[i], domain)
+                block.owner_root = root  # its namespace (`take_free_under`)
                 stored = True
             if stored != (run_start >= 0):
                 if stored:
@@ -147,6 +149,18 @@ class HashIndex(PrefixIndex):
         pop = self.digest_map.pop
         for digest in digests:
             pop(digest, None)
+
+    def take_free_under(self, roots: Collection[bytes]) -> tuple[list[KVBlock], list[bytes]]:
+        """The pool's free cached blocks that a sequence under one of ``roots`` cached."""
+        roots = set(roots)
+        blocks = [b for b in self.pool.blocks
+                  if not b.ref_cnt and b.digest is not None and b.owner_root in roots]  # fmt: skip
+        self.pool.touch(blocks)  # out of their queues, one reference each
+        digests = [b.digest for b in blocks if b.digest is not None]
+        for block in blocks:
+            block.uncache()
+        self.forget(digests)
+        return blocks, digests
 
     def held_block_ids(self) -> list[int]:
         return []  # the blocks are the pool's: every reference is a table's

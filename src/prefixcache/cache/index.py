@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Collection, Mapping
 
     from prefixcache.cache.block_pool import KVBlock
     from prefixcache.cache.sequence import Sequence
@@ -122,6 +122,11 @@ class PrefixIndex(abc.ABC):
     def insert(self, table: SeqBlocks, start: int, end: int) -> Inserted:
         """``table``'s blocks ``start..end-1`` are full and computed: make them hittable (or
         adopt the copies already cached, releasing the duplicates)."""
+
+    @abc.abstractmethod
+    def take_free_under(self, roots: Collection[bytes]) -> tuple[list[KVBlock], list[bytes]]:
+        """Every free cached block under these namespace roots, cached no more, each handed
+        over with one reference (the pool's ``release`` lets it go), and their digests."""
 
     @abc.abstractmethod
     def held_block_ids(self) -> list[int]:

@@ -29,7 +29,7 @@ admitted, so that a sequence's locked path covers exactly its hit blocks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from itertools import chain
 
@@ -41,9 +41,11 @@ from prefixcache.cache.index import CacheHit, Inserted, PrefixIndex, SeqBlocks
 from prefixcache.cache.radix_tree import (
     EvictionHeaps,
     RadixNode,
+    block_nodes,
     check_tree,
     descend,
     num_common,
+    num_unlocked,
     path_ids,
 )  # fmt: skip
 from prefixcache.cache.sequence import Sequence
@@ -174,12 +176,7 @@ class RadixIndex(PrefixIndex):
     def num_free_in(self, hit: CacheHit, blocks: list[KVBlock]) -> int:
         """Hit blocks on unlocked nodes: evictable now, protected once the path is locked."""
         assert isinstance(hit.handle, _HitHandle)  # checked_hit checked it
-        node = _resolve(hit.handle, hit)
-        count = 0
-        while node.block_ids and not node.lock_ref:
-            count += min(node.end, hit.num_blocks) - node.start
-            node = node.parent
-        return count
+        return num_unlocked(_resolve(hit.handle, hit), hit.num_blocks)
 
     def admit(self, table: SeqBlocks, hit: CacheHit) -> None:
         table.num_path = num_hit = len(hit.block_ids)
@@ -219,6 +216,20 @@ class RadixIndex(PrefixIndex):
                 self.heaps.pop(domain)
                 self._detach(node)
         return ids, dropped
+
+    def take_free_under(self, roots: Collection[bytes]) -> tuple[list[KVBlock], list[bytes]]:
+        """The namespaces' parked blocks, each node's once its children are gone."""
+        blocks, digests = list[KVBlock](), list[bytes]()
+        for node in reversed(block_nodes(self.root, roots)):
+            if not node.lock_ref and not node.children:
+                blocks += node.blocks  # with the tree's reference on each
+                digests += node.digests
+                self.parked[node.domain] -= len(node.blocks)
+                self.num_parked -= len(node.blocks)
+                self._num_cached -= len(node.blocks)
+                del node.block_ids[:], node.blocks[:], node.digests[:], node.tokens[:]
+                self._detach(node)
+        return blocks, digests
 
     def _detach(self, node: RadixNode) -> None:
         parent = node.parent
@@ -378,14 +389,7 @@ class RadixIndex(PrefixIndex):
 
     def nodes(self) -> list[RadixNode]:
         """Every block-owning node, parents before children."""
-        out: list[RadixNode] = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            if node.block_ids:
-                out.append(node)
-            stack.extend(node.children.values())
-        return out
+        return block_nodes(self.root)
 
     def held_block_ids(self) -> list[int]:
         return [i for node in self.nodes() for i in node.block_ids]

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixcache.cache.block_pool import BlockPool, KVBlock, check_invariant
 from prefixcache.cache.index import SeqBlocks
 
-__all__ = ["EvictionHeaps", "RadixNode", "check_tree", "descend", "num_common", "path_ids"]
+__all__ = [
+    "EvictionHeaps", "RadixNode", "block_nodes", "check_tree", "descend", "num_common",
+    "num_unlocked", "path_ids",
+]  # fmt: skip
 
 
 @dataclass(slots=True, eq=False)
@@ -215,6 +218,31 @@ def _check_tables(tables: Mapping[str, SeqBlocks], tree: set[int], block_size: i
         )  # fmt: skip
         held = table.block_ids[table.num_path :]
         check_invariant(tree.isdisjoint(held), "{!r}'s held blocks are not in the tree", seq_id)
+
+def block_nodes(root: RadixNode, roots: Collection[bytes] | None = None) -> list[RadixNode]:
+    """Every block-owning node under ``root`` (under the namespaces ``roots`` alone, where
+    given), parents before children."""
+    children = root.children
+    stack = list(children.values() if roots is None else
+                 (children[r] for r in roots if r in children))  # fmt: skip
+    out: list[RadixNode] = []
+    while stack:
+        node = stack.pop()
+        if node.block_ids:
+            out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def num_unlocked(node: RadixNode, num_blocks: int) -> int:
+    """Of the first ``num_blocks`` blocks of the path ending at ``node``, those on unlocked
+    nodes (evictable now)."""
+    count = 0
+    while node.block_ids and not node.lock_ref:
+        count += min(node.end, num_blocks) - node.start
+        node = node.parent
+    return count
+
 
 def path_ids(node: RadixNode) -> tuple[list[int], bool]:
     """The block ids from the namespace down to ``node``'s last, and whether every node on the

@@ -22,7 +22,7 @@ from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
 from prefixcache.tiers import TIERS, TierConfig
 
-__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "add_engine_arguments"]
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "EngineConfig", "LoraConfig", "add_engine_arguments"]
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024
 
@@ -51,6 +51,35 @@ _OFFLOAD_KEYS = {
     "kv_offload_decode", "kv_offload_max_pending_blocks", "kv_offload_max_pending_bytes",
 }  # fmt: skip
 _TIER_SETTINGS = {dest for kind in TIERS.values() for dest in kind.dests}
+_LORA_KEYS = {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}
+MAX_LORA_RANK = 512  # the kernel's (prefixcache/native/lora.h)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraConfig:
+    """LoRA adapters (vLLM's settings): ``enable_lora``; at most ``max_loras`` adapters in one
+    step, of rank at most ``max_lora_rank``; at most ``max_cpu_loras`` held in memory (None:
+    ``max(max_loras, 8)``)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters held in memory at most."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +103,7 @@ class EngineConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     max_pinned_blocks: int | None = None  # per domain; None: a quarter of the pool
     pin_budgets: Mapping[str, int] | None = None  # per domain, replacing max_pinned_blocks
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -105,9 +135,14 @@ class EngineConfig:
         ``default_domain_limits``, ``seed``, ``dtype``, ``weight_dtype``, ``check_integrity``,
         ``logprobs_mode``, the tiers' flags (`prefixcache.tiers.TIERS`: ``kv_disk``,
         ``kv_disk_gib``, ``kv_valkey``, ``kv_valkey_ttl``), ``kv_offload_decode``,
-        ``kv_offload_max_pending_blocks``, ``kv_offload_max_pending_bytes``."""
+        ``kv_offload_max_pending_blocks``, ``kv_offload_max_pending_bytes``, ``enable_lora``,
+        ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``."""
         cache = {_CACHE_KEYS[k]: settings.pop(k) for k in list(settings) if k in _CACHE_KEYS}
         scheduler = {k: settings.pop(k) for k in list(settings) if k in _SCHEDULER_KEYS}
+        lora = LoraConfig(**{k: v for k in list(settings) if k in _LORA_KEYS
+                             if (v := settings.pop(k)) is not None})  # fmt: skip
+        if lora.enable_lora:  # the scheduler keeps a step's adapters to max_loras
+            scheduler["max_loras"] = lora.max_loras
         offload = {k: v for k in list(settings) if k in _OFFLOAD_KEYS
                    if (v := settings.pop(k)) is not None}  # fmt: skip  # None: the default
         tier_settings = {k: v for k in list(settings) if k in _TIER_SETTINGS
@@ -122,6 +157,7 @@ class EngineConfig:
             cache=replace(_ENGINE_CACHE, **cache),
             scheduler=SchedulerConfig.from_kwargs(**scheduler),
             tiers=TierConfig(tier_settings, **offload),
+            lora=lora,
             **settings,
         )
 
@@ -207,6 +243,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
     parser.add_argument("--max-pinned-blocks", type=int, default=None, metavar="N",
                         help="KV blocks each tenant may pin with cache_control or "
                              "prompt_cache_retention (default: a quarter of the pool)")
+    parser.add_argument("--enable-lora", action="store_true", default=None,
+                        help="serve LoRA adapters (peft's files) beside the base model")
+    parser.add_argument("--max-loras", type=int, default=None, metavar="N",
+                        help="LoRA adapters in one batch at most (default 1)")
+    parser.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                        help="the highest LoRA rank accepted (default 16)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                        help="LoRA adapters kept in memory at most (default: max(--max-loras, "
+                             "8))")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES,

@@ -5,6 +5,8 @@
     outs = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=16, temperature=0.0))
     outs[0].text, outs[0].token_ids, outs[0].num_cached_tokens, outs[0].finish_reason
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))   # as vLLM's
+    llm = LLM(model="tiny", enable_lora=True, max_loras=4)
+    llm.generate("Hi", params, lora_request=LoRARequest("sql", 1, "/path/to/adapter"))
 
 A thin loop over `LLMEngine`; everything that matters happens there.
 """
@@ -17,6 +19,7 @@ from typing import Any, cast
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.engine.lora import LoraRegistry, LoRARequest, lora_requests
 from prefixcache.engine.outputs import CompletionOutput, GenerationOutput, best_of
 from prefixcache.engine.request import Request
 from prefixcache.engine.sampling_params import SamplingParams
@@ -67,12 +70,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | bytes | None = None,
         use_cache: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (a string, a token-id list, or a list of either); outputs
-        come back in prompt order. A bad prompt raises ValueError before anything runs."""
+        come back in prompt order. A bad prompt raises ValueError before anything runs.
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model), as vLLM's."""
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
-        requests = self._add_all(batch, params, cache_salt, use_cache)
+        loras = lora_requests(lora_request, len(batch))
+        requests = self._add_all(batch, params, cache_salt, use_cache, loras)
         while any(not r.all_finished for r in requests):
             self.engine.step()
         return [_result(r, p) for r, p in zip(requests, batch, strict=True)]
@@ -83,16 +90,15 @@ class LLM:
         params: list[SamplingParams],
         cache_salt: str | bytes | None,
         use_cache: bool,
+        loras: list[LoRARequest | None],
     ) -> list[Request]:
         requests: list[Request] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = f"generate-{next(self._ids)}"
-                requests.append(
-                    self.engine.add_request(
-                        request_id, prompt, p, cache_salt=cache_salt, use_cache=use_cache
-                    )
-                )
+                requests.append(self.engine.add_request(
+                    request_id, prompt, p, cache_salt=cache_salt, use_cache=use_cache,
+                    lora_request=lora))  # fmt: skip
         except ValueError as exc:
             for request in requests:
                 self.engine.abort(request.request_id)
@@ -107,6 +113,7 @@ class LLM:
         add_generation_prompt: bool = True,
         cache_salt: str | bytes | None = None,
         use_cache: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         to a list of conversations, rendered with the model's chat template (or
@@ -120,7 +127,7 @@ class LLM:
             self.tokenizer.encode_rendered_chat(text, [dict(m) for m in c])
             for text, c in zip(texts, conversations, strict=True)
         ]
-        outputs = self.generate(prompts, sampling_params, cache_salt, use_cache)
+        outputs = self.generate(prompts, sampling_params, cache_salt, use_cache, lora_request)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
         return outputs
@@ -148,6 +155,27 @@ class LLM:
         return list(self.tokenizer.encode_chat(
             [dict(m) for m in messages], add_generation_prompt, chat_template=chat_template
         ))
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register and load a LoRA adapter (raises `LoraError` for a bad one), as vLLM's."""
+        self._loras().add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int | str) -> bool:
+        """Unregister an adapter by its int id or name; its cached blocks go once no request
+        runs under it. False: no such adapter."""
+        loras = self._loras()
+        names = [r.lora_name for r in loras.requests() if lora_id in (r.lora_int_id, r.lora_name)]
+        return any([loras.remove(name) for name in names])
+
+    def list_loras(self) -> set[int]:
+        """The int ids of the registered adapters, as vLLM's."""
+        return {r.lora_int_id for r in self._loras().requests()}
+
+    def _loras(self) -> LoraRegistry:
+        if self.engine.loras is None:
+            raise ValueError("LoRA is off: LLM(..., enable_lora=True)")
+        return self.engine.loras
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (refused, False, while requests hold blocks)."""

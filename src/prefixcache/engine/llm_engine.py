@@ -19,7 +19,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
 from typing import Any, cast
 
-from prefixcache.attention.kv_cache import PagedKVCache
+from prefixcache.attention.kv_cache import KVLayout, PagedKVCache
 from prefixcache.cache import CacheIdentity, PrefixCache, evict_domain, make_prefix_cache
 from prefixcache.cache.base import CacheObserver
 from prefixcache.cache.events import KVCacheEvent
@@ -29,6 +29,7 @@ from prefixcache.engine import observation
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.groups import RequestGroups
 from prefixcache.engine.input_processor import InputProcessor
+from prefixcache.engine.lora import LoraBusy, LoraRegistry, LoRARequest
 from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
 from prefixcache.engine.request import Request
@@ -38,6 +39,7 @@ from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.step_sampling import StepSampler, record_prompt_logprobs
 from prefixcache.engine.structured import GrammarCompiler
 from prefixcache.engine.tiering import TierTraffic
+from prefixcache.errors import InvalidParam
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.loader import LoadedModel
 from prefixcache.model.tokenizer import Tokenizer
@@ -65,13 +67,7 @@ class LLMEngine:
         self, model: Any = None, *, config: EngineConfig | None = None, **settings: Any
     ) -> None:
         """``config``, or ``model`` and the flat keywords of `EngineConfig.from_kwargs`."""
-        if config is None:
-            config = EngineConfig.from_kwargs("tiny" if model is None else model, **settings)
-        elif settings:
-            raise TypeError("give an EngineConfig or keyword settings, not both")
-        elif model is not None:
-            config = replace(config, model=model)
-        self.engine_config = config
+        self.engine_config = config = _config(model, config, settings)
         self.loaded: LoadedModel = _load(config.model, config.dtype, config.weight_dtype)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Tokenizer = self.loaded.tokenizer
@@ -80,8 +76,8 @@ class LLMEngine:
         self.max_model_len: int = self.model_config.max_model_len
         self.block_size = config.block_size
         self.kv_layout = self.loaded.kv_layout
-        num_blocks = config.cache.num_blocks or self._default_num_blocks(
-            config.kv_cache_memory_bytes, config.scheduler.max_num_seqs
+        num_blocks = config.cache.num_blocks or _default_num_blocks(
+            self.kv_layout, self.block_size, self.max_model_len, config
         )
         self.cache: PrefixCache = make_prefix_cache(
             replace(config.cache, num_blocks=num_blocks, model_id=self.loaded.identity)
@@ -89,13 +85,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model,
                                   self.loaded.make_kv_cache(num_blocks, self.block_size))
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
+        # LoRA adapters (None: off); their rows' updates run beside the base projections
+        self.loras = self.runner.loras = (
+            LoraRegistry(self.model_config, config.lora, self._evict_namespaces)
+            if config.lora.enable_lora else None)  # fmt: skip
         self.fates = self.cache.allocator.fates = BlockFates()  # why blocks left: diagnostics
         # the lower tiers (disk, Valkey): written behind each step, read ahead of admission
-        self.tiers = TierTraffic.open(config.tiers, self.loaded.identity, self.cache,
-                                      self.runner.kv_cache, self.scheduler)
-        if self.tiers is not None:  # its threads must not outlive the engine; not at exit,
-            # where waking them would run tensor work while torch is being torn down
-            weakref.finalize(self, self.tiers.offload.stop).atexit = False
+        self.tiers = _open_tiers(self, config)
         # prefixes kept from eviction for a time (cache_control), per domain within a budget
         max_pinned = config.max_pinned_blocks
         self.pins = PinTable(self.cache, num_blocks // 4 if max_pinned is None else max_pinned,
@@ -150,12 +146,6 @@ class LLMEngine:
         """Bytes of K and V one KV block holds for this engine's model."""
         return self.kv_layout.bytes_per_block(self.block_size)
 
-    def _default_num_blocks(self, memory_bytes: int, max_num_seqs: int) -> int:
-        """What fits in ``memory_bytes``, capped at what ``max_num_seqs`` full-length
-        sequences could use."""
-        fit = self.kv_layout.blocks_in(memory_bytes, self.block_size)
-        return min(fit, max_num_seqs * -(-self.max_model_len // self.block_size))
-
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(
@@ -170,29 +160,31 @@ class LLMEngine:
         arrival_time: float | None = None,
         domain: str = "",
         pins: SequenceABC[tuple[int, float]] = (),
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Queue a request. Bad input raises ValueError (`InvalidParam` naming the field,
         from `InputProcessor`) and leaves the engine unchanged. ``domain`` is its isolation
         domain (tenant or group) for fair sharing and caps. ``pins``: ``(num_tokens, ttl_s)``
         prefixes of the prompt to keep from eviction once the request is done (cache
-        breakpoints; `PinTable`)."""
+        breakpoints; `PinTable`). ``lora_request``: the LoRA adapter it runs under."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self.inputs.process(prompt, prompt_token_ids, params, domain)
+        matcher = (None if params.structured_outputs is None  # compiled (or refused) now
+                   else self.grammars.matcher(params.structured_outputs))  # fmt: skip
+        _check_pins(pins)
+        adapter = _acquire(self.loras, lora_request)  # the last check: it holds the adapter
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         self._num_added += 1
         request = Request.new(request_id, token_ids, params, base_seed, self._num_added,
                               cache_salt=cache_salt, use_cache=use_cache, domain=domain,
-                              external=self.tiers is not None)
-        if params.structured_outputs is not None:  # compiled (or refused) before it queues
-            request.matcher = self.grammars.matcher(params.structured_outputs)
+                              external=self.tiers is not None, adapter=adapter)
+        request.matcher = matcher
+        if self.loras is not None and adapter is not None:
+            self.loras.note_root(adapter, self.cache.identity.root(request.seq))
         if arrival_time is not None:
             request.timing.arrival_time = arrival_time
-        for num_tokens, ttl_s in pins:
-            if num_tokens < 0 or not ttl_s > 0:
-                raise ValueError(f"a pin needs num_tokens >= 0 and ttl_s > 0, got "
-                                 f"{(num_tokens, ttl_s)}")
         request.pin_requests = [(min(n, request.num_prompt_tokens - 1), t) for n, t in pins]
         self.pins.refresh(request.seq)  # a request through a pinned prefix extends the pin
         self.groups.add(request)
@@ -247,7 +239,7 @@ class LLMEngine:
         self.last_scheduled = out
         self.num_steps += 1
         if not out.is_empty:
-            self._mark_scheduled(out)
+            _mark_scheduled(out)
             logits = self.runner.execute_step(out)
             targets = self.scheduler.update_from_step(out)
             if self.tiers is not None:
@@ -271,13 +263,6 @@ class LLMEngine:
                 out = self.scheduler.schedule()
         return out
 
-    def _mark_scheduled(self, out: SchedulerOutput) -> None:
-        now = time.monotonic()
-        for chunk in out.chunks:
-            timing = cast(Request, chunk.request).timing  # the scheduler holds our requests
-            if timing.first_scheduled_time is None:
-                timing.first_scheduled_time = now
-
     def _retired(self, parent: Request) -> None:
         """``parent``'s request is done: pin what it asked to keep (if it ended well; a pin of
         an hour or more is written through to the lower tiers), then tell the listener."""
@@ -286,6 +271,8 @@ class LLMEngine:
                 pin = self.pins.pin(parent.seq, num_tokens, ttl_s)
                 if pin is not None and self.tiers is not None:
                     self.tiers.pinned(pin.seq, ttl_s)
+        if self.loras is not None and parent.seq.adapter is not None:
+            self.loras.release(parent.seq.adapter)
         if self.on_request_finished is not None:
             self.on_request_finished(parent)
 
@@ -338,6 +325,12 @@ class LLMEngine:
             self.cache.check_integrity()
         return len(block_ids)
 
+    def _evict_namespaces(self, roots: set[bytes]) -> None:
+        """Evict the free cached blocks under these namespace roots (an unloaded adapter's)."""
+        self.cache.evict_namespaces(roots)
+        if self.check_integrity:
+            self.cache.check_integrity()
+
     def flush_tiers(self, timeout: float = 30.0) -> bool:
         """Wait until the blocks queued for the lower tiers are written (False on timeout)."""
         return self.tiers.offload.flush(timeout) if self.tiers is not None else True
@@ -346,6 +339,62 @@ class LLMEngine:
         """Finish the tiers' queued writes and stop their threads (idempotent)."""
         if self.tiers is not None:
             self.tiers.offload.close()
+
+
+def _config(model: Any, config: EngineConfig | None, settings: dict[str, Any]) -> EngineConfig:
+    if config is None:
+        return EngineConfig.from_kwargs("tiny" if model is None else model, **settings)
+    if settings:
+        raise TypeError("give an EngineConfig or keyword settings, not both")
+    return config if model is None else replace(config, model=model)
+
+
+def _open_tiers(engine: LLMEngine, config: EngineConfig) -> TierTraffic | None:
+    tiers = TierTraffic.open(config.tiers, engine.loaded.identity, engine.cache,
+                             engine.runner.kv_cache, engine.scheduler)
+    if tiers is not None:  # its threads must not outlive the engine; not at exit, where
+        # waking them would run tensor work while torch is being torn down
+        weakref.finalize(engine, tiers.offload.stop).atexit = False
+    return tiers
+
+
+def _default_num_blocks(
+    layout: KVLayout, block_size: int, max_model_len: int, config: EngineConfig
+) -> int:
+    """What fits in ``kv_cache_memory_bytes``, capped at what ``max_num_seqs`` full-length
+    sequences could use."""
+    fit = layout.blocks_in(config.kv_cache_memory_bytes, block_size)
+    return min(fit, config.scheduler.max_num_seqs * -(-max_model_len // block_size))
+
+
+def _mark_scheduled(out: SchedulerOutput) -> None:
+    now = time.monotonic()
+    for chunk in out.chunks:
+        timing = cast(Request, chunk.request).timing  # the scheduler holds our requests
+        if timing.first_scheduled_time is None:
+            timing.first_scheduled_time = now
+
+
+def _check_pins(pins: SequenceABC[tuple[int, float]]) -> None:
+    for num_tokens, ttl_s in pins:
+        if num_tokens < 0 or not ttl_s > 0:
+            raise ValueError(f"a pin needs num_tokens >= 0 and ttl_s > 0, got "
+                             f"{(num_tokens, ttl_s)}")
+
+
+def _acquire(loras: LoraRegistry | None, lora_request: LoRARequest | None) -> str | None:
+    """The identity of the adapter a request runs under (held until it retires), or None."""
+    if lora_request is None:
+        return None
+    if loras is None:
+        raise InvalidParam("model", f"LoRA adapter {lora_request.lora_name!r} asked for, but "
+                                    "LoRA is off (enable_lora, --enable-lora)")
+    try:
+        return loras.acquire(lora_request)
+    except LoraBusy:
+        raise  # retry later: the server's 429
+    except ValueError as exc:
+        raise InvalidParam("model", str(exc)) from None
 
 
 def _load(model: Any, dtype: str, weight_dtype: str = "auto") -> LoadedModel:

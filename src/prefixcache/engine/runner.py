@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache
 from prefixcache.sched import SchedulerOutput
+
+if TYPE_CHECKING:
+    from prefixcache.engine.lora import LoraRegistry
 
 __all__ = ["ModelRunner", "PrefillSpeed", "StepLogits"]
 
@@ -61,6 +65,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.kv_cache = kv_cache
         self.prefill_speed = PrefillSpeed()
+        self.loras: LoraRegistry | None = None  # the LoRA adapters the rows run under
 
     def execute_step(self, out: SchedulerOutput) -> StepLogits:
         """The step's logits: at each chunk's last token, and at every token of the chunks
@@ -91,7 +96,9 @@ class ModelRunner:
             every_token=every,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        logits: torch.Tensor = self.model(input_ids, metadata.positions, self.kv_cache, metadata)
+        lora = self.loras.step(out.chunks) if self.loras is not None else None
+        logits: torch.Tensor = self.model(input_ids, metadata.positions, self.kv_cache, metadata,
+                                          lora=lora)
         if not any(every):
             return StepLogits(logits)
         rows = metadata.last_logits_rows

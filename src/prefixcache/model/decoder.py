@@ -36,6 +36,7 @@ from prefixcache.model.layers import (
     RMSNorm,
     choose_gemm,
 )
+from prefixcache.model.lora_batch import LoraStep
 from prefixcache.model.panel_gemm import PanelWeight
 from prefixcache.model.quant_gemm import QuantBlocks, QuantWeight
 from prefixcache.model.rope import RotaryEmbedding
@@ -180,8 +181,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> logits [B, vocab] at each sequence's last new token."""
+        """input_ids, positions: [T] -> logits [B, vocab] at each sequence's last new token;
+        ``lora``: the rows that run under LoRA adapters (`lora_batch`), None: none."""
         if self.rotary is None:
             self.init_rotary()
         assert self.rotary is not None
@@ -193,13 +196,13 @@ class CausalLM(nn.Module):
         plan = build_plan(attn_metadata, *kv_cache.layer(0), c.num_attention_heads, h.dtype,
                           h.device)  # every layer's attention path, decided once
         fused = FusedLayers.prepare(
-            c, self.layer_parts(), h, cos_sin, kv_cache, attn_metadata, plan
+            c, self.layer_parts(), h, cos_sin, kv_cache, attn_metadata, plan, lora
         )
         for i, layer in enumerate(self.model.layers):
             if fused is not None:
                 delta = fused.run(i)
             else:
-                delta = layer(h, delta, cos_sin, kv_cache, attn_metadata, plan)
+                delta = layer(h, delta, cos_sin, kv_cache, attn_metadata, plan, lora)
         rows = attn_metadata.logits_indices
         last = h.index_select(0, rows)  # [B, hidden]: only these rows need the last add
         if delta is not None:

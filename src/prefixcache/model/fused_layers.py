@@ -39,6 +39,7 @@ from prefixcache.model.quant_gemm import QuantWeight
 if TYPE_CHECKING:
     from prefixcache.model.config import ModelConfig
     from prefixcache.model.layers import LayerParts, Projection, RMSNorm
+    from prefixcache.model.lora_batch import LoraStep
 
 __all__ = ["FusedLayers", "unsupported"]
 
@@ -69,6 +70,8 @@ class LayerArgs(ctypes.Structure):
         *[(name, _P) for name in ("decode", "shared_slots", "tail_slots", "tail_lens")],
         *[(name, _I) for name in ("shared", "max_tail", "decode_chunk", "products")],
         *[(name, _P) for name in ("q32", "out32")],
+        ("lora_runs", _P),
+        ("lora", _P),
     ]
 
 
@@ -94,12 +97,14 @@ class FusedLayers:
         plan: AttentionPlan,
         buffers: dict[str, torch.Tensor],
         attention: native_attention.PreparedAttend | native_attention.PreparedDecode | None,
+        lora: LoraStep | None = None,
     ) -> None:
         self._library, self._args, self._layers = library, args, layers
         self._num_heads, self._num_kv_heads = num_heads
         self._kv_cache, self._metadata, self._buffers = kv_cache, metadata, buffers
         self._plan = plan
         self._attention = attention  # its slots and scratch: kept alive with the addresses
+        self._lora = lora  # its runs and tables: likewise
         self._addresses = [ctypes.addressof(a) for a in args]
         suffix = "_bf16" if buffers["x"].dtype == torch.bfloat16 else ""
         self._inputs = getattr(library, "pc_layer_inputs" + suffix)
@@ -122,10 +127,12 @@ class FusedLayers:
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
         plan: AttentionPlan,
+        lora: LoraStep | None = None,
     ) -> FusedLayers | None:
         """Check the step and fill each layer's arguments; None where the calls do not apply
         (not float32 or bfloat16 on the CPU, no packed weights of a kind the calls multiply
-        through, no native layers, a model they do not run (`unsupported`), an empty step)."""
+        through, no native layers, a model they do not run (`unsupported`), an empty step).
+        ``lora``: the step's adapters, whose updates the calls add after each projection."""
         c = config
         library = native_layers.library()
         if library is None or unsupported(c) is not None or not _takes(h):
@@ -155,8 +162,11 @@ class FusedLayers:
             for name, value in attention.kernel_arguments(buffers["attn"]).items():
                 setattr(template, name, value)
         args = _layer_args(template, static.fields)
+        if lora is not None:
+            for i, a in enumerate(args):
+                a.lora_runs, a.lora = lora.runs_address, lora.table_address(i)
         return cls(library, args, layers, (heads, c.num_key_value_heads), kv_cache, metadata,
-                   plan, buffers, attention)  # fmt: skip
+                   plan, buffers, attention, lora)  # fmt: skip
 
     def run(self, i: int) -> torch.Tensor:
         """Layer i: the residual stream h updated in place; returns the layer's MLP output, a

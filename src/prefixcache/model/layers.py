@@ -18,6 +18,7 @@ from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attenti
 from prefixcache.attention.plan import AttentionPlan
 from prefixcache.model import native_layers, onednn_gemm, packed_gemm, panel_gemm, tuning
 from prefixcache.model.config import ModelConfig
+from prefixcache.model.lora_batch import LoraStep
 from prefixcache.model.onednn_gemm import OneDnnWeight
 from prefixcache.model.packed_gemm import PackedWeight
 from prefixcache.model.panel_gemm import PanelWeight
@@ -217,9 +218,14 @@ class Attention(nn.Module):
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
         plan: AttentionPlan | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
+        """``lora``: the step's adapters, whose updates follow each projection."""
         num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        projected_qkv: torch.Tensor = self.qkv_proj(x)
+        if lora is not None:
+            lora.apply(self.layer_index, 0, x, projected_qkv)
+        qkv = projected_qkv.view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         if self.qk_norm:
             q = _rotate(self.q_norm(qkv[:, :heads]), cos_sin)  # [T, heads, head_dim]
             k = _rotate(self.k_norm(qkv[:, heads : heads + kv_heads]), cos_sin)
@@ -230,7 +236,10 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache.layer(self.layer_index)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, plan)
-        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
+        attended = out.reshape(num_tokens, self.q_size)
+        projected: torch.Tensor = self.o_proj(attended)
+        if lora is not None:
+            lora.apply(self.layer_index, 1, attended, projected)
         return projected
 
 
@@ -245,26 +254,35 @@ class MLP(nn.Module):
         )
         self.down_proj = Projection(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, lora: LoraStep | None = None, layer_index: int = 0
+    ) -> torch.Tensor:
+        """``lora``: the step's adapters (their updates of layer ``layer_index``)."""
         num_tokens = x.shape[0]
         chunk = tuning.mlp_chunk_rows(self.intermediate_size, x.element_size())
         if num_tokens <= chunk:
-            return self._swiglu(x)
+            return self._swiglu(x, lora, layer_index, 0)
         # long prefills go through in row chunks: the activation stays cache-sized
         out = x.new_empty(num_tokens, x.shape[1])
         for start in range(0, num_tokens, chunk):
             rows = slice(start, start + chunk)
-            out[rows] = self._swiglu(x[rows])
+            out[rows] = self._swiglu(x[rows], lora, layer_index, start)
         return out
 
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+    def _swiglu(
+        self, x: torch.Tensor, lora: LoraStep | None, layer_index: int, first_row: int
+    ) -> torch.Tensor:
         gate_up: torch.Tensor = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(layer_index, 2, x, gate_up, first_row)
         if gate_up.is_contiguous() and native_layers.applies(gate_up):
             activated = native_layers.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             activated = F.silu(gate) * up
         out: torch.Tensor = self.down_proj(activated)
+        if lora is not None:
+            lora.apply(layer_index, 3, activated, out, first_row)
         return out
 
 
@@ -310,15 +328,17 @@ class DecoderLayer(nn.Module):
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
         plan: AttentionPlan | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """One layer on the residual stream h [T, hidden], updated in place: ``h += delta`` (the
         previous layer's MLP output; None for the first layer), then ``h += attention``. Returns
         this layer's MLP output, the next delta: each residual add is fused with the norm after
-        it (`RMSNorm.add_forward`), as vLLM's layers do."""
+        it (`RMSNorm.add_forward`), as vLLM's layers do. ``lora``: the step's adapters."""
         norm = self.input_layernorm
         x = norm(h) if delta is None else norm.add_forward(h, delta)
-        attended = self.self_attn(x, cos_sin, kv_cache, metadata, plan)
-        out: torch.Tensor = self.mlp(self.post_attention_layernorm.add_forward(h, attended))
+        attended = self.self_attn(x, cos_sin, kv_cache, metadata, plan, lora)
+        normed = self.post_attention_layernorm.add_forward(h, attended)
+        out: torch.Tensor = self.mlp(normed, lora, self.self_attn.layer_index)
         return out
 
 

@@ -12,7 +12,8 @@ value before the weight, each product and sum of the rotary).
 
 The library also runs a whole layer as one call (`pc_layer`) or two around the attention
 (`pc_layer_inputs`, `pc_layer_outputs`, and their bfloat16 versions), for
-`prefixcache.model.fused_layers`, and holds the panel GEMM (`prefixcache.model.panel_gemm`).
+`prefixcache.model.fused_layers`, and holds the panel GEMM (`prefixcache.model.panel_gemm`) and
+the LoRA updates (`prefixcache.model.lora_batch`).
 
 `available()` is False, and the decoder keeps its torch code, where there is no C compiler, the
 build or a one-time probe against torch fails, or ``PREFIXCACHE_NATIVE_LAYERS=0``;
@@ -85,6 +86,10 @@ def _library() -> ctypes.CDLL | None:
         ]  # fmt: skip
         for name in ("pc_add_rms_norm", "pc_silu_mul", "pc_rotary"):
             getattr(library, name + suffix).restype = None
+    # LoRA updates after a projection (lora.h; `lora_batch.LoraStep.apply`)
+    library.pc_lora_apply.argtypes = [_P, _P, _P, ctypes.c_int64, _I, _P, ctypes.c_int64,
+                                      _I, _I, _I, _I]  # fmt: skip
+    library.pc_lora_apply.restype = None
     # a struct layer_args (`fused_layers.LayerArgs`)
     library.pc_layer.argtypes = library.pc_layer_bf16.argtypes = [_P]
     library.pc_layer_inputs.argtypes = library.pc_layer_inputs_bf16.argtypes = [_P]

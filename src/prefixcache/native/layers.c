@@ -13,6 +13,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "lora.h"
 #include "panel_gemm.h"
 #include "quant_gemm.h"
 #include "vector_math.h"
@@ -243,11 +244,14 @@ static void pc_attention_inputs(packed_gemm_fn gemm, float *h, const float *delt
                          float eps, float *x, int rows, int hidden, const void *w_qkv,
                          const float *bias, float *qkv, int H, int KV, int D, const float *cos,
                          const float *signed_sin, float *k_cache, float *v_cache,
-                         const int64_t *slots, int nthreads) {
+                         const int64_t *slots, const struct lora_runs *runs,
+                         const struct lora_table *lora, int nthreads) {
     const int width = (H + 2 * KV) * D;
     const size_t kv_bytes = (size_t)KV * D * sizeof(float);
     pc_add_rms_norm(h, delta, norm_w, x, rows, hidden, eps, nthreads);
     project(gemm, x, rows, hidden, w_qkv, width, bias, qkv);
+    if (lora != NULL)
+        pc_lora_apply(runs, &lora[0], x, hidden, hidden, qkv, width, 0, rows, 0, nthreads);
     pc_rotary(qkv, width, rows, H + KV, D, cos, signed_sin, nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int r = 0; r < rows; r++) {
@@ -259,18 +263,28 @@ static void pc_attention_inputs(packed_gemm_fn gemm, float *h, const float *delt
 
 /* o = attn [rows, q_size] W_o^T; h += o; x = RMSNorm(h) * norm_w; out [rows, hidden] =
  * (silu(x W_gate^T) * x W_up^T) W_down^T, `chunk` rows at a time (gate_up: [chunk, 2 I], act:
- * [chunk, I] scratch). */
+ * [chunk, I] scratch); each projection followed by its adapters' updates (lora: the layer's
+ * 4 tables, qkv, o, gate_up, down; NULL: none). */
 static void pc_mlp_block(packed_gemm_fn gemm, const float *attn, int rows, int q_size, const void *w_o,
                   float *h, int hidden, const float *norm_w, float eps, const void *w_gate_up,
                   int I, const void *w_down, float *o, float *x, float *gate_up, float *act,
-                  float *out, int chunk, int nthreads) {
+                  float *out, int chunk, const struct lora_runs *runs,
+                  const struct lora_table *lora, int nthreads) {
     project(gemm, attn, rows, q_size, w_o, hidden, NULL, o);
+    if (lora != NULL)
+        pc_lora_apply(runs, &lora[1], attn, q_size, q_size, o, hidden, 0, rows, 0, nthreads);
     pc_add_rms_norm(h, o, norm_w, x, rows, hidden, eps, nthreads);
     for (int r0 = 0; r0 < rows; r0 += chunk) {
         const int m = rows - r0 < chunk ? rows - r0 : chunk;
-        project(gemm, x + (int64_t)r0 * hidden, m, hidden, w_gate_up, 2 * I, NULL, gate_up);
+        const float *xr = x + (int64_t)r0 * hidden;
+        float *out_r = out + (int64_t)r0 * hidden;
+        project(gemm, xr, m, hidden, w_gate_up, 2 * I, NULL, gate_up);
+        if (lora != NULL)
+            pc_lora_apply(runs, &lora[2], xr, hidden, hidden, gate_up, 2 * I, r0, m, 0, nthreads);
         pc_silu_mul(gate_up, act, m, I, nthreads);
-        project(gemm, act, m, I, w_down, hidden, NULL, out + (int64_t)r0 * hidden);
+        project(gemm, act, m, I, w_down, hidden, NULL, out_r);
+        if (lora != NULL)
+            pc_lora_apply(runs, &lora[3], act, I, I, out_r, hidden, r0, m, 0, nthreads);
     }
 }
 
@@ -324,20 +338,25 @@ struct layer_args {
     const int *tail_lens;
     int shared, max_tail, decode_chunk, products;
     float *q32, *out32;
+    /* the step's rows under adapters and this layer's 4 tables of their updates (qkv, o,
+     * gate_up, down: lora.h), or NULL */
+    const struct lora_runs *lora_runs;
+    const struct lora_table *lora;
 };
 
 /* The steps before the attention (pc_attention_inputs) */
 void pc_layer_inputs(const struct layer_args *a) {
     pc_attention_inputs(a->gemm, a->h, a->delta, a->norm_w, a->eps, a->x, a->rows, a->hidden,
                         a->w_qkv, a->qkv_bias, a->qkv, a->H, a->KV, a->D, a->cos, a->signed_sin,
-                        a->k_cache, a->v_cache, a->slot_mapping, a->nthreads);
+                        a->k_cache, a->v_cache, a->slot_mapping, a->lora_runs, a->lora,
+                        a->nthreads);
 }
 
 /* The steps after it (pc_mlp_block) on the attention output attended [rows, H * D] */
 void pc_layer_outputs(const struct layer_args *a, const float *attended) {
     pc_mlp_block(a->gemm, attended, a->rows, a->H * a->D, a->w_o, a->h, a->hidden, a->post_norm_w,
                  a->eps, a->w_gate_up, a->I, a->w_down, a->o, a->x, a->gate_up, a->act, a->out,
-                 a->chunk, a->nthreads);
+                 a->chunk, a->lora_runs, a->lora, a->nthreads);
 }
 
 /* A whole layer, for a step that is one sequence's prefill through pc_attention or decodes
@@ -378,6 +397,9 @@ void pc_layer_inputs_bf16(const struct layer_args *a) {
                          a->hidden, a->eps, a->nthreads);
     project_bf16(x, rows, a->hidden, a->w_qkv, width, (const bf16_t *)a->qkv_bias, qkv,
                  a->nthreads);
+    if (a->lora != NULL)
+        pc_lora_apply(a->lora_runs, &a->lora[0], x, a->hidden, a->hidden, qkv, width, 0, rows, 1,
+                      a->nthreads);
     pc_rotary_bf16(qkv, width, rows, H + KV, D, (const bf16_t *)a->cos,
                    (const bf16_t *)a->signed_sin, a->nthreads);
 #pragma omp parallel for num_threads(a->nthreads) schedule(static)
@@ -392,15 +414,26 @@ void pc_layer_outputs_bf16(const struct layer_args *a, const bf16_t *attended) {
     const int rows = a->rows, hidden = a->hidden, I = a->I, chunk = a->chunk;
     bf16_t *h = (bf16_t *)a->h, *x = (bf16_t *)a->x, *o = (bf16_t *)a->o;
     bf16_t *gate_up = (bf16_t *)a->gate_up, *act = (bf16_t *)a->act, *out = (bf16_t *)a->out;
-    project_bf16(attended, rows, a->H * a->D, a->w_o, hidden, NULL, o, a->nthreads);
+    const struct lora_runs *runs = a->lora_runs;
+    const struct lora_table *lora = a->lora;
+    const int q_size = a->H * a->D;
+    project_bf16(attended, rows, q_size, a->w_o, hidden, NULL, o, a->nthreads);
+    if (lora != NULL)
+        pc_lora_apply(runs, &lora[1], attended, q_size, q_size, o, hidden, 0, rows, 1, a->nthreads);
     pc_add_rms_norm_bf16(h, o, (const bf16_t *)a->post_norm_w, x, rows, hidden, a->eps,
                          a->nthreads);
     for (int r0 = 0; r0 < rows; r0 += chunk) {
         const int m = rows - r0 < chunk ? rows - r0 : chunk;
-        project_bf16(x + (int64_t)r0 * hidden, m, hidden, a->w_gate_up, 2 * I, NULL, gate_up,
-                     a->nthreads);
+        const bf16_t *xr = x + (int64_t)r0 * hidden;
+        bf16_t *out_r = out + (int64_t)r0 * hidden;
+        project_bf16(xr, m, hidden, a->w_gate_up, 2 * I, NULL, gate_up, a->nthreads);
+        if (lora != NULL)
+            pc_lora_apply(runs, &lora[2], xr, hidden, hidden, gate_up, 2 * I, r0, m, 1,
+                          a->nthreads);
         pc_silu_mul_bf16(gate_up, act, m, I, a->nthreads);
-        project_bf16(act, m, I, a->w_down, hidden, NULL, out + (int64_t)r0 * hidden, a->nthreads);
+        project_bf16(act, m, I, a->w_down, hidden, NULL, out_r, a->nthreads);
+        if (lora != NULL)
+            pc_lora_apply(runs, &lora[3], act, I, I, out_r, hidden, r0, m, 1, a->nthreads);
     }
 }
 

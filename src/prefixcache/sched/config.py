@@ -19,7 +19,8 @@ class SchedulerConfig:
     sequences. ``schedule_policy``: ``fcfs`` or ``lpm`` (longest cached prefix first, aged:
     promoted after ``lpm_max_wait_steps`` steps). ``dedup``: hold back a request whose first
     uncached block another request computes in this step. Per-domain hard caps:
-    ``domain_limits`` by domain, ``default_domain_limits`` for the others."""
+    ``domain_limits`` by domain, ``default_domain_limits`` for the others. ``max_loras``: LoRA
+    adapters (`Sequence.adapter`) in one step at most (None: no limit)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -28,6 +29,7 @@ class SchedulerConfig:
     dedup: bool = True
     domain_limits: Mapping[str, DomainLimits] = field(default_factory=dict)
     default_domain_limits: DomainLimits = field(default_factory=DomainLimits)
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         one_of("scheduling policy", self.schedule_policy, SCHEDULE_POLICIES)

@@ -206,8 +206,8 @@ class Scheduler(Generic[R]):
             if budget <= 0:
                 break
             domain = request.domain
-            if domain in blocked:
-                continue  # no overtaking inside a domain
+            if domain in blocked or not _adapter_fits(request, self.running, self.config):
+                continue  # no overtaking inside a domain; max_loras adapters run already
             num_new = 0
             if num_seqs + request.reserved_seqs <= self.max_num_seqs and self._within_limits(
                 request, shares, waiting_domains
@@ -339,3 +339,13 @@ class Scheduler(Generic[R]):
         position = self.running.index(parent) + 1
         self.running[position:position] = children
         return children
+
+
+def _adapter_fits(request: SchedRequest, running: list[R], config: SchedulerConfig) -> bool:
+    """Whether ``request`` may join a step whose running requests are ``running`` under
+    ``config.max_loras``: it runs under no adapter, or one of theirs, or they leave room."""
+    adapter, limit = request.seq.adapter, config.max_loras
+    if adapter is None or limit is None:
+        return True
+    running_adapters = {r.seq.adapter for r in running} - {None}
+    return adapter in running_adapters or len(running_adapters) < limit
