@@ -27,6 +27,7 @@ from prefixcache.server.diagnostics_store import open_store
 from prefixcache.server.errors import ApiError, install_error_handlers
 from prefixcache.server.job_runner import JobRunner
 from prefixcache.server.limits import BodyLimit
+from prefixcache.server.lora import lora_router
 from prefixcache.server.messages import AnthropicServingMessages, messages_router
 from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.server.models import OpenAIServingModels, models_router
@@ -57,13 +58,15 @@ def create_app(
     strict_api: bool = False,
     vllm_metric_names: bool = True,
     dashboard: bool = True,
+    lora_updating: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (an `LLMEngine`, driven from its own thread).
 
     With a tenants file, ``/metrics`` answers only an admin tenant's key or ``metrics_key``.
     ``strict_api``: unknown request fields get 400 instead of being ignored.
     ``vllm_metric_names``: export vLLM's names beside ours (`server/vllm_metrics.py`).
-    ``dashboard``: serve ``GET /dashboard`` (`server/dashboard`).
+    ``dashboard``: serve ``GET /dashboard`` (`server/dashboard`). ``lora_updating``: serve
+    the admins' ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
     """
     metrics = _metrics(engine, model_name, metrics_domain_labels, vllm_metric_names)
     max_pending = engine.limits.max_num_seqs + max_queue_len
@@ -81,6 +84,8 @@ def create_app(
     app.state.tier_stats = engine.tier_stats  # thread safe: a cluster replica's routing costs
     install_error_handlers(app)
     _add_routes(app, context, metrics_key)
+    if lora_updating:
+        app.include_router(lora_router(context.loras, _auth_dependency(tenants)))
     install_openapi(app, model_name)
     if dashboard:
         _add_dashboard(app, engine, context, metrics_key)
@@ -193,7 +198,8 @@ def _add_routes(app: FastAPI, context: ServingContext, metrics_key: str | None) 
     """Each API's router over its serving object, in the order the description lists them."""
     tenants = context.tenants
     auth = _auth_dependency(tenants)
-    runner = JobRunner(context.engine, tenants, context.metrics, context.tokenizer)
+    runner = JobRunner(context.engine, tenants, context.metrics, context.tokenizer,
+                       context.loras)
     chat = OpenAIServingChat(context, runner)
     app.include_router(completion_router(OpenAIServingCompletion(context, runner), auth))
     app.include_router(chat_router(chat, auth))

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from prefixcache.cache.fates import Fate
     from prefixcache.engine.input_processor import InputProcessor
     from prefixcache.engine.llm_engine import LLMEngine
+    from prefixcache.engine.lora import LoraRegistry, LoRARequest
     from prefixcache.engine.outputs import EngineLimits, RequestOutput
     from prefixcache.engine.sampling_params import SamplingParams
     from prefixcache.engine.structured import GrammarCompiler
@@ -143,6 +144,12 @@ class AsyncEngine:
         return self.engine.grammars
 
     @property
+    def loras(self) -> LoraRegistry | None:
+        """The engine's LoRA adapters (names are read from any thread; loads go through
+        `call`), None with LoRA off."""
+        return self.engine.loras
+
+    @property
     def cache_identity(self) -> CacheIdentity:
         """What names the engine's cache blocks (a cluster ingress digests prompts with it)."""
         return self.engine.cache_identity
@@ -184,7 +191,7 @@ class AsyncEngine:
     async def add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         salt: str | None, use_cache: bool, domain: str = "", queue: OutputQueue | None = None,
-        pins: list[tuple[int, float]] | None = None,
+        pins: list[tuple[int, float]] | None = None, lora: LoRARequest | None = None,
     ) -> OutputQueue:
         """Queue a request; its outputs arrive on the returned queue (``queue``, which several
         requests may share, or a new one), the last one with ``request_finished``. Raises
@@ -207,7 +214,7 @@ class AsyncEngine:
         def add_in_thread() -> None:
             self.engine.add_request(request_id, None, params, prompt_token_ids=prompt_token_ids,
                                     cache_salt=salt, use_cache=use_cache, domain=domain,
-                                    pins=pins or ())
+                                    pins=pins or (), lora_request=lora)
             self._streams[request_id] = stream
 
         self._count(domain, +1)

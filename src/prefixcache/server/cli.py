@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_metrics_arguments(parser)
     _add_connection_arguments(parser)
     _add_kv_events_arguments(parser)
+    _add_lora_arguments(parser)
     parser.add_argument("--no-retain-freed-memory", action="store_true",
                         help="keep glibc's malloc defaults (by default the server keeps freed "
                              "tensor memory mapped, avoiding page-fault churn in prefills)")
@@ -125,6 +126,18 @@ def _add_kv_events_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-token-ids", default="auto", choices=("auto", "on", "off"),
                         help="token ids in published BlockStored events (auto: off with "
                              "--tenants, where they are tenant data; on otherwise)")
+
+
+def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """The adapters served from the start, and runtime loading (the engine's LoRA flags,
+    ``--enable-lora`` and the limits, are `add_engine_arguments`'; docs/lora.md)."""
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters to serve, as name=path or vLLM's JSON form "
+                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a "
+                             "request picks one with model: NAME (needs --enable-lora)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter to "
+                             "admin tenants (also: VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -278,6 +291,9 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
     tenants = tenant_registry(args, secret)
     events_config, event_tokens = _kv_events(args, tenants)
     engine = _engine(args, tenants, events_config is not None, event_tokens)
+    from prefixcache.server.lora import runtime_updating, start_lora_modules
+
+    start_lora_modules(engine, args)  # --lora-modules, before the port opens
     from prefixcache.tools.cachelog import configure_from_env
 
     configure_from_env(engine)  # PREFIXCACHE_LOG=json: JSON logs + cache decisions (no text)
@@ -309,7 +325,8 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
                      metrics_domain_labels=args.metrics_domain_labels,
                      strict_api=args.strict_api,
                      vllm_metric_names=not args.no_vllm_metric_names,
-                     dashboard=not args.no_dashboard)
+                     dashboard=not args.no_dashboard,
+                     lora_updating=runtime_updating(args) and engine.loras is not None)
     if events_config is not None:
         from prefixcache.server.kv_events import ZmqEventPublisher
 

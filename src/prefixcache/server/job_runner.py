@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prefixcache.engine.lora import LoraBusy
 from prefixcache.server import protocol
 from prefixcache.server.async_engine import AsyncEngine, EngineFailure, EngineOverloaded
 from prefixcache.server.errors import ApiError
@@ -25,6 +26,7 @@ from prefixcache.server.tenancy import Tenant, TenantRegistry
 if TYPE_CHECKING:
     from prefixcache.model.tokenizer import Tokenizer
     from prefixcache.server.async_engine import OutputQueue
+    from prefixcache.server.lora import ServingLoras
 
 __all__ = ["JobRunner", "StreamableBody"]
 
@@ -49,12 +51,13 @@ class JobRunner:
 
     def __init__(
         self, engine: AsyncEngine, tenants: TenantRegistry, metrics: ServerMetrics,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer, loras: ServingLoras | None = None,
     ) -> None:
         self.engine = engine
         self.tenants = tenants
         self.metrics = metrics
         self.tokenizer = tokenizer  # echo of a prompt given as token ids
+        self.loras = loras  # the adapter a job's model names
 
     async def serve(
         self, rendering: Rendering, body: StreamableBody, prepared: PreparedJob, tenant: Tenant,
@@ -90,6 +93,7 @@ class JobRunner:
         tenant = job.tenant
         scope = self.tenants.scope(tenant, cache_salt)
         bs = self.engine.limits.block_size
+        lora = self.loras.request_of(job.model) if self.loras is not None else None
         try:
             for prompt in job.prompts:
                 if scope.use_cache:
@@ -99,9 +103,9 @@ class JobRunner:
                     pins = [*pins, (len(prompt.token_ids) - 1, prepared.retention_s)]
                 await self.engine.add(prompt.request_id, prompt.token_ids, prepared.params,
                                       scope.salt, scope.use_cache, tenant.scheduling_domain,
-                                      queue=job.queue, pins=pins)
+                                      queue=job.queue, pins=pins, lora=lora)
                 job.num_added += 1
-        except EngineOverloaded as exc:
+        except (EngineOverloaded, LoraBusy) as exc:
             self.finish(job)
             raise ApiError(429, str(exc), code="queue_full") from None
         except ValueError as exc:

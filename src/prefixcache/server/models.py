@@ -1,5 +1,6 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server serves, with its
-context length and what it runs in (precision, kernels)."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the model this server serves, with its
+context length and what it runs in (precision, kernels), and its LoRA adapters (``parent``: the
+base model, ``root``: the adapter's directory), as vLLM lists them."""
 
 from __future__ import annotations
 
@@ -24,12 +25,18 @@ class OpenAIServingModels:
         self.context = context
 
     def list_models(self) -> JSONObject:
-        context = self.context
-        return protocol.model_list(context.model_name, protocol.now(), context.max_model_len,
-                                   context.precision)
+        context, now = self.context, protocol.now()
+        models = protocol.model_list(context.model_name, now, context.max_model_len,
+                                     context.precision)
+        models["data"] += context.loras.cards(now, context.max_model_len)
+        return models
 
     def show_model(self, model_id: str) -> JSONObject:
         context = self.context
+        adapters = {c["id"]: c for c in context.loras.cards(protocol.now(),
+                                                            context.max_model_len)}
+        if model_id in adapters and model_id != context.model_name:
+            return adapters[model_id]
         if model_id != context.model_name:
             raise ApiError(404, f"the model {model_id!r} does not exist", param="model",
                            code="model_not_found")

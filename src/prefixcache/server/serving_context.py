@@ -29,6 +29,7 @@ from prefixcache.server.diagnostics_store import FingerprintStore
 from prefixcache.server.errors import ApiError
 from prefixcache.server.jobs import Prompts
 from prefixcache.server.logprobs import TokenText
+from prefixcache.server.lora import ServingLoras
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.protocol import ChatMessage, JSONObject, Lenient
 from prefixcache.server.request_params import render_chat
@@ -76,6 +77,7 @@ class ServingContext:
         # why a request missed: per tenant, kept beside the lower tier where there is one
         self.diagnoser = Diagnoser(self.block_size, store=diagnostics_store)
         self.model_identity = engine.cache_identity.model_id  # weights, dtype: what KV means
+        self.loras = ServingLoras(engine, options.model_name)  # the LoRA adapters by model name
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     def diagnosis(
@@ -104,9 +106,15 @@ class ServingContext:
     # ---- checks ---------------------------------------------------------------------------
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        """The base model's name or a loaded LoRA adapter's."""
+        if model != self.model_name and self.loras.identity_of(model) is None:
             raise ApiError(400, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def adapter_of(self, model: str) -> str | None:
+        """The identity of the LoRA adapter a request for ``model`` runs under (its content
+        digest, ``lora:<sha256>``: what its blocks' namespace carries), None for the base."""
+        return self.loras.identity_of(model)
 
     def check_ignored(self, body: Lenient) -> None:
         """Unknown top-level fields: 400 under --strict-api, else one log line naming them."""
