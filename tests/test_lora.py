@@ -362,3 +362,79 @@ def test_smollm2_answers_as_peft_in_float32_and_runs_the_adapter_beside_its_gguf
     error = (adapted - theirs).abs().mean().item()
     assert error < form_error and error < (plain - theirs).abs().mean().item() / 2
     assert torch.equal(step_logits(quantized, slots, [(ids, 0)])[0], adapted)
+
+
+# ---- the adapter in KV events, explain, the simulator and the cluster's ingress ----------------
+
+
+def test_kv_events_name_the_adapter_as_vllm_sends_it(
+    adapters: dict[str, tuple[Any, Path]],
+) -> None:
+    import msgspec
+
+    from prefixcache.cache import BlockStored
+    from prefixcache.server.kv_events import decode_batch, encode_batch
+
+    llm = LLM("tiny", block_size=BS, enable_lora=True, kv_events=True)
+    llm.generate([PROMPTS[3]], GREEDY, lora_request=request(adapters, "all16"))
+    llm.generate([PROMPTS[1]], GREEDY)
+    stored = [e for e in llm.engine.take_kv_events() if isinstance(e, BlockStored)]
+    assert {(e.lora_id, e.lora_name) for e in stored} == {(2, "all16"), (None, None)}
+    wire = encode_batch(stored, 1.0, with_tokens=False)
+    raw = msgspec.msgpack.decode(wire)[1][0]  # vLLM's BlockStored fields
+    assert (raw["lora_id"], raw["lora_name"]) == (2, "all16")
+    assert decode_batch(wire)[1][0].lora_name == "all16"
+
+
+def test_explain_names_an_adapter_by_its_files(
+    adapters: dict[str, tuple[Any, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from prefixcache.cli import main
+
+    copy = tmp_path / "copy"
+    shutil.copytree(adapters["qv8"][1], copy)
+    prompt = "x" * 80
+
+    def diff(a: str, b: str) -> list[str]:
+        with pytest.raises(SystemExit):
+            main(["explain", prompt, prompt, "--adapter-a", a, "--adapter-b", b, "--json"])
+        result: list[str] = json.loads(capsys.readouterr().out)["namespace_diff"]
+        return result
+
+    assert diff(str(adapters["qv8"][1]), str(copy)) == []  # the same files elsewhere
+    assert diff(str(adapters["qv8"][1]), str(adapters["all16"][1])) == ["adapter"]
+
+
+def test_the_simulator_keeps_each_adapters_blocks_apart() -> None:
+    from prefixcache.sim.config import RunSpec
+    from prefixcache.sim.sequential import replay_sequential
+    from prefixcache.sim.trace import Trace, TraceRequest
+
+    def hit_ratio(adapters: list[str]) -> float:
+        requests = [TraceRequest(f"r{i}", float(i), 64, 4, [1, 2, 3, 4], adapter=a)
+                    for i, a in enumerate(adapters)]  # fmt: skip
+        (result,) = replay_sequential(Trace("lora", BS, requests), [RunSpec("hash", "lru", None)])
+        return result.hit_ratio
+
+    assert hit_ratio(["", ""]) > 0 and hit_ratio(["x", "x"]) > 0
+    assert hit_ratio(["", "x"]) == hit_ratio(["x", "y"]) == 0.0
+
+
+def test_the_ingress_names_an_adapter_requests_blocks_as_its_replica(
+    adapters: dict[str, tuple[Any, Path]],
+) -> None:
+    from prefixcache.cluster.digests import PromptDigester
+    from prefixcache.server.tenancy import TenantRegistry
+
+    llm = LLM("tiny", block_size=BS, enable_lora=True)
+    engine, text = llm.engine, "route me " * 12
+    request_id = engine.add_request("r", text, GREEDY, lora_request=request(adapters, "qv8"))
+    replica = engine.prompt_block_digests(request_id)
+    registry = engine.loras
+    assert registry is not None
+    digester = PromptDigester(engine.tokenizer, TenantRegistry(None, b"s" * 32),
+                              engine.cache_identity, adapters={"qv8": registry.identity_of("qv8")})
+    body = json.dumps({"model": "qv8", "prompt": text}).encode()
+    assert digester.digests("/v1/completions", None, body) == replica
+    base = json.dumps({"model": "tiny", "prompt": text}).encode()
+    assert digester.digests("/v1/completions", None, base)[0] != replica[0]

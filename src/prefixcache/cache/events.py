@@ -22,7 +22,8 @@ class BlockStored:
     ``parent_block_hash`` (the namespace root for a first block). ``medium`` (vLLM's field):
     None for the replica's own KV pool, else the lower tier now holding them, by its
     `TierKind.medium` (``"DISK"``: this replica's; ``"VALKEY"``: a shared tier, whose blocks
-    every replica can load)."""
+    every replica can load). ``lora_id``, ``lora_name`` (vLLM's): the LoRA adapter of the
+    request that computed them (its identity is in the digests), None for the base model."""
 
     block_hashes: list[bytes]
     parent_block_hash: bytes
@@ -30,6 +31,8 @@ class BlockStored:
     block_size: int
     block_ids: list[int] = field(default_factory=list)
     medium: str | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +62,15 @@ def stored(
     seq = table.seq
     bs = identity.block_size
     digests = seq.block_digests
+    lora_id, lora_name = seq.lora or (None, None)
     return BlockStored(
         block_hashes=digests[start:end],
         parent_block_hash=digests[start - 1] if start else identity.root(seq),
         token_ids=seq.token_ids[start * bs : end * bs] if with_tokens else [],
         block_size=bs,
         block_ids=table.block_ids[start:end],
+        lora_id=lora_id,
+        lora_name=lora_name,
     )
 
 

@@ -12,7 +12,9 @@ __all__ = ["Sequence"]
 
 
 class Sequence:
-    """``salt`` is the *effective* cache salt (namespace part), ``adapter`` the LoRA name, and
+    """``salt`` is the *effective* cache salt (namespace part), ``adapter`` the LoRA adapter's
+    identity (its content digest: namespace part; ``lora``, its id and name as the request gave
+    them, go into KV events only), and
     ``block_extras`` maps a block index to the extras (multimodal inputs) that change its KV.
     ``use_cache=False`` is isolation mode ``none``: the sequence neither reads nor writes the
     cache. ``read_cache=False`` computes every token (no hit is looked up) but still caches what
@@ -29,7 +31,7 @@ class Sequence:
     """
 
     __slots__ = (
-        "seq_id", "token_ids", "num_prompt_tokens", "salt", "adapter", "block_extras",
+        "seq_id", "token_ids", "num_prompt_tokens", "salt", "adapter", "lora", "block_extras",
         "reads_cache", "writes_cache", "domain", "num_computed_tokens", "block_digests",
         "block_token_bytes",
         "_digest_key", "_root", "_hasher", "_model",
@@ -47,6 +49,7 @@ class Sequence:
         copy: bool = True,
         domain: str = "",
         read_cache: bool = True,
+        lora: tuple[int, str] | None = None,
     ) -> None:
         self.seq_id = seq_id
         # copy=False: a list built for this sequence alone becomes its own (it is appended to)
@@ -56,6 +59,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.salt = salt
         self.adapter = adapter
+        self.lora = lora
         self.block_extras = block_extras or {}
         self.writes_cache = use_cache
         self.reads_cache = use_cache and read_cache

@@ -73,7 +73,11 @@ class EngineReplica:
             yield item
 
     def describe(self) -> dict[str, Any]:
-        return {**self.identity, "replica": self.topic}
+        """Its cache identity, and its LoRA adapters' (name -> identity) for the ingress."""
+        loras = self.async_engine.loras
+        adapters = {} if loras is None else {
+            r.lora_name: loras.identity_of(r.lora_name) for r in loras.requests()}
+        return {**self.identity, "replica": self.topic, "adapters": adapters}
 
     def record_routing_stats(self) -> dict[str, Any]:
         from prefixcache.cluster.costs import replica_costs
@@ -175,7 +179,7 @@ class Ingress:
             info = await self.replicas.describe.remote()
             identity = CacheIdentity.from_dict(info)
             self._digester = PromptDigester(self.tokenizer, self.tenants, identity,
-                                            self.literal_content)
+                                            self.literal_content, info.get("adapters"))
         return self._digester
 
     async def _forward(self, forwarded: ForwardedRequest) -> Response:

@@ -5,7 +5,9 @@ replicas' caches do: the same token ids (the same tokenizer and chat template), 
 namespace (the tenant's derived salt, from the same server secret), the same model identity and
 block hashing. `PromptDigester` does that from the request body alone, before any replica sees it;
 a body it cannot read gets no digests (the router then balances by load) and the replica answers
-it, with the same error it gives today. A body's ``prompt_cache_key`` becomes the request's
+it, with the same error it gives today. A body whose ``model`` names a LoRA adapter the replicas
+serve (``adapters``: name -> identity, as they report it) is named in that adapter's namespace,
+as the replica's cache names it. A body's ``prompt_cache_key`` becomes the request's
 affinity key, scoped to its namespace (a keyed digest: two tenants' equal keys differ) and never
 part of any block's identity. Prompt text never leaves this object: the router sees digests only.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,12 +46,13 @@ class PromptDigester:
 
     def __init__(
         self, tokenizer: Tokenizer, tenants: TenantRegistry, identity: CacheIdentity,
-        literal_content: bool = True,
+        literal_content: bool = True, adapters: Mapping[str, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.tenants = tenants
         self.identity = identity
         self.literal_content = literal_content
+        self.adapters = dict(adapters or {})  # LoRA adapter name -> identity
 
     def digests(self, path: str, api_key: str | None, body: bytes) -> list[bytes]:
         return self.route(path, api_key, body).block_digests
@@ -77,5 +81,7 @@ class PromptDigester:
             key=(scope.salt or "").encode()[:64]).digest()
         if not scope.use_cache:
             return Route(affinity_key=affinity)
-        seq = Sequence("route", token_ids, scope.salt, copy=False)
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        adapter = self.adapters.get(model) if isinstance(model, str) else None
+        seq = Sequence("route", token_ids, scope.salt, copy=False, adapter=adapter)
         return Route(list(self.identity.block_digests(seq)), affinity)

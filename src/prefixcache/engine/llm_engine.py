@@ -179,7 +179,9 @@ class LLMEngine:
         self._num_added += 1
         request = Request.new(request_id, token_ids, params, base_seed, self._num_added,
                               cache_salt=cache_salt, use_cache=use_cache, domain=domain,
-                              external=self.tiers is not None, adapter=adapter)
+                              external=self.tiers is not None, adapter=adapter,
+                              lora=None if lora_request is None else
+                              (lora_request.lora_int_id, lora_request.lora_name))  # fmt: skip
         request.matcher = matcher
         if self.loras is not None and adapter is not None:
             self.loras.note_root(adapter, self.cache.identity.root(request.seq))

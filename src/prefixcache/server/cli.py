@@ -272,7 +272,8 @@ def _record_trace(engine: LLMEngine, path: str, epoch: float | None = None) -> N
         domain = request.domain
         recorder.record(request.num_prompt_tokens, len(request.output_token_ids), digests,
                         max(request.num_cached_tokens, 0), pins=request.pin_requests,
-                        tenant=tenant_label(domain) if domain else "")
+                        tenant=tenant_label(domain) if domain else "",
+                        adapter=request.seq.adapter or "")
 
     engine.on_request_finished = record
     logger.info("recording finished requests (counts and block digests only) to %s", path)

@@ -88,7 +88,7 @@ def _wire(
     if isinstance(event, BlockStored):
         return _BlockStored(list(event.block_hashes), event.parent_block_hash,
                             list(event.token_ids) if with_tokens else [], event.block_size,
-                            None, event.medium or POOL_MEDIUM, None)
+                            event.lora_id, event.medium or POOL_MEDIUM, event.lora_name)
     if isinstance(event, BlockRemoved):
         return _BlockRemoved(list(event.block_hashes), event.medium or POOL_MEDIUM)
     if isinstance(event, AllBlocksCleared):
@@ -112,7 +112,8 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVCacheEvent]]:
         if isinstance(event, _BlockStored):
             events.append(BlockStored(list(event.block_hashes), event.parent_block_hash or b"",
                                       list(event.token_ids), event.block_size,
-                                      medium=_medium(event.medium)))
+                                      medium=_medium(event.medium), lora_id=event.lora_id,
+                                      lora_name=event.lora_name))
         elif isinstance(event, _BlockRemoved):
             events.append(BlockRemoved(list(event.block_hashes), medium=_medium(event.medium)))
         else:

@@ -6,7 +6,8 @@ shape from other tools (LMCache's LMBench) write the timestamp as a string of na
 hash ids as arbitrary 32-bit integers: numbers given as decimal strings are accepted, and the
 time unit is ``time_unit`` (``s``, ``ms``, ``us``, ``ns``) or, with ``auto``, detected from the
 largest timestamp (>= 1e17: ns, >= 1e14: us, else ms). Arrivals are shifted to start at 0.
-A line may also carry ``tenant`` and ``pins`` (`trace.read_cache_fields`). Reads files only.
+A line may also carry ``tenant`` and ``pins`` (`trace.read_cache_fields`) and ``adapter`` (the LoRA
+adapter it ran under: `trace.read_adapter`). Reads files only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.sim.errors import TraceFormatError
-from prefixcache.sim.trace import Trace, TraceRequest, read_cache_fields
+from prefixcache.sim.trace import Trace, TraceRequest, read_adapter, read_cache_fields
 
 MOONCAKE_BLOCK_SIZE = 512
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
@@ -86,6 +87,7 @@ def _parse_line(line: str, where: str) -> TraceRequest:
             hash_ids=hash_id_list(obj.get("hash_ids"), where),
             tenant=tenant,
             pins=pins,
+            adapter=read_adapter(obj, where),
         )
     except TraceFormatError:
         raise  # already says where

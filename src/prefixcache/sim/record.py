@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from prefixcache.sim.errors import TraceFormatError
-from prefixcache.sim.trace import Trace, TraceRequest, read_cache_fields
+from prefixcache.sim.trace import Trace, TraceRequest, read_adapter, read_cache_fields
 
 FORMAT_NAME = "prefixcache-trace"
 FORMAT_VERSION = 1
@@ -73,9 +73,11 @@ class TraceRecorder:
         arrival_s: float | None = None,
         pins: Sequence[tuple[int, float]] = (),
         tenant: str = "",
+        adapter: str = "",
     ) -> None:
         """One request: prompt and output token counts and its prompt's block digests; with
-        ``pins``, its breakpoints; ``tenant``: its `tenant_label`."""
+        ``pins``, its breakpoints; ``tenant``: its `tenant_label`; ``adapter``: the identity of
+        the LoRA adapter it ran under (a content digest)."""
         t = self._clock() - self._start if arrival_s is None else arrival_s
         line = {
             "t": round(t, 6),
@@ -88,6 +90,8 @@ class TraceRecorder:
             line["pins"] = [[n, ttl] for n, ttl in pins]
         if tenant:
             line["tenant"] = tenant
+        if adapter:
+            line["adapter"] = adapter
         self._write(line)
         self.num_records += 1
 
@@ -200,6 +204,7 @@ def _parse(line: str, ids: dict[str, int], where: str) -> TraceRequest:
             recorded_digests=[bytes.fromhex(d) for d in digests],
             tenant=tenant,
             pins=pins,
+            adapter=read_adapter(obj, where),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:  # 1e999 reads as inf
         raise TraceFormatError(f"{where}: bad request record ({exc})") from exc

@@ -298,7 +298,7 @@ def replay_sequential(
     source = TokenSource(trace)
     for request in trace.requests:  # a tenant's blocks live in its own namespace
         seq = Sequence(request.request_id, source.prompt(request), request.tenant or None,
-                       copy=False, domain=request.tenant)
+                       copy=False, domain=request.tenant, adapter=request.adapter or None)
         digests = identity.block_digests(seq)
         for run in runs:
             run.feed(request, seq, digests)

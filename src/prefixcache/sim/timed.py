@@ -278,7 +278,7 @@ def replay_timed(
     for request in trace.requests:
         _advance(replicas, router, request.arrival_s)
         seq = Sequence(request.request_id, source.prompt(request), request.tenant or None,
-                       copy=False, domain=request.tenant)
+                       copy=False, domain=request.tenant, adapter=request.adapter or None)
         digests = identity.block_digests(seq)
         loads = [r.load for r in replicas]
         for i, replica in enumerate(replicas if router.wants_events else ()):

@@ -35,6 +35,7 @@ class TraceRequest:
     recorded_digests: list[bytes] = field(default_factory=list)
     tenant: str = ""  # isolation domain ("": the shared namespace)
     pins: list[tuple[int, float]] = field(default_factory=list)  # (num_tokens, ttl_s) breakpoints
+    adapter: str = ""  # the LoRA adapter it runs under ("": the base model): its own namespace
 
     def __post_init__(self) -> None:
         if self.input_length < 1:
@@ -88,6 +89,15 @@ class Trace:
         """Compress (factor < 1) or stretch time, e.g. to replay a trace at a higher rate."""
         for request in self.requests:
             request.arrival_s *= factor
+
+
+def read_adapter(obj: dict[str, Any], where: str) -> str:
+    """A trace line's optional ``adapter``: the LoRA adapter it ran under (a name or an
+    identity; "" or absent: the base model)."""
+    adapter = obj.get("adapter", "")
+    if not isinstance(adapter, str):
+        raise TraceFormatError(f"{where}: 'adapter' must be a string")
+    return adapter
 
 
 def read_cache_fields(obj: dict[str, Any], where: str) -> tuple[str, list[tuple[int, float]]]:

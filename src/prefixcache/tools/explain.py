@@ -6,6 +6,9 @@ reusable blocks and tokens, the first missing block with its token span, and the
 namespace component differs (model identity, adapter, salt: named, never printed) or the tokens
 differ (the position; the ids and decoded pieces around it only with ``--show-tokens``).
 
+A LoRA adapter (``--adapter-a`` / ``--adapter-b``) is named in the namespace by its content, as
+the engine names it: give its directory (its files are read and digested) or its identity.
+
 This module reads prompts and tokenizers; it never loads model weights and never touches a cache.
 """
 
@@ -332,8 +335,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how the engine keeps its weights (identity), as serve's flag")
     parser.add_argument("--salt-a", default=None, help="effective cache salt of A")
     parser.add_argument("--salt-b", default=None, help="effective cache salt of B")
-    parser.add_argument("--adapter-a", default=None, help="LoRA adapter name of A")
-    parser.add_argument("--adapter-b", default=None, help="LoRA adapter name of B")
+    parser.add_argument("--adapter-a", default=None, metavar="DIR|IDENTITY",
+                        help="A's LoRA adapter: its directory (named by its content, as the "
+                             "engine names it) or its identity")
+    parser.add_argument("--adapter-b", default=None, metavar="DIR|IDENTITY",
+                        help="B's LoRA adapter (as --adapter-a)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--hash-algo", default="sha256", choices=sorted(HASH_ALGOS))
     parser.add_argument("--chat", action="store_true", help="A and B are JSON chat messages")
@@ -356,8 +362,8 @@ def run(args: argparse.Namespace) -> int:
               else view_a)  # fmt: skip
     a = read_prompt(args.a, view_a.tokenizer, args.chat)
     b = read_prompt(args.b, view_b.tokenizer, args.chat)
-    ns_a = Namespace(view_a.identity, args.adapter_a, args.salt_a)
-    ns_b = Namespace(view_b.identity, args.adapter_b, args.salt_b)
+    ns_a = Namespace(view_a.identity, adapter_identity(args.adapter_a, view_a), args.salt_a)
+    ns_b = Namespace(view_b.identity, adapter_identity(args.adapter_b, view_b), args.salt_b)
     ex = explain(a, b, ns_a, ns_b, args.block_size, args.hash_algo)
     tiers = None
     locations = tier_locations(args)
@@ -383,6 +389,19 @@ def run(args: argparse.Namespace) -> int:
     if tiers is not None:
         print(*tier_lines(ex, tiers), sep="\n")
     return 0
+
+
+def adapter_identity(value: str | None, view: ModelView) -> str | None:
+    """The namespace's adapter: a directory's adapter named by its content (its files checked
+    against the model), else ``value`` as given (an identity)."""
+    if value is None or not Path(value).is_dir():
+        return value
+    from prefixcache.model.lora import LoraError, load_adapter
+
+    try:
+        return load_adapter(value, view.config).identity
+    except LoraError as exc:
+        raise CliError(f"adapter {value}: {exc}") from None
 
 
 def tier_locations(args: argparse.Namespace) -> dict[str, str]:
