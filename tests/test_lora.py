@@ -438,3 +438,68 @@ def test_the_ingress_names_an_adapter_requests_blocks_as_its_replica(
     assert digester.digests("/v1/completions", None, body) == replica
     base = json.dumps({"model": "tiny", "prompt": text}).encode()
     assert digester.digests("/v1/completions", None, base)[0] != replica[0]
+
+
+def test_qwen3_layers_run_the_update_before_their_q_k_norm(tmp_path: Path) -> None:
+    """Qwen3's layers run as PyTorch modules (q/k norm): the update lands on q and k before
+    their norm, as peft's does, with qkv bias off and head_dim 32 != hidden / heads."""
+    import transformers
+
+    from prefixcache.model.byte_tokenizer import write_byte_tokenizer
+
+    config = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=1024,
+        tie_word_embeddings=False)  # fmt: skip
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    model.save_pretrained(tmp_path / "base")
+    write_byte_tokenizer(tmp_path / "base")
+    peft_model = peft_adapter(tmp_path / "base", tmp_path / "a", seed=4, scale=0.2, r=8,
+                              lora_alpha=8, target_modules=ALL_TARGETS)  # fmt: skip
+    loaded = load_model(str(tmp_path / "base"))
+    slots = LoraSlots(loaded.config, 1)
+    slots.install(0, PackedLora.of(load_adapter(tmp_path / "a", loaded.config), loaded.config))
+    ids = PROMPTS[1]
+    adapted, plain = step_logits(loaded, slots, [(ids, 0), (ids, None)])
+    theirs = peft_logits(peft_model, ids)
+    assert (adapted - theirs).abs().max().item() < TOL * theirs.abs().max().item()
+    assert (plain - theirs).abs().max().item() > 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_gives_a_row_the_same_bits_in_any_tile(
+    base: Any, slots: LoraSlots, dtype: torch.dtype
+) -> None:
+    """The update of a row does not depend on where its run starts, how the runs are cut or
+    what runs beside it (tiles of 8 rows: every row count 1-8 and a cut inside one), and it is
+    peft's product (float64 reference)."""
+    from native_support import require_native_layers
+
+    require_native_layers()
+    gen = torch.Generator().manual_seed(0)
+    hidden, width = base.config.hidden_size, base.config.q_size + 2 * base.config.kv_size
+    x = torch.randn(37, hidden, generator=gen).to(dtype)
+
+    def update(runs: list[LoraRun]) -> torch.Tensor:
+        out = torch.zeros(37, width, dtype=dtype)
+        step = slots.step(runs)
+        assert step is not None
+        step.apply(1, 0, x, out)
+        return out
+
+    whole = update([LoraRun(0, 37, 1)])
+    for cuts in ([LoraRun(0, 5, 1), LoraRun(5, 32, 1)], [LoraRun(0, 3, 0), LoraRun(3, 34, 1)],
+                 [LoraRun(i, 1, 1) for i in range(37)]):  # fmt: skip
+        mine = [r for r in cuts if r.slot == 1]
+        rows = slice(mine[0].row0, 37)
+        assert torch.equal(update(cuts)[rows], whole[rows])
+    (q, k, v) = slots.pieces(1, 0, 1)
+    expected = torch.cat([(x.double() @ p.a_t[:, : p.rank].double()) @ p.b_t[:, : p.n].double()
+                          * p.scale for p in (q, k, v)], dim=1)  # fmt: skip
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (whole.double() - expected).abs().max().item() < tolerance * expected.abs().max()

@@ -19,14 +19,20 @@
 
 #include "vector_math.h"
 
-#define LORA_TILE 4     /* rows sharing each load of A and of B */
-#define LORA_COLS 64    /* output columns per pass over B (b_t's rows are padded to them) */
+/* rows sharing each load of A and of B (their accumulators fill the vector registers) */
+#ifdef __AVX512F__
+#define LORA_TILE 8
+#else
+#define LORA_TILE 4
+#endif
+#define LORA_VECS 2                    /* rank vectors (A) or column vectors (B) per pass */
+#define LORA_COLS (LORA_VECS * LANES)  /* b_t's rows are padded to 64 columns: whole passes */
 #define LORA_MAX_RANK 512
 
 /* One adapter's update of output columns [col0, col0 + n) of one projection. */
 struct lora_piece {
     const float *a_t; /* [k][rank_pad]: A transposed, ranks zero-padded to whole vectors */
-    const float *b_t; /* [rank][n_pad]: B transposed, columns zero-padded to LORA_COLS */
+    const float *b_t; /* [rank][n_pad]: B transposed, columns zero-padded to 64 */
     int rank, rank_pad, col0, n, n_pad;
     float scale;
 };
@@ -62,48 +68,79 @@ static inline uint16_t lora_narrow(float f) { /* round to nearest even (finite v
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* u[t] = x[t] A^T for the tile's T rows (u: [T][rank_pad / LANES] vectors), x of type TYPE
- * read through WIDEN */
-#define LORA_SHRINK(name, TYPE, WIDEN)                                                         \
-    static void name(const struct lora_piece *p, const TYPE *x, int64_t ldx, int k, int T,   \
-                     vfloat *u) {                                                             \
-        const int nv = p->rank_pad / LANES;                                                   \
-        for (int i = 0; i < T * nv; i++) u[i] = (vfloat){0};                                  \
-        for (int kk = 0; kk < k; kk++) {                                                      \
-            const float *a = p->a_t + (int64_t)kk * p->rank_pad;                              \
-            for (int v = 0; v < nv; v++) {                                                    \
-                const vfloat av = lora_load(a + v * LANES);                                   \
-                for (int t = 0; t < T; t++)                                                   \
-                    u[t * nv + v] = fmadd(vsplat(WIDEN(x[t * ldx + kk])), av, u[t * nv + v]); \
-            }                                                                                 \
-        }                                                                                     \
+/* x[at] as a float (bfloat16 widened) */
+static inline __attribute__((always_inline)) float lora_x(const void *x, int64_t at, int bf16) {
+    return bf16 ? lora_widen(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+}
+
+/* Ranks [v0 * LANES, (v0 + NV) * LANES) of u[t] = x[t] A^T for the tile's T rows (u: [T][rank_pad]
+ * floats). Inlined with constant T, NV and bf16 (`lora_shrink`), so that the T x NV
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void lora_shrink_tile(
+    const struct lora_piece *p, const void *x, int64_t ldx, int k, const int bf16, const int T,
+    const int NV, int v0, float *u) {
+    vfloat acc[LORA_TILE][LORA_VECS];
+    for (int t = 0; t < T; t++)
+        for (int v = 0; v < NV; v++) acc[t][v] = (vfloat){0};
+    const float *a = p->a_t + (int64_t)v0 * LANES;
+    for (int kk = 0; kk < k; kk++, a += p->rank_pad) {
+        vfloat av[LORA_VECS];
+        for (int v = 0; v < NV; v++) av[v] = lora_load(a + v * LANES);
+        for (int t = 0; t < T; t++) {
+            const vfloat xs = vsplat(lora_x(x, t * ldx + kk, bf16));
+            for (int v = 0; v < NV; v++) acc[t][v] = fmadd(xs, av[v], acc[t][v]);
+        }
     }
+    for (int t = 0; t < T; t++)
+        for (int v = 0; v < NV; v++)
+            memcpy(u + (int64_t)t * p->rank_pad + (v0 + v) * LANES, &acc[t][v], sizeof(vfloat));
+}
 
-#define LORA_IDENTITY(v) (v)
-LORA_SHRINK(lora_shrink_f32, float, LORA_IDENTITY)
-LORA_SHRINK(lora_shrink_bf16, uint16_t, lora_widen)
+#define LORA_SHRINK_NV(T, BF16)                                                   \
+    (NV == 1 ? lora_shrink_tile(p, x, ldx, k, BF16, T, 1, v0, u)                  \
+             : lora_shrink_tile(p, x, ldx, k, BF16, T, LORA_VECS, v0, u))
+#define LORA_SHRINK_CASE(T)                                                       \
+    case T:                                                                       \
+        if (bf16) LORA_SHRINK_NV(T, 1); else LORA_SHRINK_NV(T, 0);                \
+        break;
 
-/* out[t, col0 + j] += (u[t] B^T)[j] * scale for the tile's T rows */
-static void lora_expand(const struct lora_piece *p, const vfloat *u, int T, void *out,
-                        int64_t ldo, int bf16) {
-    const float *uf = (const float *)u;
-    const int rank = p->rank, rank_pad = p->rank_pad;
+/* u[t] = x[t] A^T for the tile's T rows (u: [T][rank_pad] floats) */
+static void lora_shrink(const struct lora_piece *p, const void *x, int64_t ldx, int k, int bf16,
+                        int T, float *u) {
+    const int nv = p->rank_pad / LANES;
+    for (int v0 = 0; v0 < nv; v0 += LORA_VECS) {
+        const int NV = nv - v0 < LORA_VECS ? nv - v0 : LORA_VECS;
+        switch (T) {
+            LORA_SHRINK_CASE(1) LORA_SHRINK_CASE(2) LORA_SHRINK_CASE(3) LORA_SHRINK_CASE(4)
+#if LORA_TILE > 4
+            LORA_SHRINK_CASE(5) LORA_SHRINK_CASE(6) LORA_SHRINK_CASE(7) LORA_SHRINK_CASE(8)
+#endif
+        }
+    }
+}
+
+/* out[t, col0 + j] += (u[t] B^T)[j] * scale for the tile's T rows (inlined with constant T and
+ * bf16: `lora_expand`) */
+static inline __attribute__((always_inline)) void lora_expand_tile(
+    const struct lora_piece *p, const float *u, const int T, void *out, int64_t ldo,
+    const int bf16) {
     for (int c0 = 0; c0 < p->n; c0 += LORA_COLS) {
-        vfloat acc[LORA_TILE][LORA_COLS / LANES];
-        memset(acc, 0, sizeof acc);
-        for (int i = 0; i < rank; i++) {
-            const float *b = p->b_t + (int64_t)i * p->n_pad + c0;
-            vfloat bv[LORA_COLS / LANES];
-            for (int v = 0; v < LORA_COLS / LANES; v++) bv[v] = lora_load(b + v * LANES);
+        vfloat acc[LORA_TILE][LORA_VECS];
+        for (int t = 0; t < T; t++)
+            for (int v = 0; v < LORA_VECS; v++) acc[t][v] = (vfloat){0};
+        const float *b = p->b_t + c0;
+        for (int i = 0; i < p->rank; i++, b += p->n_pad) {
+            vfloat bv[LORA_VECS];
+            for (int v = 0; v < LORA_VECS; v++) bv[v] = lora_load(b + v * LANES);
             for (int t = 0; t < T; t++) {
-                const vfloat ui = vsplat(uf[t * rank_pad + i]);
-                for (int v = 0; v < LORA_COLS / LANES; v++)
-                    acc[t][v] = fmadd(ui, bv[v], acc[t][v]);
+                const vfloat ui = vsplat(u[(int64_t)t * p->rank_pad + i]);
+                for (int v = 0; v < LORA_VECS; v++) acc[t][v] = fmadd(ui, bv[v], acc[t][v]);
             }
         }
         const int cols = p->n - c0 < LORA_COLS ? p->n - c0 : LORA_COLS;
         for (int t = 0; t < T; t++) {
-            const float *d = (const float *)acc[t];
+            float d[LORA_COLS];
+            memcpy(d, acc[t], sizeof d);
             const int64_t at = t * ldo + p->col0 + c0;
             if (bf16) {
                 uint16_t *o = (uint16_t *)out + at;
@@ -114,6 +151,22 @@ static void lora_expand(const struct lora_piece *p, const vfloat *u, int T, void
                 for (int j = 0; j < cols; j++) o[j] = o[j] + d[j] * p->scale;
             }
         }
+    }
+}
+
+#define LORA_EXPAND_CASE(T)                                                       \
+    case T:                                                                       \
+        if (bf16) lora_expand_tile(p, u, T, out, ldo, 1);                         \
+        else lora_expand_tile(p, u, T, out, ldo, 0);                              \
+        break;
+
+static void lora_expand(const struct lora_piece *p, const float *u, int T, void *out,
+                        int64_t ldo, int bf16) {
+    switch (T) {
+        LORA_EXPAND_CASE(1) LORA_EXPAND_CASE(2) LORA_EXPAND_CASE(3) LORA_EXPAND_CASE(4)
+#if LORA_TILE > 4
+        LORA_EXPAND_CASE(5) LORA_EXPAND_CASE(6) LORA_EXPAND_CASE(7) LORA_EXPAND_CASE(8)
+#endif
     }
 }
 
@@ -160,15 +213,13 @@ void pc_lora_apply(const struct lora_runs *runs, const struct lora_table *table,
         const int r0 = lo + tile * LORA_TILE;
         const int T = hi - r0 < LORA_TILE ? hi - r0 : LORA_TILE;
         const int64_t local = r0 - first_row;
-        vfloat u[LORA_TILE * LORA_MAX_RANK / LANES];
+        float u[LORA_TILE * LORA_MAX_RANK];
         const int slot = runs->slot[s];
+        const int size = bf16 ? 2 : 4;
         for (int q = table->first[slot]; q < table->first[slot + 1]; q++) {
             const struct lora_piece *p = table->pieces + q;
-            if (bf16)
-                lora_shrink_bf16(p, (const uint16_t *)x + local * ldx, ldx, k, T, u);
-            else
-                lora_shrink_f32(p, (const float *)x + local * ldx, ldx, k, T, u);
-            lora_expand(p, u, T, (char *)out + local * ldo * (bf16 ? 2 : 4), ldo, bf16);
+            lora_shrink(p, (const char *)x + local * ldx * size, ldx, k, bf16, T, u);
+            lora_expand(p, u, T, (char *)out + local * ldo * size, ldo, bf16);
         }
     }
 }
