@@ -3,8 +3,10 @@
 Question: what does serving a batch whose requests run under 4 different adapters (rank 16,
 every projection targeted: q, k, v, o, gate, up, down) cost next to the same batch on the base
 model alone, for a decode step and for a prefill? Target (issue 54): at most 1.3x both, on
-SmolLM2-135M. The adapters run as the engine runs them: the base projection once over every
-row, then each adapter's low-rank product over its own rows (`prefixcache/native/lora.h`).
+SmolLM2-135M and `bench_peers.py`'s shapes (``--shape synthetic``, ``qwen2`` or a JSON file:
+random weights written once). The adapters run as the engine runs them: the base projection
+once over every row, then each adapter's low-rank product over its own rows
+(`prefixcache/native/lora.h`).
 
 The adapters are written here as peft saves them (random A and B). Each repeat runs both cases
 back to back, in alternating order: ``--seqs`` requests with ``--prompt-len``-token prompts (the
@@ -101,8 +103,22 @@ def prefill_time(engine: LLMEngine, batch: list[list[int]],
     return time.perf_counter() - start
 
 
+def model_of(args: argparse.Namespace) -> str:
+    """``--model``, or the checkpoint of ``--shape`` (bench_peers.py's, written once)."""
+    if args.shape is None:
+        return str(args.model)
+    import bench_peers
+    from prefixcache.paths import cache_dir
+
+    if args.shape.endswith(".json"):
+        bench_peers.SHAPES[Path(args.shape).stem] = bench_peers._shape_config(Path(args.shape))
+        args.shape = Path(args.shape).stem
+    return bench_peers.checkpoint(args.shape, cache_dir() / "bench-models")
+
+
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    args.model = model_of(args)
     engine = LLMEngine(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,
                        enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
                        max_num_seqs=args.seqs, max_num_batched_tokens=2048,
@@ -140,6 +156,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--shape", default=None,
+                        help="bench_peers.py's shape instead of --model: synthetic, qwen2, or "
+                             "a JSON config file")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--weight-dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)

@@ -503,3 +503,40 @@ def test_the_kernel_gives_a_row_the_same_bits_in_any_tile(
                           * p.scale for p in (q, k, v)], dim=1)  # fmt: skip
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert (whole.double() - expected).abs().max().item() < tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_evicting_a_namespace_takes_its_free_blocks_alone(kind: str) -> None:
+    """The cache's side of an unload: every free cached block under the roots goes (counted,
+    announced), blocks a live sequence holds stay, the other namespaces keep theirs, and every
+    invariant holds after."""
+    import random
+
+    from prefixcache.cache import Sequence, make_prefix_cache
+
+    rng = random.Random(7)
+    cache = make_prefix_cache(kind, num_blocks=96, block_size=4, enable_kv_events=True)
+    shared = [rng.randrange(100) for _ in range(12)]
+    seqs = []
+    for i in range(9):
+        adapter = ("lora:a", "lora:b", None)[i % 3]
+        ids = shared + [rng.randrange(100) for _ in range(rng.randrange(1, 9))]
+        seq = Sequence(f"s{i}", ids, adapter=adapter)
+        assert cache.allocate(seq, len(ids), cache.match(seq)) is not None
+        cache.commit(seq, len(ids))
+        seqs.append(seq)
+    for seq in seqs[1:]:  # s0 (adapter a) stays live
+        cache.free(seq)
+    cache.check_integrity()
+    roots = {cache.identity.root(s) for s in seqs if s.adapter == "lora:a"}
+    before, evicted = cache.num_cached_blocks, len(cache.evict_namespaces(roots))
+    cache.check_integrity()
+    assert evicted and cache.num_cached_blocks == before - evicted
+    again = Sequence("again", seqs[3].token_ids, adapter="lora:a")  # s3: adapter a, freed
+    assert cache.match(again).num_tokens == 12  # the shared blocks live s0 still holds
+    for seq in seqs[1:]:
+        if seq.adapter != "lora:a":
+            probe = Sequence("p", seq.token_ids, adapter=seq.adapter)
+            assert cache.match(probe).num_tokens == (len(seq.token_ids) - 1) // 4 * 4
+    removed = [e for e in cache.take_events() if isinstance(e, BlockRemoved)]
+    assert sum(len(e.block_hashes) for e in removed) == evicted
