@@ -27,6 +27,7 @@ from prefixcache.model.lora_batch import LoraRun, LoraSlots, PackedLora
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BS = 16
+KV_BLOCKS = 160  # 2.5 MiB of the tiny model's KV: room for every test's batch
 TOL = 1e-5  # of the logits' scale (the tiny model's reach 20): float32 summation orders
 # name -> peft.LoraConfig fields: several ranks, targets, rsLoRA and per-module patterns
 ADAPTERS: dict[str, dict[str, Any]] = {
@@ -51,6 +52,12 @@ def adapters(base: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, t
     root = tmp_path_factory.mktemp("adapters")
     return {name: (peft_adapter(base.path, root / name, seed=i + 1, **config), root / name)
             for i, (name, config) in enumerate(ADAPTERS.items())}  # fmt: skip
+
+
+def tiny(**settings: Any) -> LLM:
+    """The tiny model with LoRA on, a small KV pool, every cache invariant checked."""
+    return LLM("tiny", **{"num_kv_blocks": KV_BLOCKS, "block_size": BS, "enable_lora": True,
+                          "check_integrity": True, **settings})
 
 
 def request(adapters: dict[str, tuple[Any, Path]], name: str, lora_id: int | None = None,
@@ -152,9 +159,8 @@ def test_greedy_tokens_equal_peft_in_mixed_batches_cache_on_and_off(
     adapters: dict[str, tuple[Any, Path]], expected: dict[str | None, list[list[int]]],
     cache: str,
 ) -> None:  # fmt: skip
-    llm = LLM("tiny", block_size=BS, enable_lora=True, max_loras=3, check_integrity=True,
-              prefix_cache="hash" if cache == "off" else cache,
-              enable_prefix_caching=cache != "off")  # fmt: skip
+    llm = tiny(max_loras=3, prefix_cache="hash" if cache == "off" else cache,
+               enable_prefix_caching=cache != "off")
     names: list[str | None] = [None, *ADAPTERS]
     batch = [(p, name) for name in names for p in range(3)]
     for _ in range(2):  # the second time over cached blocks (cache on)
@@ -176,7 +182,7 @@ def _cached(llm: LLM, prompt: list[int], lora: LoRARequest | None) -> int:
 def test_blocks_are_the_adapters_alone_and_shared_under_a_second_name(
     adapters: dict[str, tuple[Any, Path]],
 ) -> None:
-    llm = LLM("tiny", block_size=BS, enable_lora=True, check_integrity=True)
+    llm = tiny()
     prompt = PROMPTS[3]
     assert _cached(llm, prompt, None) == 0
     qv8 = request(adapters, "qv8")
@@ -199,7 +205,7 @@ def test_a_file_changed_under_the_same_name_is_another_adapter(
     path = tmp_path / "changing"
     shutil.copytree(adapters["qv8"][1], path)
     lora = LoRARequest("changing", 1, str(path))
-    llm = LLM("tiny", block_size=BS, enable_lora=True, check_integrity=True)
+    llm = tiny()
     first = llm.generate([PROMPTS[3]], GREEDY, lora_request=lora)[0]
     assert _cached(llm, PROMPTS[3], lora) == 48
     weights = path / "adapter_model.safetensors"
@@ -214,8 +220,7 @@ def test_unloading_makes_its_blocks_unreachable_and_evicts_them(
     adapters: dict[str, tuple[Any, Path]],
 ) -> None:
     for cache in ("hash", "radix"):
-        llm = LLM("tiny", block_size=BS, enable_lora=True, prefix_cache=cache, kv_events=True,
-                  check_integrity=True)  # fmt: skip
+        llm = tiny(prefix_cache=cache, kv_events=True)
         engine = llm.engine
         assert engine.loras is not None
         qv8, all16 = request(adapters, "qv8"), request(adapters, "all16")
@@ -273,7 +278,7 @@ def test_a_bad_adapter_is_refused_and_disturbs_nothing(
     adapters: dict[str, tuple[Any, Path]], expected: dict[str | None, list[list[int]]],
     tmp_path: Path, how: str, message: str,
 ) -> None:  # fmt: skip
-    llm = LLM("tiny", block_size=BS, enable_lora=True, max_lora_rank=8, check_integrity=True)
+    llm = tiny(max_lora_rank=8)
     good = request(adapters, "qv8")
     assert llm.generate([PROMPTS[0]], GREEDY, lora_request=good)[0].outputs[0].token_ids == \
         expected["qv8"][0]  # fmt: skip
@@ -290,7 +295,7 @@ def test_a_bad_adapter_is_refused_and_disturbs_nothing(
 
 
 def test_lora_off_refuses_an_adapter() -> None:
-    llm = LLM("tiny", block_size=BS)
+    llm = tiny(enable_lora=False)
     with pytest.raises(ValueError, match="LoRA is off"):
         llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("a", 1, "/nowhere"))
 
@@ -301,7 +306,7 @@ def test_lora_off_refuses_an_adapter() -> None:
 def test_a_step_holds_at_most_max_loras_adapters(
     adapters: dict[str, tuple[Any, Path]], expected: dict[str | None, list[list[int]]],
 ) -> None:
-    llm = LLM("tiny", block_size=BS, enable_lora=True, max_loras=1, check_integrity=True)
+    llm = tiny(max_loras=1)
     engine = llm.engine
     names = ["qv8", "all16", None, "qv8", "mlp_rs"]
     for i, name in enumerate(names):
@@ -322,7 +327,7 @@ def test_the_disk_tier_gives_an_adapters_blocks_to_that_adapter_alone(
     adapters: dict[str, tuple[Any, Path]], tmp_path: Path,
 ) -> None:
     def engine() -> LLM:
-        return LLM("tiny", block_size=BS, enable_lora=True, kv_disk=str(tmp_path))
+        return tiny(kv_disk=str(tmp_path))
 
     first = engine()
     want = first.generate([PROMPTS[3]], GREEDY, lora_request=request(adapters, "qv8"))[0]
@@ -348,7 +353,7 @@ def test_smollm2_answers_as_peft_in_float32_and_runs_the_adapter_beside_its_gguf
     ids = base.tokenizer.encode("The capital of France is")
     lora = LoRARequest("a", 1, str(tmp_path / "a"))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = LLM(base, enable_lora=True)
+    llm = LLM(base, enable_lora=True, num_kv_blocks=KV_BLOCKS)
     assert llm.generate([ids], params, lora_request=lora)[0].outputs[0].token_ids == \
         peft_greedy(model, ids, 6)  # fmt: skip
     # Q4_1 blocks: logits off float32's by ~0.24 on average; the update still lands
@@ -375,7 +380,7 @@ def test_kv_events_name_the_adapter_as_vllm_sends_it(
     from prefixcache.cache import BlockStored
     from prefixcache.server.kv_events import decode_batch, encode_batch
 
-    llm = LLM("tiny", block_size=BS, enable_lora=True, kv_events=True)
+    llm = tiny(kv_events=True)
     llm.generate([PROMPTS[3]], GREEDY, lora_request=request(adapters, "all16"))
     llm.generate([PROMPTS[1]], GREEDY)
     stored = [e for e in llm.engine.take_kv_events() if isinstance(e, BlockStored)]
@@ -426,7 +431,7 @@ def test_the_ingress_names_an_adapter_requests_blocks_as_its_replica(
     from prefixcache.cluster.digests import PromptDigester
     from prefixcache.server.tenancy import TenantRegistry
 
-    llm = LLM("tiny", block_size=BS, enable_lora=True)
+    llm = tiny()
     engine, text = llm.engine, "route me " * 12
     request_id = engine.add_request("r", text, GREEDY, lora_request=request(adapters, "qv8"))
     replica = engine.prompt_block_digests(request_id)

@@ -57,8 +57,9 @@ def expected(adapters: dict[str, tuple[Any, Path]]) -> dict[str, str]:
 def _argv(adapters: dict[str, tuple[Any, Path]], secret: Path) -> list[str]:
     b = json.dumps({"name": "b", "path": str(adapters["b"][1]), "base_model_name": "tiny"})
     return ["--model", "tiny", "--tenants", str(EXAMPLE), "--secret-file", str(secret),
-            "--block-size", "16", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-            "--lora-modules", f"a={adapters['a'][1]}", b, "--allow-runtime-lora-updating"]
+            "--block-size", "16", "--num-kv-blocks", "256", "--enable-lora", "--max-loras", "2",
+            "--max-lora-rank", "16", "--lora-modules", f"a={adapters['a'][1]}", b,
+            "--allow-runtime-lora-updating"]
 
 
 @pytest.fixture(scope="module")
