@@ -195,3 +195,20 @@ def test_a_bad_module_at_start_is_one_line(adapters: dict[str, tuple[Any, Path]]
         _build(["--model", "tiny", "--lora-modules", f"a={adapters['a'][1]}"])
     with pytest.raises(CliError, match="expected name=path"):
         _build(["--model", "tiny", "--enable-lora", "--lora-modules", "just-a-name"])
+
+
+def test_diagnostics_name_a_changed_adapter(server: RunningServer) -> None:
+    """Why did it miss (issue 53): the same conversation under another adapter of the same base
+    is ``adapter_changed`` (not the vendors' ``model_changed``), and under the same one a hit."""
+    def respond(model: str, earlier: str | None) -> Any:
+        options = {"comparison_response_id": earlier} if earlier else {}
+        return client(server).responses.create(
+            model=model, instructions="Adapters keep their own blocks. " * 4, input="Which?",
+            max_output_tokens=2, temperature=0.0, extra_body={"prompt_cache_options": options})
+
+    first = respond("a", None)
+    moved = respond("b", first.id).prompt_cache_diagnostics
+    assert moved.type == "cache_miss" and moved.reason == "adapter_changed"
+    assert moved.cache_missed_tokens > 0
+    assert respond("a", first.id).prompt_cache_diagnostics.type == "cache_hit"
+    assert respond("tiny", first.id).prompt_cache_diagnostics.reason == "adapter_changed"

@@ -85,11 +85,17 @@ class ServingContext:
         segments: Sequence[tuple[str, object]], messages: Sequence[object], earlier_id: str | None,
     ) -> Diagnosis:  # fmt: skip
         """``tenant``'s request as diagnostics compare it: its ``segments`` (in the order a
-        change is reported; the model's weights and dtype right after its name), ``messages``,
-        and its prompt's blocks as its cache names them."""
-        segments = [*segments[:1], ("dtype_or_weights", self.model_identity), *segments[1:]]
+        change is reported, the first the model it names: the base model's name, then its
+        weights and dtype, then the LoRA adapter it runs under, by content), ``messages``, and
+        its prompt's blocks as its cache names them (the adapter's namespace)."""
+        (_, model), *rest = segments
+        adapter = self.adapter_of(str(model))
+        base = self.model_name if adapter is not None else model
+        segments = [("model", base), ("dtype_or_weights", self.model_identity),
+                    ("adapter", adapter), *rest]
         scope = self.tenants.scope(tenant, cache_salt)
-        seq = CacheSequence("diagnosis", token_ids, scope.salt, use_cache=scope.use_cache)
+        seq = CacheSequence("diagnosis", token_ids, scope.salt, adapter=adapter,
+                            use_cache=scope.use_cache)
         blocks = self.engine.cache_identity.block_digests(seq) if scope.use_cache else []
         fingerprint = Fingerprint.of(segments, messages, blocks, len(token_ids))
         metrics, isolation = self.metrics, tenant.isolation_domain
