@@ -125,9 +125,9 @@ def test_every_dtype_and_weight_form_runs_the_adapter(
     a row's bits are the same alone and beside other adapters' rows."""
     loaded = load_model("tiny", dtype=dtype, weight_dtype=weights)
     slots = LoraSlots(loaded.config, 2)
-    for slot, name in enumerate(("all16", "qv8")):
+    for slot, name in enumerate(("all16", "qv8")):  # bfloat16 A and B for a bfloat16 model
         adapter = load_adapter(adapters[name][1], loaded.config)
-        slots.install(slot, PackedLora.of(adapter, loaded.config))
+        slots.install(slot, PackedLora.of(adapter, loaded.config, loaded.dtype))
     model = adapters["all16"][0]
     seqs = [(PROMPTS[1], 0), (PROMPTS[0], None), (PROMPTS[3], 1)]
     mixed = step_logits(loaded, slots, seqs)
@@ -476,16 +476,22 @@ def test_qwen3_layers_run_the_update_before_their_q_k_norm(tmp_path: Path) -> No
     assert (plain - theirs).abs().max().item() > 0.01
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, weights", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16)])  # fmt: skip
 def test_the_kernel_gives_a_row_the_same_bits_in_any_tile(
-    base: Any, slots: LoraSlots, dtype: torch.dtype
+    base: Any, adapters: dict[str, tuple[Any, Path]], dtype: torch.dtype, weights: torch.dtype
 ) -> None:
     """The update of a row does not depend on where its run starts, how the runs are cut or
     what runs beside it (tiles of 8 rows: every row count 1-8 and a cut inside one), and it is
-    peft's product (float64 reference)."""
+    peft's product (float64 reference), with A and B in float32 or bfloat16."""
     from native_support import require_native_layers
 
     require_native_layers()
+    slots = LoraSlots(base.config, 2)
+    for slot, name in enumerate(("qv8", "all16")):
+        adapter = load_adapter(adapters[name][1], base.config)
+        slots.install(slot, PackedLora.of(adapter, base.config, weights))
     gen = torch.Generator().manual_seed(0)
     hidden, width = base.config.hidden_size, base.config.q_size + 2 * base.config.kv_size
     x = torch.randn(37, hidden, generator=gen).to(dtype)
@@ -504,8 +510,8 @@ def test_the_kernel_gives_a_row_the_same_bits_in_any_tile(
         rows = slice(mine[0].row0, 37)
         assert torch.equal(update(cuts)[rows], whole[rows])
     (q, k, v) = slots.pieces(1, 0, 1)
-    expected = torch.cat([(x.double() @ p.a_t[:, : p.rank].double()) @ p.b_t[:, : p.n].double()
-                          * p.scale for p in (q, k, v)], dim=1)  # fmt: skip
+    expected = torch.cat([(x.double() @ p.a_t[:, : p.rank].double())
+                          @ p.b_t[:, : p.n].double() * p.scale for p in (q, k, v)], dim=1)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert (whole.double() - expected).abs().max().item() < tolerance * expected.abs().max()
 

@@ -87,7 +87,8 @@ class LLMEngine:
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
         # LoRA adapters (None: off); their rows' updates run beside the base projections
         self.loras = self.runner.loras = (
-            LoraRegistry(self.model_config, config.lora, self._evict_namespaces)
+            LoraRegistry(self.model_config, config.lora, self._evict_namespaces,
+                         self.loaded.dtype)
             if config.lora.enable_lora else None)  # fmt: skip
         self.fates = self.cache.allocator.fates = BlockFates()  # why blocks left: diagnostics
         # the lower tiers (disk, Valkey): written behind each step, read ahead of admission

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from prefixcache.engine.config import LoraConfig
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.lora import CONFIG_FILE, WEIGHTS_FILE, LoraError, load_adapter
@@ -94,10 +96,12 @@ class LoraRegistry:
     (the engine's). Names are read from any thread; the rest runs on the engine's thread."""
 
     def __init__(
-        self, model: ModelConfig, config: LoraConfig, evict: Callable[[set[bytes]], object]
+        self, model: ModelConfig, config: LoraConfig, evict: Callable[[set[bytes]], object],
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model = model
         self.config = config
+        self.dtype = dtype  # the model's: the adapters' weights are kept in it
         self.slots = LoraSlots(model, config.cpu_loras)
         self._evict = evict
         self._names: dict[str, _Name] = {}
@@ -111,7 +115,7 @@ class LoraRegistry:
         path = Path(request.lora_path).expanduser()
         stamp = _stamp(path)
         adapter = load_adapter(path, self.model, self.config.max_lora_rank)
-        return PackedLora.of(adapter, self.model), stamp
+        return PackedLora.of(adapter, self.model, self.dtype), stamp
 
     def add(self, request: LoRARequest, read: tuple[PackedLora, tuple[int, ...]] | None = None
             ) -> str:  # fmt: skip

@@ -40,7 +40,7 @@ class _Piece(ctypes.Structure):
     """``struct lora_piece`` of lora.h."""
 
     _fields_ = [("a_t", _P), ("b_t", _P), ("rank", _I), ("rank_pad", _I), ("col0", _I),
-                ("n", _I), ("n_pad", _I), ("scale", _F)]  # fmt: skip
+                ("n", _I), ("n_pad", _I), ("scale", _F), ("bf16w", _I)]  # fmt: skip
 
 
 class _Table(ctypes.Structure):
@@ -71,8 +71,8 @@ def _round_up(n: int, step: int) -> int:
 @dataclass(frozen=True, slots=True)
 class PackedPiece:
     """One target's update in the kernel's layout: ``a_t`` [in, rank_pad] (A transposed, zero
-    columns past the rank), ``b_t`` [rank, n_pad] (B transposed, zero columns past n), written
-    into output columns [col0, col0 + n)."""
+    columns past the rank), ``b_t`` [rank, n_pad] (B transposed, zero columns past n), float32
+    or bfloat16, written into output columns [col0, col0 + n)."""
 
     a_t: torch.Tensor
     b_t: torch.Tensor
@@ -83,26 +83,31 @@ class PackedPiece:
 
     def struct(self) -> _Piece:
         return _Piece(self.a_t.data_ptr(), self.b_t.data_ptr(), self.rank, self.a_t.shape[1],
-                      self.col0, self.n, self.b_t.shape[1], self.scale)  # fmt: skip
+                      self.col0, self.n, self.b_t.shape[1], self.scale,
+                      int(self.a_t.dtype == torch.bfloat16))  # fmt: skip
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The update of rows ``x`` [rows, in] in float32 (the torch path, no compiler)."""
-        shrunk = x.float() @ self.a_t[:, : self.rank]
-        return (shrunk @ self.b_t[:, : self.n]) * self.scale
+        shrunk = x.float() @ self.a_t[:, : self.rank].float()
+        return (shrunk @ self.b_t[:, : self.n].float()) * self.scale
 
 
 @dataclass(frozen=True, slots=True)
 class PackedLora:
     """An adapter's updates for the kernel: ``pieces[layer][projection]`` (`PROJECTIONS`
-    order), each a list of `PackedPiece`; ``identity`` and ``max_rank`` as the adapter's."""
+    order), each a list of `PackedPiece`; ``identity`` and ``max_rank`` as the adapter's. Its
+    A and B are float32, or bfloat16 for a bfloat16 model (as peft's would be there: half the
+    bytes a decode step streams)."""
 
     identity: str
     max_rank: int
     pieces: tuple[tuple[tuple[PackedPiece, ...], ...], ...]
 
     @classmethod
-    def of(cls, adapter: LoraAdapter, config: ModelConfig) -> PackedLora:
-        """Lay out ``adapter`` (checked against ``config`` by `load_adapter`)."""
+    def of(cls, adapter: LoraAdapter, config: ModelConfig,
+           dtype: torch.dtype = torch.float32) -> PackedLora:  # fmt: skip
+        """Lay out ``adapter`` (checked against ``config`` by `load_adapter`) in ``dtype``
+        (float32 or bfloat16)."""
         if adapter.max_rank > MAX_RANK:
             raise ValueError(f"LoRA rank {adapter.max_rank} is over the kernel's {MAX_RANK}")
         layers: list[list[list[PackedPiece]]] = [
@@ -119,7 +124,8 @@ class PackedLora:
                 a_t[:, : target.rank] = target.a.t()
                 b_t = target.b.new_zeros(target.rank, _round_up(n, _COLS))
                 b_t[:, :n] = target.b.t()
-                piece = PackedPiece(a_t, b_t, target.rank, col0, n, target.scale)
+                piece = PackedPiece(a_t.to(dtype), b_t.to(dtype), target.rank, col0, n,
+                                    target.scale)
                 layers[layer][projection].append(piece)
         pieces = tuple(tuple(tuple(p) for p in layer) for layer in layers)
         return cls(adapter.identity, adapter.max_rank, pieces)

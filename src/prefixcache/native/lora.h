@@ -29,12 +29,14 @@
 #define LORA_COLS (LORA_VECS * LANES)  /* b_t's rows are padded to 64 columns: whole passes */
 #define LORA_MAX_RANK 512
 
-/* One adapter's update of output columns [col0, col0 + n) of one projection. */
+/* One adapter's update of output columns [col0, col0 + n) of one projection; A and B in float32,
+ * or bfloat16 where bf16w (widened to float32 as they are read: a bfloat16 model's adapters) */
 struct lora_piece {
-    const float *a_t; /* [k][rank_pad]: A transposed, ranks zero-padded to whole vectors */
-    const float *b_t; /* [rank][n_pad]: B transposed, columns zero-padded to 64 */
+    const void *a_t; /* [k][rank_pad]: A transposed, ranks zero-padded to whole vectors */
+    const void *b_t; /* [rank][n_pad]: B transposed, columns zero-padded to 64 */
     int rank, rank_pad, col0, n, n_pad;
     float scale;
+    int bf16w;
 };
 
 /* A projection's pieces by adapter slot: slot s's are pieces[first[s] .. first[s + 1]) */
@@ -49,9 +51,19 @@ struct lora_runs {
     const int *row0, *rows, *slot;
 };
 
-static inline vfloat lora_load(const float *p) {
+typedef uint16_t lora_vbf16 __attribute__((vector_size(2 * LANES)));
+typedef uint32_t lora_vuint __attribute__((vector_size(4 * LANES)));
+
+/* LANES weights from w[at], float32, or bfloat16 widened (exact) where bf16w */
+static inline __attribute__((always_inline)) vfloat lora_load(const void *w, int64_t at,
+                                                              const int bf16w) {
+    if (bf16w) {
+        lora_vbf16 h;
+        memcpy(&h, (const uint16_t *)w + at, sizeof h);
+        return (vfloat)(__builtin_convertvector(h, lora_vuint) << 16);
+    }
     vfloat v;
-    memcpy(&v, p, sizeof v);
+    memcpy(&v, (const float *)w + at, sizeof v);
     return v;
 }
 
@@ -77,15 +89,15 @@ static inline __attribute__((always_inline)) float lora_x(const void *x, int64_t
  * floats). Inlined with constant T, NV and bf16 (`lora_shrink`), so that the T x NV
  * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void lora_shrink_tile(
-    const struct lora_piece *p, const void *x, int64_t ldx, int k, const int bf16, const int T,
-    const int NV, int v0, float *u) {
+    const struct lora_piece *p, const void *x, int64_t ldx, int k, const int bf16,
+    const int bf16w, const int T, const int NV, int v0, float *u) {
     vfloat acc[LORA_TILE][LORA_VECS];
     for (int t = 0; t < T; t++)
         for (int v = 0; v < NV; v++) acc[t][v] = (vfloat){0};
-    const float *a = p->a_t + (int64_t)v0 * LANES;
+    int64_t a = (int64_t)v0 * LANES;
     for (int kk = 0; kk < k; kk++, a += p->rank_pad) {
         vfloat av[LORA_VECS];
-        for (int v = 0; v < NV; v++) av[v] = lora_load(a + v * LANES);
+        for (int v = 0; v < NV; v++) av[v] = lora_load(p->a_t, a + v * LANES, bf16w);
         for (int t = 0; t < T; t++) {
             const vfloat xs = vsplat(lora_x(x, t * ldx + kk, bf16));
             for (int v = 0; v < NV; v++) acc[t][v] = fmadd(xs, av[v], acc[t][v]);
@@ -96,12 +108,15 @@ static inline __attribute__((always_inline)) void lora_shrink_tile(
             memcpy(u + (int64_t)t * p->rank_pad + (v0 + v) * LANES, &acc[t][v], sizeof(vfloat));
 }
 
-#define LORA_SHRINK_NV(T, BF16)                                                   \
-    (NV == 1 ? lora_shrink_tile(p, x, ldx, k, BF16, T, 1, v0, u)                  \
-             : lora_shrink_tile(p, x, ldx, k, BF16, T, LORA_VECS, v0, u))
+#define LORA_SHRINK_NV(T, BF16, BF16W)                                            \
+    (NV == 1 ? lora_shrink_tile(p, x, ldx, k, BF16, BF16W, T, 1, v0, u)           \
+             : lora_shrink_tile(p, x, ldx, k, BF16, BF16W, T, LORA_VECS, v0, u))
 #define LORA_SHRINK_CASE(T)                                                       \
     case T:                                                                       \
-        if (bf16) LORA_SHRINK_NV(T, 1); else LORA_SHRINK_NV(T, 0);                \
+        if (bf16 && p->bf16w) LORA_SHRINK_NV(T, 1, 1);                            \
+        else if (bf16) LORA_SHRINK_NV(T, 1, 0);                                   \
+        else if (p->bf16w) LORA_SHRINK_NV(T, 0, 1);                               \
+        else LORA_SHRINK_NV(T, 0, 0);                                             \
         break;
 
 /* u[t] = x[t] A^T for the tile's T rows (u: [T][rank_pad] floats) */
@@ -123,15 +138,15 @@ static void lora_shrink(const struct lora_piece *p, const void *x, int64_t ldx, 
  * bf16: `lora_expand`) */
 static inline __attribute__((always_inline)) void lora_expand_tile(
     const struct lora_piece *p, const float *u, const int T, void *out, int64_t ldo,
-    const int bf16) {
+    const int bf16, const int bf16w) {
     for (int c0 = 0; c0 < p->n; c0 += LORA_COLS) {
         vfloat acc[LORA_TILE][LORA_VECS];
         for (int t = 0; t < T; t++)
             for (int v = 0; v < LORA_VECS; v++) acc[t][v] = (vfloat){0};
-        const float *b = p->b_t + c0;
+        int64_t b = c0;
         for (int i = 0; i < p->rank; i++, b += p->n_pad) {
             vfloat bv[LORA_VECS];
-            for (int v = 0; v < LORA_VECS; v++) bv[v] = lora_load(b + v * LANES);
+            for (int v = 0; v < LORA_VECS; v++) bv[v] = lora_load(p->b_t, b + v * LANES, bf16w);
             for (int t = 0; t < T; t++) {
                 const vfloat ui = vsplat(u[(int64_t)t * p->rank_pad + i]);
                 for (int v = 0; v < LORA_VECS; v++) acc[t][v] = fmadd(ui, bv[v], acc[t][v]);
@@ -156,8 +171,10 @@ static inline __attribute__((always_inline)) void lora_expand_tile(
 
 #define LORA_EXPAND_CASE(T)                                                       \
     case T:                                                                       \
-        if (bf16) lora_expand_tile(p, u, T, out, ldo, 1);                         \
-        else lora_expand_tile(p, u, T, out, ldo, 0);                              \
+        if (bf16 && p->bf16w) lora_expand_tile(p, u, T, out, ldo, 1, 1);          \
+        else if (bf16) lora_expand_tile(p, u, T, out, ldo, 1, 0);                 \
+        else if (p->bf16w) lora_expand_tile(p, u, T, out, ldo, 0, 1);             \
+        else lora_expand_tile(p, u, T, out, ldo, 0, 0);                           \
         break;
 
 static void lora_expand(const struct lora_piece *p, const float *u, int T, void *out,
