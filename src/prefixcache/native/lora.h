@@ -14,6 +14,7 @@
 #define PREFIXCACHE_LORA_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -28,6 +29,7 @@
 #define LORA_VECS 2                    /* rank vectors (A) or column vectors (B) per pass */
 #define LORA_COLS (LORA_VECS * LANES)  /* b_t's rows are padded to 64 columns: whole passes */
 #define LORA_MAX_RANK 512
+#define LORA_STACK_X 16384             /* floats of a widened bfloat16 tile kept on the stack */
 
 /* One adapter's update of output columns [col0, col0 + n) of one projection; A and B in float32,
  * or bfloat16 where bf16w (widened to float32 as they are read: a bfloat16 model's adapters) */
@@ -80,17 +82,12 @@ static inline uint16_t lora_narrow(float f) { /* round to nearest even (finite v
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* x[at] as a float (bfloat16 widened) */
-static inline __attribute__((always_inline)) float lora_x(const void *x, int64_t at, int bf16) {
-    return bf16 ? lora_widen(((const uint16_t *)x)[at]) : ((const float *)x)[at];
-}
-
 /* Ranks [v0 * LANES, (v0 + NV) * LANES) of u[t] = x[t] A^T for the tile's T rows (u: [T][rank_pad]
  * floats). Inlined with constant T, NV and bf16 (`lora_shrink`), so that the T x NV
  * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void lora_shrink_tile(
-    const struct lora_piece *p, const void *x, int64_t ldx, int k, const int bf16,
-    const int bf16w, const int T, const int NV, int v0, float *u) {
+    const struct lora_piece *p, const float *x, int64_t ldx, int k, const int bf16w, const int T,
+    const int NV, int v0, float *u) {
     vfloat acc[LORA_TILE][LORA_VECS];
     for (int t = 0; t < T; t++)
         for (int v = 0; v < NV; v++) acc[t][v] = (vfloat){0};
@@ -99,7 +96,7 @@ static inline __attribute__((always_inline)) void lora_shrink_tile(
         vfloat av[LORA_VECS];
         for (int v = 0; v < NV; v++) av[v] = lora_load(p->a_t, a + v * LANES, bf16w);
         for (int t = 0; t < T; t++) {
-            const vfloat xs = vsplat(lora_x(x, t * ldx + kk, bf16));
+            const vfloat xs = vsplat(x[t * ldx + kk]);
             for (int v = 0; v < NV; v++) acc[t][v] = fmadd(xs, av[v], acc[t][v]);
         }
     }
@@ -108,20 +105,17 @@ static inline __attribute__((always_inline)) void lora_shrink_tile(
             memcpy(u + (int64_t)t * p->rank_pad + (v0 + v) * LANES, &acc[t][v], sizeof(vfloat));
 }
 
-#define LORA_SHRINK_NV(T, BF16, BF16W)                                            \
-    (NV == 1 ? lora_shrink_tile(p, x, ldx, k, BF16, BF16W, T, 1, v0, u)           \
-             : lora_shrink_tile(p, x, ldx, k, BF16, BF16W, T, LORA_VECS, v0, u))
+#define LORA_SHRINK_NV(T, BF16W)                                                  \
+    (NV == 1 ? lora_shrink_tile(p, x, ldx, k, BF16W, T, 1, v0, u)                 \
+             : lora_shrink_tile(p, x, ldx, k, BF16W, T, LORA_VECS, v0, u))
 #define LORA_SHRINK_CASE(T)                                                       \
     case T:                                                                       \
-        if (bf16 && p->bf16w) LORA_SHRINK_NV(T, 1, 1);                            \
-        else if (bf16) LORA_SHRINK_NV(T, 1, 0);                                   \
-        else if (p->bf16w) LORA_SHRINK_NV(T, 0, 1);                               \
-        else LORA_SHRINK_NV(T, 0, 0);                                             \
+        if (p->bf16w) LORA_SHRINK_NV(T, 1); else LORA_SHRINK_NV(T, 0);            \
         break;
 
-/* u[t] = x[t] A^T for the tile's T rows (u: [T][rank_pad] floats) */
-static void lora_shrink(const struct lora_piece *p, const void *x, int64_t ldx, int k, int bf16,
-                        int T, float *u) {
+/* u[t] = x[t] A^T for the tile's T rows (x: float32 rows ldx apart; u: [T][rank_pad] floats) */
+static void lora_shrink(const struct lora_piece *p, const float *x, int64_t ldx, int k, int T,
+                        float *u) {
     const int nv = p->rank_pad / LANES;
     for (int v0 = 0; v0 < nv; v0 += LORA_VECS) {
         const int NV = nv - v0 < LORA_VECS ? nv - v0 : LORA_VECS;
@@ -232,12 +226,28 @@ void pc_lora_apply(const struct lora_runs *runs, const struct lora_table *table,
         const int64_t local = r0 - first_row;
         float u[LORA_TILE * LORA_MAX_RANK];
         const int slot = runs->slot[s];
-        const int size = bf16 ? 2 : 4;
+        /* the tile's x in float32: bfloat16 rows widened once for all its pieces (exact), on
+         * the stack up to LORA_STACK_X floats */
+        float stack_x[LORA_STACK_X];
+        const float *xt = (const float *)x + local * ldx;
+        int64_t ldt = ldx;
+        float *widened = NULL;
+        if (bf16) {
+            const int64_t n = (int64_t)T * k;
+            widened = n <= LORA_STACK_X ? stack_x : malloc((size_t)n * sizeof(float));
+            if (widened == NULL) abort(); /* never an update left out */
+            const uint16_t *xb = (const uint16_t *)x + local * ldx;
+            for (int t = 0; t < T; t++)
+                for (int kk = 0; kk < k; kk++)
+                    widened[(int64_t)t * k + kk] = lora_widen(xb[t * ldx + kk]);
+            xt = widened, ldt = k;
+        }
         for (int q = table->first[slot]; q < table->first[slot + 1]; q++) {
             const struct lora_piece *p = table->pieces + q;
-            lora_shrink(p, (const char *)x + local * ldx * size, ldx, k, bf16, T, u);
-            lora_expand(p, u, T, (char *)out + local * ldo * size, ldo, bf16);
+            lora_shrink(p, xt, ldt, k, T, u);
+            lora_expand(p, u, T, (char *)out + local * ldo * (bf16 ? 2 : 4), ldo, bf16);
         }
+        if (widened != stack_x) free(widened);
     }
 }
 
