@@ -194,7 +194,7 @@ class CausalLM(nn.Module):
         delta: torch.Tensor | None = None  # the last layer's output, not yet added to h
         c = self.config
         plan = build_plan(attn_metadata, *kv_cache.layer(0), c.num_attention_heads, h.dtype,
-                          h.device)  # every layer's attention path, decided once
+                          h.device, kv_cache.kv_format)  # every layer's path, decided once
         fused = FusedLayers.prepare(
             c, self.layer_parts(), h, cos_sin, kv_cache, attn_metadata, plan, lora
         )

@@ -137,6 +137,8 @@ class FusedLayers:
         library = native_layers.library()
         if library is None or unsupported(c) is not None or not _takes(h):
             return None
+        if kv_cache.storage_dtype != h.dtype:  # the calls write and read rows of h's dtype
+            return None
         static = _static_parts(c, layers, h.dtype, kv_cache)
         if static is None:
             return None

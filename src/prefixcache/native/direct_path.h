@@ -132,17 +132,21 @@ static inline __attribute__((always_inline)) void D_(pv_tile)(const float *pt, i
 }
 
 #ifndef DIRECT_COMMON
-/* The cache rows of one kv head: row j of K (or V) is at base + slots[j] * stride. */
+/* The cache rows of one kv head: row j of K (or V) is at base + slots[j] * stride bytes. */
 struct head_rows {
     const float *k, *v;
     const int64_t *slots;
-    int64_t stride;
+    int64_t stride; /* bytes */
 };
 #endif
 
 #ifndef DIRECT_COMMON
-static inline const float *k_row(const struct head_rows *hr, int j) { return hr->k + hr->slots[j] * hr->stride; }
-static inline const float *v_row(const struct head_rows *hr, int j) { return hr->v + hr->slots[j] * hr->stride; }
+static inline const float *k_row(const struct head_rows *hr, int j) {
+    return (const float *)((const char *)hr->k + hr->slots[j] * hr->stride);
+}
+static inline const float *v_row(const struct head_rows *hr, int j) {
+    return (const float *)((const char *)hr->v + hr->slots[j] * hr->stride);
+}
 #endif
 
 /* st rows 0 .. nk = scores of keys b0 .. b0 + nk against the tile's rows; keys up to `keys`
@@ -333,10 +337,10 @@ static inline bf16_t to_bf16_1(float x) {
 
 #ifndef DIRECT_COMMON
 static inline const bf16_t *k_row16(const struct head_rows *hr, int j) {
-    return (const bf16_t *)hr->k + hr->slots[j] * hr->stride;
+    return (const bf16_t *)((const char *)hr->k + hr->slots[j] * hr->stride);
 }
 static inline const bf16_t *v_row16(const struct head_rows *hr, int j) {
-    return (const bf16_t *)hr->v + hr->slots[j] * hr->stride;
+    return (const bf16_t *)((const char *)hr->v + hr->slots[j] * hr->stride);
 }
 #endif
 
@@ -458,14 +462,14 @@ static __attribute__((noinline)) void D_(pv_block16)(const uint32_t *pp, int ld,
 #define DOT16 0
 #endif
 
-/* kv head h's rows in caches of either dtype (k_row / v_row for float32, k_row16 / v_row16
- * for bfloat16: the stride counts elements) */
+/* kv head h's rows in caches of any layout (`kv_quant.h`: k_row / v_row read float32 rows,
+ * k_row16 / v_row16 bfloat16 ones; the other layouts' rows are read by `load_row`) */
 static struct head_rows D_(head_of)(const void *k_cache, const void *v_cache, int bf16,
                                 const int64_t *slots, int h, int KV) {
-    const int64_t offset = (int64_t)h * HD * (bf16 ? 2 : 4); /* bytes */
+    const int64_t row = kv_row_bytes(HD, bf16), offset = (int64_t)h * row; /* bytes */
     const struct head_rows hr = {(const float *)((const char *)k_cache + offset),
                                  (const float *)((const char *)v_cache + offset), slots,
-                                 (int64_t)KV * HD};
+                                 (int64_t)KV * row};
     return hr;
 }
 
@@ -554,15 +558,15 @@ static void D_(tile_begin)(struct tile_state *ts, const struct direct_buf *b, in
     }
 }
 
-/* Start loading the K and V rows of the key block at b0 (if any: b0 < keys) of `size`-byte
- * elements while the current one computes. A block's rows lie in the cache's pages wherever
+/* Start loading the K and V rows (`size` bytes each) of the key block at b0 (if any: b0 < keys)
+ * while the current one computes. A block's rows lie in the cache's pages wherever
  * those are, one kv head's row every KV * HD elements: the hardware prefetchers miss most of
  * them, and the register tiles' own prefetches (a few keys ahead) come too late for memory. */
 static inline __attribute__((always_inline)) void D_(prefetch_block)(const struct head_rows *hr,
                                                                      int b0, int keys, int size) {
     for (int j = b0; j < b0 + KEY_BLOCK && j < keys; j++) {
-        const int64_t offset = hr->slots[j] * hr->stride * size;
-        for (int c = 0; c < HD * size; c += 64) {
+        const int64_t offset = hr->slots[j] * hr->stride;
+        for (int c = 0; c < size; c += 64) {
             prefetch((const char *)hr->k + offset + c);
             prefetch((const char *)hr->v + offset + c);
         }
@@ -587,14 +591,14 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
                             const struct direct_buf *b, const void *k_cache,
                             const void *v_cache, int bf16, int KV, int h, float scale) {
     enum { D = HD };
-    const struct head_rows wide = {b->k_wide, b->v_wide, BLOCK_ROWS, D};
+    const struct head_rows wide = {b->k_wide, b->v_wide, BLOCK_ROWS, D * (int64_t)sizeof(float)};
     const float *v_rows[KEY_BLOCK];
     const int keys = tiles[nt - 1].keys; /* the last tile sees the most */
 #if DOT16
     if (bf16 == KV_BF16_PRODUCTS) {
         for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
             const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
-            D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, 2);
+            D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, 2 * HD);
             D_(pair_values)(hr, b0, block, b->v_pairs);
             for (int t = 0; t < nt; t++) {
                 struct tile_state *ts = &tiles[t];
@@ -613,12 +617,12 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
 #endif
     for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
         const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
-        D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, bf16 ? 2 : 4);
+        D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, (int)kv_row_bytes(HD, bf16));
         if (bf16)
             for (int j = 0; j < block; j++) {
-                const int64_t src = (hr->slots[b0 + j] * KV + h) * D;
-                load_row(b->k_wide + j * D, k_cache, src, D, 1);
-                load_row(b->v_wide + j * D, v_cache, src, D, 1);
+                const int64_t src = hr->slots[b0 + j] * KV + h;
+                load_row(b->k_wide + j * D, k_cache, src, D, bf16);
+                load_row(b->v_wide + j * D, v_cache, src, D, bf16);
                 v_rows[j] = b->v_wide + j * D;
             }
         else

@@ -1,0 +1,247 @@
+/* The paged KV cache's layouts as the attention kernels read them, and the quantized ones'
+ * writes (prefixcache/attention/kv_format.py is the Python side; its torch code is the
+ * reference these must match bit for bit).
+ *
+ * A cache row is one token's K (or V) for one kv head, D values. float32 and bfloat16 rows are
+ * D elements. A quantized row is D / 32 blocks in llama.cpp's block layout, each a float16
+ * scale d, then:
+ *   int8      32 signed bytes q, value d * q (Q8_0: d = amax / 127, q = round-half-even(x / d))
+ *   int4      16 bytes, value j in the low nibble of byte j, value 16 + j in the high one,
+ *             value d * (n - 8) (Q4_0: d = the largest-magnitude value / -8); K and V rotated
+ *             by the normalised Hadamard transform of the head first (`hadamard`), which the
+ *             kernels apply to the queries, and to the outputs to rotate them back
+ *   fp8_e4m3, fp8_e5m2  32 bytes of 8-bit floats f, value d * f (d = amax / the format's
+ *             largest finite value)
+ * The scale is computed once per block (amax / q_max, rounded to float16), and each value
+ * quantized against that float16 scale: x * (1 / d) rounded, clamped to the format's range. */
+#ifndef PREFIXCACHE_KV_QUANT_H
+#define PREFIXCACHE_KV_QUANT_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* What the caches hold (and for bfloat16, how the direct path multiplies it: `bf16` in the
+ * kernels' arguments is one of these) */
+enum {
+    KV_F32 = 0,
+    KV_BF16 = 1,
+    KV_BF16_PRODUCTS = 2,
+    KV_Q8 = 3,
+    KV_Q4 = 4,
+    KV_FP8_E4M3 = 5,
+    KV_FP8_E5M2 = 6,
+};
+#define QBLOCK 32 /* values per quantized block */
+
+static inline int kv_quantized(int fmt) { return fmt >= KV_Q8; }
+static inline int kv_rotated(int fmt) { return fmt == KV_Q4; }
+
+/* Bytes of one row of D values (D a multiple of 32 for the quantized layouts) */
+static inline int64_t kv_row_bytes(int D, int fmt) {
+    switch (fmt) {
+    case KV_F32: return 4 * (int64_t)D;
+    case KV_BF16: case KV_BF16_PRODUCTS: return 2 * (int64_t)D;
+    case KV_Q4: return (int64_t)D / QBLOCK * (2 + QBLOCK / 2);
+    default: return (int64_t)D / QBLOCK * (2 + QBLOCK);
+    }
+}
+
+/* IEEE float16 <-> float32, round to nearest even: F16C's instructions where the CPU has them
+ * (every AVX2 CPU the kernels target), else the same conversions in integer code */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man == 0) bits = sign;
+    else { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do { e++; m <<= 1; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    const int32_t exp = (int32_t)((x >> 23) & 0xFF) - 127 + 15;
+    uint32_t man = x & 0x7FFFFF;
+    if (((x >> 23) & 0xFF) == 0xFF) return (uint16_t)(sign | 0x7C00 | (man ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7C00);
+    if (exp <= 0) { /* subnormal or zero: shift the implicit bit in, round to nearest even */
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        const int shift = 14 - exp;
+        uint32_t half = man >> shift;
+        const uint32_t rest = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((uint32_t)exp << 10) | (man >> 13);
+    const uint32_t rest = man & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++; /* may carry into exp */
+    return (uint16_t)(sign | half);
+#endif
+}
+
+/* The 8-bit floats' values, by byte (e4m3fn: no infinities, 0x7F/0xFF NaN; e5m2: IEEE-like) */
+static float fp8_values[2][256];
+
+static float fp8_value(unsigned byte, int e5m2) {
+    const int sign = byte >> 7, bits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const int exp = (byte & 0x7F) >> bits, man = byte & ((1 << bits) - 1);
+    float v;
+    if (!e5m2 && exp == 15 && man == 7) v = NAN;
+    else if (e5m2 && exp == 31) v = man ? NAN : INFINITY;
+    else if (exp == 0) v = ldexpf((float)man, 1 - bias - bits);
+    else v = ldexpf((float)((1 << bits) | man), exp - bias - bits);
+    return sign ? -v : v;
+}
+
+__attribute__((constructor)) static void fp8_tables(void) {
+    for (int e = 0; e < 2; e++)
+        for (unsigned b = 0; b < 256; b++) fp8_values[e][b] = fp8_value(b, e);
+}
+
+/* x [D] <- H x / sqrt(D), the normalised Walsh-Hadamard transform (D a power of two): its own
+ * inverse. The butterflies run in one fixed order (pairs h apart, h = 1, 2, 4, ...), as
+ * kv_format.hadamard does them in torch. */
+static void hadamard(float *x, int D) {
+    for (int h = 1; h < D; h *= 2)
+        for (int i = 0; i < D; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float norm = 1.0f / sqrtf((float)D);
+    for (int d = 0; d < D; d++) x[d] *= norm;
+}
+
+/* D values of cache row `row` (token slot * KV + kv head) as floats: copied, widened from
+ * bfloat16 (exact: a bfloat16's bits are the high half of the float it stands for), or
+ * dequantized, each value one product of the block's scale and its quantized value */
+static inline void load_row(float *dst, const void *cache, int64_t row, int D, int fmt) {
+    const char *src = (const char *)cache + row * kv_row_bytes(D, fmt);
+    switch (fmt) {
+    case KV_F32:
+        memcpy(dst, src, (size_t)D * sizeof(float));
+        return;
+    case KV_BF16: case KV_BF16_PRODUCTS: {
+        const uint16_t *bf = (const uint16_t *)src;
+        uint32_t *bits = (uint32_t *)dst;
+        for (int d = 0; d < D; d++) bits[d] = (uint32_t)bf[d] << 16;
+        return;
+    }
+    case KV_Q8:
+        for (int b = 0; b < D / QBLOCK; b++, src += 2 + QBLOCK) {
+            uint16_t h;
+            memcpy(&h, src, 2);
+            const float d = half_to_float(h);
+            const int8_t *q = (const int8_t *)(src + 2);
+            for (int i = 0; i < QBLOCK; i++) dst[b * QBLOCK + i] = (float)q[i] * d;
+        }
+        return;
+    case KV_Q4:
+        for (int b = 0; b < D / QBLOCK; b++, src += 2 + QBLOCK / 2) {
+            uint16_t h;
+            memcpy(&h, src, 2);
+            const float d = half_to_float(h);
+            const uint8_t *q = (const uint8_t *)(src + 2);
+            for (int i = 0; i < QBLOCK / 2; i++) {
+                dst[b * QBLOCK + i] = (float)((int)(q[i] & 15) - 8) * d;
+                dst[b * QBLOCK + QBLOCK / 2 + i] = (float)((int)(q[i] >> 4) - 8) * d;
+            }
+        }
+        return;
+    default: { /* 8-bit floats */
+        const float *values = fp8_values[fmt == KV_FP8_E5M2];
+        for (int b = 0; b < D / QBLOCK; b++, src += 2 + QBLOCK) {
+            uint16_t h;
+            memcpy(&h, src, 2);
+            const float d = half_to_float(h);
+            const uint8_t *q = (const uint8_t *)(src + 2);
+            for (int i = 0; i < QBLOCK; i++) dst[b * QBLOCK + i] = values[q[i]] * d;
+        }
+    }
+    }
+}
+
+/* One block of 32 values quantized into dst (2 + 32 or 2 + 16 bytes); int8 and int4 only */
+static void quantize_block(const float *x, char *dst, int fmt) {
+    float amax = 0.0f, extreme = 0.0f;
+    for (int i = 0; i < QBLOCK; i++) {
+        const float a = fabsf(x[i]);
+        if (a > amax) amax = a, extreme = x[i];
+    }
+    const uint16_t h = float_to_half(fmt == KV_Q8 ? amax / 127.0f : extreme / -8.0f);
+    const float d = half_to_float(h), inv = d != 0.0f ? 1.0f / d : 0.0f;
+    memcpy(dst, &h, 2);
+    if (fmt == KV_Q8) {
+        int8_t *q = (int8_t *)(dst + 2);
+        for (int i = 0; i < QBLOCK; i++) {
+            float r = nearbyintf(x[i] * inv);
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            q[i] = (int8_t)r;
+        }
+        return;
+    }
+    uint8_t *q = (uint8_t *)(dst + 2);
+    for (int i = 0; i < QBLOCK / 2; i++) {
+        float lo = floorf(x[i] * inv + 8.5f), hi = floorf(x[QBLOCK / 2 + i] * inv + 8.5f);
+        lo = lo > 15.0f ? 15.0f : lo < 0.0f ? 0.0f : lo;
+        hi = hi > 15.0f ? 15.0f : hi < 0.0f ? 0.0f : hi;
+        q[i] = (uint8_t)((int)lo | ((int)hi << 4));
+    }
+}
+
+/* The step's new K and V into quantized caches (int8 or int4): row t of k and v (D values per
+ * kv head, KV heads, rows k_stride and v_stride elements apart; bfloat16 where `bf16_in`) into
+ * slot slots[t]; int4 rows are rotated first. Each row is quantized on its own: its bytes do
+ * not depend on the rest of the step. */
+void pc_kv_write(const void *k, int64_t k_stride, const void *v, int64_t v_stride, int T, int KV,
+                 int D, int bf16_in, const int64_t *slots, void *k_cache, void *v_cache,
+                 int fmt) {
+    const int64_t bytes = kv_row_bytes(D, fmt), block_bytes = bytes / (D / QBLOCK);
+#pragma omp parallel for schedule(static) if ((int64_t)T * KV * D > (1 << 16))
+    for (int64_t i = 0; i < (int64_t)T * KV * 2; i++) {
+        const int64_t t = i / (2 * KV), h = i / 2 % KV, is_v = i % 2;
+        const void *src = is_v ? v : k;
+        float row[512];
+        const int64_t offset = t * (is_v ? v_stride : k_stride) + h * D;
+        if (bf16_in) {
+            const uint16_t *bf = (const uint16_t *)src + offset;
+            uint32_t *bits = (uint32_t *)row;
+            for (int d = 0; d < D; d++) bits[d] = (uint32_t)bf[d] << 16;
+        } else {
+            memcpy(row, (const float *)src + offset, (size_t)D * sizeof(float));
+        }
+        if (kv_rotated(fmt)) hadamard(row, D);
+        char *dst = (char *)(is_v ? v_cache : k_cache) + (slots[t] * KV + h) * bytes;
+        for (int b = 0; b < D / QBLOCK; b++) quantize_block(row + b * QBLOCK, dst + b * block_bytes, fmt);
+    }
+}
+
+/* Rows [n, D] rotated by `hadamard`, in place (rows `stride` floats apart) */
+static void hadamard_rows(float *x, int64_t n, int64_t stride, int D) {
+#pragma omp parallel for schedule(static) if (n * D > (1 << 16))
+    for (int64_t r = 0; r < n; r++) hadamard(x + r * stride, D);
+}
+
+#endif
