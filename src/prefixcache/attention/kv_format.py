@@ -116,22 +116,21 @@ class KVFormat:
             x = hadamard(x)
         blocks = x.reshape(*x.shape[:-1], -1, BLOCK)  # [..., head_dim / 32, 32]
         magnitude = blocks.abs()
-        amax = magnitude.amax(-1, keepdim=True)
-        if self.code == _Q4:  # the value of largest magnitude (the first) maps to -8
+        if self.code == _Q4:  # near the value of largest magnitude (the first) / -8
             extreme = blocks.gather(-1, magnitude.argmax(-1, keepdim=True))
-            scale = (extreme / -8.0).to(torch.float16)
+            scale = _q4_scale(blocks, extreme)
         else:
-            scale = (amax / self.q_max).to(torch.float16)
+            scale = (magnitude.amax(-1, keepdim=True) / self.q_max).to(torch.float16)
         d = scale.float()
-        inverse = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-        scaled = blocks * inverse
+        inverse = _inverse(d)
         if self.code == _Q8:
-            values = scaled.round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+            values = (blocks * inverse).round().clamp_(-127, 127).to(torch.int8)
+            values = values.view(torch.uint8)
         elif self.code == _Q4:
-            nibbles = (scaled + 8.5).floor_().clamp_(0, 15).to(torch.uint8)
+            nibbles = _q4_nibbles(blocks, inverse).to(torch.uint8)
             values = nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2 :] << 4)
         else:
-            values = scaled.to(_FP8[self.code]).view(torch.uint8)
+            values = (blocks * inverse).to(_FP8[self.code]).view(torch.uint8)
         packed = torch.cat((scale.view(torch.uint8), values), dim=-1)  # [..., blocks, bytes]
         return packed.reshape(*x.shape[:-1], -1)
 
@@ -159,6 +158,40 @@ class KVFormat:
 
 
 _FP8 = {_E4M3: torch.float8_e4m3fn, _E5M2: torch.float8_e5m2}
+
+# kv_quant.h's q4_factors: int4's scales tried per block (exact binary fractions, 1 first)
+_Q4_FACTORS = (1.0, *(1 + i / 32 for i in range(-8, 9) if i))
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+
+
+def _q4_nibbles(blocks: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """kv_quant.h's q4_nibble: each value + 8 on the scale, as a float in [0, 15]."""
+    return (blocks * inverse + 8.5).floor_().clamp_(0, 15)
+
+
+def _q4_scale(blocks: torch.Tensor, extreme: torch.Tensor) -> torch.Tensor:
+    """kv_quant.h's q4_scale, per block [..., 32]: the float16 scale of `_Q4_FACTORS` whose
+    values come back with the least squared error (summed in the kernel's order; the first of
+    equal errors)."""
+    best: torch.Tensor | None = None
+    best_err = torch.zeros(())
+    for factor in _Q4_FACTORS:
+        scale = (extreme / -8.0 * factor).to(torch.float16)
+        d = scale.float()
+        error = blocks - (_q4_nibbles(blocks, _inverse(d)) - 8.0) * d
+        err = torch.zeros_like(d)
+        for i in range(BLOCK):  # sequentially, as the kernel sums
+            err = err + error[..., i : i + 1] * error[..., i : i + 1]
+        if best is None:
+            best, best_err = scale, err
+            continue
+        better = err < best_err
+        best, best_err = torch.where(better, scale, best), torch.where(better, err, best_err)
+    assert best is not None
+    return best
 
 
 def _element_size(dtype: torch.dtype) -> int:
