@@ -71,11 +71,11 @@ class LLMEngine:
         self.loaded: LoadedModel = _load(config)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Tokenizer = self.loaded.tokenizer
-        # which kernels run the model: fixed once it is loaded and packed (`CausalLM.kernels`)
-        self.kernels: dict[str, Any] = self.loaded.model.kernels()
         self.max_model_len: int = self.model_config.max_model_len
         self.block_size = config.block_size
         self.kv_layout = self.loaded.kv_layout_for(config.kv_cache_dtype)
+        # which kernels run the model: fixed once it is loaded and packed (`CausalLM.kernels`)
+        self.kernels: dict[str, Any] = self.loaded.kernels(self.kv_layout)
         num_blocks = config.cache.num_blocks or _default_num_blocks(
             self.kv_layout, self.block_size, self.max_model_len, config
         )

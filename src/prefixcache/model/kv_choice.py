@@ -22,7 +22,7 @@ import torch
 from prefixcache.attention.kv_format import KVFormat, format_of_dtype, kv_format
 from prefixcache.model import precision
 
-__all__ = ["AUTO_CANDIDATES", "KVChoice", "choose", "resolve"]
+__all__ = ["AUTO_CANDIDATES", "KVChoice", "choose", "measured", "resolve"]
 
 # what ``auto`` may pick below the activations' dtype, smallest first
 AUTO_CANDIDATES = ("int4", "int8")
@@ -30,12 +30,14 @@ AUTO_CANDIDATES = ("int4", "int8")
 
 @dataclass(slots=True)
 class KVChoice:
-    """What ``auto`` measured: each checked layout's fidelity (`precision.fidelity_of`, with
-    ``eligible``), and the layout kept."""
+    """What was measured of the KV layouts: each checked layout's fidelity
+    (`precision.fidelity_of`, with ``eligible``: within the gate), and the layout kept;
+    ``auto``: ``auto`` chose it (else it was asked for by name)."""
 
     layout: str
     fidelity: dict[str, dict[str, Any]] = field(default_factory=dict)
     reason: str = ""
+    auto: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return {"chosen": self.layout, "reason": self.reason,
@@ -55,6 +57,13 @@ def resolve(name: str, dtype: torch.dtype) -> KVFormat:
     raise ValueError(f"--kv-cache-dtype {name} with --dtype {own.name}: a model keeps its KV in "
                      f"its own dtype, bfloat16 under float32, or a quantized layout "
                      f"(int8, int4, fp8)")  # fmt: skip
+
+
+def measured(name: str, fidelity: Callable[[KVFormat], dict[str, Any]]) -> KVChoice:
+    """A layout asked for by name, with its fidelity measured (for `/v1/models`)."""
+    figures = dict(fidelity(kv_format(name)))
+    figures["eligible"] = precision.within_bounds(figures)
+    return KVChoice(name, {name: figures}, f"{name}: asked for", auto=False)
 
 
 def choose(

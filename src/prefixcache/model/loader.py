@@ -105,6 +105,12 @@ class LoadedModel:
             return self.kv_layout
         return KVLayout.of(self.config, self.dtype, kv_choice.resolve(kv_cache_dtype, self.dtype))
 
+    def kernels(self, layout: KVLayout | None = None) -> dict[str, Any]:
+        """Which kernels run the model (`CausalLM.kernels`) over a KV cache of ``layout``
+        (None: `kv_layout`)."""
+        found = (layout or self.kv_layout).format
+        return self.model.kernels(None if found.storage == self.dtype else found.name)
+
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Paged K/V storage shaped for this model, in its dtype and on its device."""
         return self.kv_layout.allocate(num_blocks, block_size, self.device)
@@ -233,7 +239,10 @@ def resolve_kv_format(
     if kv_cache_dtype != "auto":
         found = kv_choice.resolve(kv_cache_dtype, torch_dtype)
         found.check_head_dim(checkpoint.config.head_dim)
-        return (None if found == format_of_dtype(torch_dtype) else found), None
+        if found == format_of_dtype(torch_dtype):
+            return None, None
+        asked = kv_choice.measured(found.name, _kv_fidelity(checkpoint, dtype, weights))
+        return found, asked
     if not measure:
         return None, None
     measured = kv_choice.choose(torch_dtype, checkpoint.config.head_dim,
