@@ -477,7 +477,7 @@ def tier_residence(
 
 def _tier_identity(view: ModelView, layout: Any, block_size: int, hash_algo: str) -> Any:
     """The `TierIdentity` an engine serving ``view`` with the KV in ``layout`` writes under
-    (`prefixcache.engine.offload.tier_identity`'s fields)."""
+    (the fields of the engine's own `tier_identity`)."""
     from prefixcache.tiers import TierIdentity
 
     config = view.config
