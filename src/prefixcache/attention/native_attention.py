@@ -421,7 +421,8 @@ class PreparedAttend:
         self._function = kernel.attention
         if kv_code >= QUANTIZED:  # a rotated layout's queries are rotated into a buffer
             self._qrot = _rotation_buffer(q.shape, kv_code)
-            self._function, self._extra = kernel.attention_quant, (kv_code, self._qrot)
+            code = _with_products(kernel, kv_code, self._out32 is not None)
+            self._function, self._extra = kernel.attention_quant, (code, self._qrot)
         elif k_flat.dtype == torch.bfloat16:
             self._function, self._extra = kernel.attention_kv16, (int(self._out32 is not None),)
 
@@ -545,7 +546,8 @@ class PreparedDecode:
         self._function, self._extra = kernel.decode, tuple[Any, ...]()
         if kv_code >= QUANTIZED:
             self._qrot = _rotation_buffer(q.shape, kv_code)
-            self._function, self._extra = kernel.decode_quant, (kv_code, self._qrot)
+            code = _with_products(kernel, kv_code, wide)
+            self._function, self._extra = kernel.decode_quant, (code, self._qrot)
         elif k_flat.dtype == torch.bfloat16:
             self._function, self._extra = kernel.decode_kv16, (int(wide),)
 
@@ -600,6 +602,16 @@ class PreparedDecode:
         )  # fmt: skip
         if out32 is not None:
             out.copy_(out32)
+
+
+def _with_products(kernel: _Kernel, kv_code: int, bfloat16_queries: bool) -> int:
+    """A quantized layout's code as the kernel takes it: for a bfloat16 model's queries on a
+    CPU with AVX512_BF16, its blocks read as bfloat16 and multiplied in pairs (kv_quant.h's
+    KV_PRODUCTS), as a bfloat16 cache is."""
+    return kv_code | (_PRODUCTS if bfloat16_queries and kernel.isa & 2 else 0)
+
+
+_PRODUCTS = 16  # kv_quant.h's KV_PRODUCTS
 
 
 def _rotation_buffer(shape: torch.Size, kv_code: int) -> _Buffer | None:

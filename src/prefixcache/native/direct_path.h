@@ -401,6 +401,23 @@ static __attribute__((noinline)) void D_(qk_block16)(const struct head_rows *hr,
     }
 }
 
+/* A quantized cache's row (`load_row`'s values) rounded to bfloat16 into dst [HD], a block's
+ * two vectors at a time, in registers from the bytes to the rounded values */
+static inline __attribute__((always_inline)) void D_(load_row16)(bf16_t *dst, const void *cache,
+                                                                 int64_t row, int fmt) {
+    const int layout = kv_layout(fmt), block_bytes = (int)kv_row_bytes(QBLOCK, layout);
+    const char *src = (const char *)cache + row * kv_row_bytes(HD, layout);
+    for (int b = 0; b < HD / QBLOCK; b++, src += block_bytes) {
+        uint16_t h;
+        memcpy(&h, src, 2);
+        float wide[QBLOCK];
+        dequant_block(wide, (const uint8_t *)src + 2, half_to_float(h), layout);
+        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wide + LANES),
+                                                  _mm512_loadu_ps(wide));
+        _mm512_storeu_si512(dst + b * QBLOCK, (__m512i)pair);
+    }
+}
+
 /* The block's V rows b0 .. b0 + nk, two keys per 32-bit lane: vp[jp][d] = (V[2jp][d],
  * V[2jp + 1][d]), a missing odd key as zeros. */
 static void D_(pair_values)(const struct head_rows *hr, int b0, int nk, uint32_t *vp) {
@@ -595,18 +612,30 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
     const float *v_rows[KEY_BLOCK];
     const int keys = tiles[nt - 1].keys; /* the last tile sees the most */
 #if DOT16
-    if (bf16 == KV_BF16_PRODUCTS) {
+    if (kv_products(bf16)) {
+        /* a quantized block dequantized, then rounded to bfloat16 into the wide buffers */
+        const int quantized = kv_quantized(bf16);
+        const struct head_rows wide16 = {b->k_wide, b->v_wide, BLOCK_ROWS, D * 2};
+        const struct head_rows *rows = quantized ? &wide16 : hr;
         for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
             const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
-            D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, 2 * HD);
-            D_(pair_values)(hr, b0, block, b->v_pairs);
+            D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, (int)kv_row_bytes(HD, bf16));
+            if (quantized)
+                for (int j = 0; j < block; j++) {
+                    const int64_t src = hr->slots[b0 + j] * KV + h;
+                    D_(load_row16)((bf16_t *)b->k_wide + j * D, k_cache, src, bf16);
+                    D_(load_row16)((bf16_t *)b->v_wide + j * D, v_cache, src, bf16);
+                }
+            const int r0 = quantized ? 0 : b0;
+            D_(pair_values)(rows, r0, block, b->v_pairs);
             for (int t = 0; t < nt; t++) {
                 struct tile_state *ts = &tiles[t];
                 if (b0 >= ts->keys) continue;
                 const int first = (ts->start + b0) % SEGMENT_KEYS == 0;
                 if (first && b0 > 0) D_(close_segment)(ts, scale);
                 const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
-                D_(qk_block16)(hr, b0, nk, ts->keys, (const uint32_t *)ts->qt, ts->ld, b->st);
+                D_(qk_block16)(rows, r0, nk, quantized ? nk : ts->keys,
+                               (const uint32_t *)ts->qt, ts->ld, b->st);
                 D_(softmax_block)(b->st, b0, nk, ts, scale);
                 pair_probabilities(b->st, ts->ld, nk, b->p_pairs);
                 D_(pv_block16)(b->p_pairs, ts->ld, ts->rows, nk, b->v_pairs, ts->o, first);
@@ -683,7 +712,7 @@ static void D_(direct_tiles)(const float *q, int64_t q_row_stride, const void *k
         for (int t0 = g0; t0 < g1 && nt < group; t0 += tile_tokens, nt++) {
             const int m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
             D_(tile_begin)(&tiles[nt], &b, nt, tile_rows, q, q_row_stride, t0, m, C + t0, C + t0 + m,
-                       h, G, bf16 == KV_BF16_PRODUCTS, 1);
+                       h, G, kv_products(bf16), 1);
         }
         D_(tiles_over_keys)(tiles, nt, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
         for (int t = 0; t < nt; t++) D_(tile_end)(&tiles[t], out, h, H, G, scale);
@@ -720,7 +749,7 @@ static void D_(decode_segment)(const float *q, int64_t q_row_stride, const void 
                                int s, float *buf, int64_t *rest, struct decode_part p) {
     enum { D = HD };
     const struct direct_buf b = D_(direct_layout)(buf, G * nb);
-    const int aligned = shared / KEY_BLOCK * KEY_BLOCK, dot16 = bf16 == KV_BF16_PRODUCTS;
+    const int aligned = shared / KEY_BLOCK * KEY_BLOCK, dot16 = kv_products(bf16);
     const int k0 = s * SEGMENT_KEYS, k1 = k0 + SEGMENT_KEYS;
     const int common = (k1 < aligned ? k1 : aligned) - k0; /* <= 0: none */
     struct tile_state all, seq;

@@ -37,13 +37,19 @@ enum {
     KV_FP8_E5M2 = 6,
 };
 #define QBLOCK 32 /* values per quantized block */
+/* or'ed into a quantized layout's code: a bfloat16 model's direct path reads its blocks as
+ * bfloat16 (each value rounded once more) and multiplies bfloat16 pairs, as over a bfloat16
+ * cache (KV_BF16_PRODUCTS) */
+#define KV_PRODUCTS 16
 
-static inline int kv_quantized(int fmt) { return fmt >= KV_Q8; }
-static inline int kv_rotated(int fmt) { return fmt == KV_Q4; }
+static inline int kv_layout(int fmt) { return fmt & (KV_PRODUCTS - 1); }
+static inline int kv_quantized(int fmt) { return kv_layout(fmt) >= KV_Q8; }
+static inline int kv_rotated(int fmt) { return kv_layout(fmt) == KV_Q4; }
+static inline int kv_products(int fmt) { return fmt == KV_BF16_PRODUCTS || (fmt & KV_PRODUCTS); }
 
 /* Bytes of one row of D values (D a multiple of 32 for the quantized layouts) */
 static inline int64_t kv_row_bytes(int D, int fmt) {
-    switch (fmt) {
+    switch (kv_layout(fmt)) {
     case KV_F32: return 4 * (int64_t)D;
     case KV_BF16: case KV_BF16_PRODUCTS: return 2 * (int64_t)D;
     case KV_Q4: return (int64_t)D / QBLOCK * (2 + QBLOCK / 2);
@@ -135,11 +141,58 @@ static void hadamard(float *x, int D) {
     for (int d = 0; d < D; d++) x[d] *= norm;
 }
 
-/* D values of cache row `row` (token slot * KV + kv head) as floats: copied, widened from
- * bfloat16 (exact: a bfloat16's bits are the high half of the float it stands for), or
- * dequantized, each value one product of the block's scale and its quantized value */
-static inline void load_row(float *dst, const void *cache, int64_t row, int D, int fmt) {
-    const char *src = (const char *)cache + row * kv_row_bytes(D, fmt);
+/* One quantized block's 32 values (after its 2-byte scale) times the scale d into dst: each
+ * value one product (exact value times d, rounded once), in vectors where the CPU has AVX-512 */
+static inline void dequant_block(float *dst, const uint8_t *q, float d, int fmt) {
+#ifdef __AVX512F__
+    const __m512 scale = _mm512_set1_ps(d);
+    __m512 lo, hi;
+    if (fmt == KV_Q8) {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    } else if (fmt == KV_Q4) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        const __m512i eight = _mm512_set1_epi32(8), nibble = _mm512_set1_epi32(15);
+        lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(bytes, nibble), eight));
+        hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight));
+    } else { /* 8-bit floats as float16 bits (e5m2: the high byte; e4m3: rebiased by 2^8) */
+        const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+        if (fmt == KV_FP8_E5M2) {
+            lo = _mm512_cvtph_ps(_mm256_slli_epi16(a, 8));
+            hi = _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+        } else {
+            const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7F);
+            const __m512 rebias = _mm512_set1_ps(256.0f);
+            lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(
+                     _mm256_slli_epi16(_mm256_and_si256(a, sign), 8),
+                     _mm256_slli_epi16(_mm256_and_si256(a, rest), 7))), rebias);
+            hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(
+                     _mm256_slli_epi16(_mm256_and_si256(b, sign), 8),
+                     _mm256_slli_epi16(_mm256_and_si256(b, rest), 7))), rebias);
+        }
+    }
+    _mm512_storeu_ps(dst, _mm512_mul_ps(lo, scale));
+    _mm512_storeu_ps(dst + 16, _mm512_mul_ps(hi, scale));
+#else
+    if (fmt == KV_Q8) {
+        for (int i = 0; i < QBLOCK; i++) dst[i] = (float)(int8_t)q[i] * d;
+    } else if (fmt == KV_Q4) {
+        for (int i = 0; i < QBLOCK / 2; i++) {
+            dst[i] = (float)((int)(q[i] & 15) - 8) * d;
+            dst[QBLOCK / 2 + i] = (float)((int)(q[i] >> 4) - 8) * d;
+        }
+    } else {
+        const float *values = fp8_values[fmt == KV_FP8_E5M2];
+        for (int i = 0; i < QBLOCK; i++) dst[i] = values[q[i]] * d;
+    }
+#endif
+}
+
+/* D values of one cache row at src as floats: copied, widened from bfloat16 (exact: a
+ * bfloat16's bits are the high half of the float it stands for), or dequantized */
+static inline void dequant_row(float *dst, const char *src, int D, int fmt) {
+    fmt = kv_layout(fmt);
     switch (fmt) {
     case KV_F32:
         memcpy(dst, src, (size_t)D * sizeof(float));
@@ -150,38 +203,20 @@ static inline void load_row(float *dst, const void *cache, int64_t row, int D, i
         for (int d = 0; d < D; d++) bits[d] = (uint32_t)bf[d] << 16;
         return;
     }
-    case KV_Q8:
-        for (int b = 0; b < D / QBLOCK; b++, src += 2 + QBLOCK) {
+    default: {
+        const int block_bytes = fmt == KV_Q4 ? 2 + QBLOCK / 2 : 2 + QBLOCK;
+        for (int b = 0; b < D / QBLOCK; b++, src += block_bytes) {
             uint16_t h;
             memcpy(&h, src, 2);
-            const float d = half_to_float(h);
-            const int8_t *q = (const int8_t *)(src + 2);
-            for (int i = 0; i < QBLOCK; i++) dst[b * QBLOCK + i] = (float)q[i] * d;
-        }
-        return;
-    case KV_Q4:
-        for (int b = 0; b < D / QBLOCK; b++, src += 2 + QBLOCK / 2) {
-            uint16_t h;
-            memcpy(&h, src, 2);
-            const float d = half_to_float(h);
-            const uint8_t *q = (const uint8_t *)(src + 2);
-            for (int i = 0; i < QBLOCK / 2; i++) {
-                dst[b * QBLOCK + i] = (float)((int)(q[i] & 15) - 8) * d;
-                dst[b * QBLOCK + QBLOCK / 2 + i] = (float)((int)(q[i] >> 4) - 8) * d;
-            }
-        }
-        return;
-    default: { /* 8-bit floats */
-        const float *values = fp8_values[fmt == KV_FP8_E5M2];
-        for (int b = 0; b < D / QBLOCK; b++, src += 2 + QBLOCK) {
-            uint16_t h;
-            memcpy(&h, src, 2);
-            const float d = half_to_float(h);
-            const uint8_t *q = (const uint8_t *)(src + 2);
-            for (int i = 0; i < QBLOCK; i++) dst[b * QBLOCK + i] = values[q[i]] * d;
+            dequant_block(dst + b * QBLOCK, (const uint8_t *)src + 2, half_to_float(h), fmt);
         }
     }
     }
+}
+
+/* D values of cache row `row` (token slot * KV + kv head) as floats (`dequant_row`) */
+static inline void load_row(float *dst, const void *cache, int64_t row, int D, int fmt) {
+    dequant_row(dst, (const char *)cache + row * kv_row_bytes(D, fmt), D, fmt);
 }
 
 /* int4's scales tried per block: the largest magnitude / -8 times each of these (exact binary
