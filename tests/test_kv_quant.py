@@ -270,3 +270,23 @@ def test_models_metrics_and_events_name_the_layout() -> None:
                            "int8")
     assert b"kv_cache_dtype" in payload and b"int8" in payload
     assert isinstance(decode_batch(payload)[1][0], BlockStored)  # readers that skip it decode
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_the_compiled_layer_calls_write_the_same_bytes(
+    kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # int8 and int4 rows are quantized by the kernel's writer inside the compiled calls, as
+    # the layers' separate steps write them: the same answers either way
+    from native_support import require_native_layers
+
+    from prefixcache.model import fused_layers
+
+    require_native_layers()
+    llm = LLM(model="tiny", kv_cache_dtype=kv)
+    assert llm.engine.kernels["layers"] == "compiled"
+    compiled = _answers(llm.generate(PROMPTS, GREEDY))
+    monkeypatch.setattr(fused_layers, "_kv_writer", lambda kv_cache: None)  # separate steps
+    separate = _answers(LLM(model="tiny", kv_cache_dtype=kv).generate(PROMPTS, GREEDY))
+    assert compiled == separate
+    assert LLM(model="tiny", kv_cache_dtype="fp8").engine.kernels["layers"].startswith("torch")

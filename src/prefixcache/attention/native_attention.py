@@ -238,6 +238,13 @@ def kv_write(
     return True
 
 
+def kv_write_address() -> int | None:
+    """`pc_kv_write`'s address, for compiled callers (`fused_layers`), or None where the
+    kernel is not built."""
+    kernel = _kernel()
+    return None if kernel is None else _address(kernel.kv_write)
+
+
 def min_max_slots(slots: torch.Tensor) -> tuple[int, int]:
     low, high = slots.aminmax()
     return int(low), int(high)

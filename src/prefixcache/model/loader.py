@@ -33,6 +33,7 @@ from prefixcache.model.builtin import (
 )
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import WEIGHT_DTYPES, CausalLM
+from prefixcache.model.fused_layers import QUANTIZED_KV_WRITTEN
 from prefixcache.model.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from prefixcache.model.identity import model_identity
 from prefixcache.model.precision import Choice, Precision
@@ -109,7 +110,8 @@ class LoadedModel:
         """Which kernels run the model (`CausalLM.kernels`) over a KV cache of ``layout``
         (None: `kv_layout`)."""
         found = (layout or self.kv_layout).format
-        return self.model.kernels(None if found.storage == self.dtype else found.name)
+        written = found.storage == self.dtype or found.name in QUANTIZED_KV_WRITTEN
+        return self.model.kernels(None if written else found.name)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Paged K/V storage shaped for this model, in its dtype and on its device."""

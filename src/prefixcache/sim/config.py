@@ -17,7 +17,6 @@ from prefixcache.sched.fairness import QuietDomains
 from prefixcache.sim.trace import Trace
 from prefixcache.tiers import TIERS
 
-
 # KV bytes of each layout against bfloat16's (the cost model's ``kv_bytes_per_token``): the
 # engine's `prefixcache.attention.kv_format` rows (int8 and fp8: 34 bytes per 32 values, int4
 # 18), as a torch-free table

@@ -94,8 +94,11 @@ class ModelView:
         from prefixcache.model.loader import DTYPES
 
         weights = self.precision.partition("+")[2] or self.dtype
+        from prefixcache.model.fused_layers import QUANTIZED_KV_WRITTEN
+
         layout = self.kv_format
-        kv = None if layout.storage == DTYPES[self.dtype] else layout.name
+        written = layout.storage == DTYPES[self.dtype] or layout.name in QUANTIZED_KV_WRITTEN
+        kv = None if written else layout.name
         return expected_kernels(self.config, DTYPES[self.dtype], weights, kv)
 
 
