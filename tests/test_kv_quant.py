@@ -279,7 +279,6 @@ def test_the_compiled_layer_calls_write_the_same_bytes(
     # int8 and int4 rows are quantized by the kernel's writer inside the compiled calls, as
     # the layers' separate steps write them: the same answers either way
     from native_support import require_native_layers
-
     from prefixcache.model import fused_layers
 
     require_native_layers()
