@@ -174,17 +174,20 @@ def _q4_nibbles(blocks: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 
 def _q4_scale(blocks: torch.Tensor, extreme: torch.Tensor) -> torch.Tensor:
     """kv_quant.h's q4_scale, per block [..., 32]: the float16 scale of `_Q4_FACTORS` whose
-    values come back with the least squared error (summed in the kernel's order; the first of
-    equal errors)."""
+    values come back with the least squared error (summed in the kernel's order: value i's and
+    value 16 + i's into lane i, then the lanes in halves; the first of equal errors)."""
     best: torch.Tensor | None = None
     best_err = torch.zeros(())
+    half = BLOCK // 2
     for factor in _Q4_FACTORS:
         scale = (extreme / -8.0 * factor).to(torch.float16)
         d = scale.float()
         error = blocks - (_q4_nibbles(blocks, _inverse(d)) - 8.0) * d
-        err = torch.zeros_like(d)
-        for i in range(BLOCK):  # sequentially, as the kernel sums
-            err = err + error[..., i : i + 1] * error[..., i : i + 1]
+        err = error[..., :half] * error[..., :half] + error[..., half:] * error[..., half:]
+        width = half // 2
+        while width >= 1:
+            err = err[..., :width] + err[..., width : 2 * width]
+            width //= 2
         if best is None:
             best, best_err = scale, err
             continue

@@ -236,19 +236,25 @@ static inline float q4_nibble(float x, float inv) {
     return n > 15.0f ? 15.0f : n < 0.0f ? 0.0f : n;
 }
 
-/* The float16 scale of an int4 block: `q4_factors`' best for x (the first of equal errors) */
+/* The float16 scale of an int4 block: `q4_factors`' best for x (the first of equal errors).
+ * A candidate's squared error is summed in one order on every CPU, vector-friendly: value i's
+ * and value 16 + i's into lane i, then the 16 lanes in halves (8, 4, 2, 1), as
+ * kv_format._q4_scale sums them in torch. */
 static uint16_t q4_scale(const float *x, float extreme) {
     uint16_t best = 0;
     float best_err = 0.0f;
     for (int c = 0; c < Q4_SCALES; c++) {
         const uint16_t h = float_to_half(extreme / -8.0f * q4_factors[c]);
         const float d = half_to_float(h), inv = d != 0.0f ? 1.0f / d : 0.0f;
-        float err = 0.0f;
-        for (int i = 0; i < QBLOCK; i++) {
-            const float e = x[i] - (q4_nibble(x[i], inv) - 8.0f) * d;
-            err += e * e;
+        float sq[QBLOCK / 2];
+        for (int i = 0; i < QBLOCK / 2; i++) {
+            const float e0 = x[i] - (q4_nibble(x[i], inv) - 8.0f) * d;
+            const float e1 = x[i + QBLOCK / 2] - (q4_nibble(x[i + QBLOCK / 2], inv) - 8.0f) * d;
+            sq[i] = e0 * e0 + e1 * e1;
         }
-        if (c == 0 || err < best_err) best = h, best_err = err;
+        for (int w = QBLOCK / 4; w >= 1; w /= 2)
+            for (int i = 0; i < w; i++) sq[i] += sq[i + w];
+        if (c == 0 || sq[0] < best_err) best = h, best_err = sq[0];
     }
     return best;
 }
