@@ -326,25 +326,28 @@ def bench_traces(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     traces = {"mooncake conversation": str(TRACES / "mooncake" / "conversation_trace.jsonl"),
               "agentic (WEKA)": str(TRACES / "weka-kv-cache-tester")}  # fmt: skip
-    print(f"\ntraces through the simulator: {args.sim_gib:g} GiB of KV, an 8B Llama's 131,072 "
-          "bytes per token in bfloat16, hash, LRU, sequential")
+    print(f"\ntraces through the simulator: {args.sim_gib:g} GiB of KV (agentic: "
+          f"{args.agentic_gib:g}), an 8B Llama's 131,072 bytes per token in bfloat16, hash, LRU, "
+          "sequential")
     for name, path in traces.items():
+        gib = args.sim_gib if name.startswith("mooncake") else args.agentic_gib
         rows = _simulate(path, ["--kv-cache-dtype", ",".join(LAYOUTS),
-                                "--kv-cache-gib", str(args.sim_gib)])  # fmt: skip
+                                "--kv-cache-gib", str(gib)])  # fmt: skip
         for row in rows:
             key = f"sim|{name}|{row['capacity_label']}"
             out[key] = {k: row.get(k) for k in ("hit_ratio", "ttft_p50_s", "ttft_p99_s")}
             print(f"  {name:<24} {row['capacity_label']:<16} hit {row['hit_ratio']:.3f}  "
                   f"TTFT p50 {1000 * row['ttft_p50_s']:7.1f} ms  p99 "
                   f"{1000 * row['ttft_p99_s']:8.1f} ms")
-    print(f"\ntraces through the engine (SmolLM2 float32, {args.memory >> 20} MiB of KV, the "
-          f"first {args.trace_requests} requests, each hash id 16 tokens, prompts cut at 2,048)")
+    print(f"\ntraces through the engine (SmolLM2 float32, {args.trace_memory >> 20} MiB of KV, "
+          f"the first {args.trace_requests} requests, each hash id 16 tokens, prompts cut at "
+          f"1,024)")
     for name, path in traces.items():
         requests = load_trace(path).requests[: args.trace_requests]
         for layout in LAYOUTS:
             engine = LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout, block_size=16,
-                               kv_cache_memory_bytes=args.memory // 8, max_num_seqs=64)
-            row = _replay(engine, requests, 2048)
+                               kv_cache_memory_bytes=args.trace_memory, max_num_seqs=64)
+            row = _replay(engine, requests, 1024)
             out[f"engine|{name}|{layout}"] = row
             print(f"  {name:<24} {layout:<10} hit {row['hit_rate']:.3f}  TTFT p50 "
                   f"{1000 * row['ttft_p50_s']:7.1f} ms  p99 {1000 * row['ttft_p99_s']:8.1f} ms")
@@ -366,6 +369,10 @@ def main() -> None:
     parser.add_argument("--memory", type=int, default=512 << 20, help="KV bytes (capacity)")
     parser.add_argument("--sim-gib", type=float, default=640.0, help="traces: simulated KV GiB")
     parser.add_argument("--trace-requests", type=int, default=60, help="traces: engine replay")
+    parser.add_argument("--trace-memory", type=int, default=96 << 20,
+                        help="traces: the engine's KV bytes")
+    parser.add_argument("--agentic-gib", type=float, default=64.0,
+                        help="traces: simulated KV GiB for the agentic traces")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"bench_kv_quant on {cpu_name()}, {args.threads} threads, load average "

@@ -118,6 +118,7 @@ class KVFormat:
         magnitude = blocks.abs()
         if self.code == _Q4:  # near the value of largest magnitude (the first) / -8
             extreme = blocks.gather(-1, magnitude.argmax(-1, keepdim=True))
+            extreme = torch.where(extreme == 0, torch.zeros_like(extreme), extreme)  # never -0
             scale = _q4_scale(blocks, extreme)
         else:
             scale = (magnitude.amax(-1, keepdim=True) / self.q_max).to(torch.float16)

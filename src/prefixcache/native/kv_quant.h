@@ -129,7 +129,37 @@ __attribute__((constructor)) static void fp8_tables(void) {
 /* x [D] <- H x / sqrt(D), the normalised Walsh-Hadamard transform (D a power of two): its own
  * inverse. The butterflies run in one fixed order (pairs h apart, h = 1, 2, 4, ...), as
  * kv_format.hadamard does them in torch. */
+#ifdef __AVX512F__
+/* one butterfly stage h < 16 inside 16-lane vectors: lane j with bit h clear takes x_j +
+ * x_{j+h}, with it set x_{j-h} - x_j (the same two operations as the scalar stage's) */
+static inline __m512 butterfly_lanes(__m512 x, int h) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 partner = _mm512_permutexvar_ps(_mm512_xor_si512(lane, _mm512_set1_epi32(h)), x);
+    const __mmask16 high = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h));
+    return _mm512_mask_sub_ps(_mm512_add_ps(x, partner), high, partner, x);
+}
+#endif
+
 static void hadamard(float *x, int D) {
+#ifdef __AVX512F__
+    if (D >= 16 && D <= 512) {
+        __m512 v[32];
+        const int n = D / 16;
+        for (int i = 0; i < n; i++) v[i] = _mm512_loadu_ps(x + 16 * i);
+        for (int h = 1; h < 16; h *= 2)
+            for (int i = 0; i < n; i++) v[i] = butterfly_lanes(v[i], h);
+        for (int h = 1; h < n; h *= 2) /* pairs of whole vectors, 16 h apart */
+            for (int i = 0; i < n; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const __m512 a = v[j], b = v[j + h];
+                    v[j] = _mm512_add_ps(a, b);
+                    v[j + h] = _mm512_sub_ps(a, b);
+                }
+        const __m512 norm = _mm512_set1_ps(1.0f / sqrtf((float)D));
+        for (int i = 0; i < n; i++) _mm512_storeu_ps(x + 16 * i, _mm512_mul_ps(v[i], norm));
+        return;
+    }
+#endif
     for (int h = 1; h < D; h *= 2)
         for (int i = 0; i < D; i += 2 * h)
             for (int j = i; j < i + h; j++) {
@@ -259,8 +289,74 @@ static uint16_t q4_scale(const float *x, float extreme) {
     return best;
 }
 
+#ifdef __AVX512F__
+/* lanes 0..15 of a, summed in halves (lane i + lane i + 8, then + 4, + 2, + 1): q4_scale's
+ * order */
+static inline float sum_halves(__m512 a) {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    return _mm_cvtss_f32(s1);
+}
+
+/* q4_nibble of 16 values */
+static inline __m512 q4_nibbles16(__m512 x, __m512 inv) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, inv), _mm512_set1_ps(8.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_min_ps(_mm512_max_ps(n, _mm512_setzero_ps()), _mm512_set1_ps(15.0f));
+}
+
+/* quantize_block in vectors: the same operations, so the same bytes */
+static void quantize_block16(const float *x, char *dst, int fmt) {
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    uint16_t h;
+    if (fmt == KV_Q8) {
+        h = float_to_half(amax / 127.0f);
+    } else { /* the first value of that magnitude, as the scalar scan finds it */
+        const uint32_t at = (uint32_t)_mm512_cmp_ps_mask(a0, _mm512_set1_ps(amax), _CMP_EQ_OQ) |
+                            (uint32_t)_mm512_cmp_ps_mask(a1, _mm512_set1_ps(amax), _CMP_EQ_OQ) << 16;
+        const float extreme = amax == 0.0f ? 0.0f : x[__builtin_ctz(at)];
+        float best_err = 0.0f;
+        h = 0;
+        for (int c = 0; c < Q4_SCALES; c++) {
+            const uint16_t hc = float_to_half(extreme / -8.0f * q4_factors[c]);
+            const float dc = half_to_float(hc);
+            const __m512 d = _mm512_set1_ps(dc), inv = _mm512_set1_ps(dc != 0.0f ? 1.0f / dc : 0.0f);
+            const __m512 eight = _mm512_set1_ps(8.0f);
+            const __m512 e0 = _mm512_sub_ps(x0, _mm512_mul_ps(_mm512_sub_ps(q4_nibbles16(x0, inv), eight), d));
+            const __m512 e1 = _mm512_sub_ps(x1, _mm512_mul_ps(_mm512_sub_ps(q4_nibbles16(x1, inv), eight), d));
+            const float err = sum_halves(_mm512_add_ps(_mm512_mul_ps(e0, e0), _mm512_mul_ps(e1, e1)));
+            if (c == 0 || err < best_err) h = hc, best_err = err;
+        }
+    }
+    const float d = half_to_float(h);
+    const __m512 inv = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    memcpy(dst, &h, 2);
+    if (fmt == KV_Q8) {
+        const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        const int r = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m512 q0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x0, inv), r), lo), hi);
+        const __m512 q1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x1, inv), r), lo), hi);
+        _mm_storeu_si128((__m128i *)(dst + 2), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q0)));
+        _mm_storeu_si128((__m128i *)(dst + 18), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
+        return;
+    }
+    const __m512i n0 = _mm512_cvtps_epi32(q4_nibbles16(x0, inv));
+    const __m512i n1 = _mm512_cvtps_epi32(q4_nibbles16(x1, inv));
+    _mm_storeu_si128((__m128i *)(dst + 2),
+                     _mm512_cvtepi32_epi8(_mm512_or_si512(n0, _mm512_slli_epi32(n1, 4))));
+}
+#endif
+
 /* One block of 32 values quantized into dst (2 + 32 or 2 + 16 bytes); int8 and int4 only */
 static void quantize_block(const float *x, char *dst, int fmt) {
+#ifdef __AVX512F__
+    quantize_block16(x, dst, fmt);
+    return;
+#endif
     float amax = 0.0f, extreme = 0.0f;
     for (int i = 0; i < QBLOCK; i++) {
         const float a = fabsf(x[i]);
@@ -286,12 +382,13 @@ static void quantize_block(const float *x, char *dst, int fmt) {
 /* The step's new K and V into quantized caches (int8 or int4): row t of k and v (D values per
  * kv head, KV heads, rows k_stride and v_stride elements apart; bfloat16 where `bf16_in`) into
  * slot slots[t]; int4 rows are rotated first. Each row is quantized on its own: its bytes do
- * not depend on the rest of the step. */
+ * not depend on the rest of the step. On the calling thread: a 2,048-token step's rows of
+ * SmolLM2 take 0.3 ms a layer in int8 (Zen 4), where an OpenMP team's start-up and a busy
+ * core's wait cost more. */
 void pc_kv_write(const void *k, int64_t k_stride, const void *v, int64_t v_stride, int T, int KV,
                  int D, int bf16_in, const int64_t *slots, void *k_cache, void *v_cache,
                  int fmt) {
     const int64_t bytes = kv_row_bytes(D, fmt), block_bytes = bytes / (D / QBLOCK);
-#pragma omp parallel for schedule(static) if ((int64_t)T * KV * D > (1 << 16))
     for (int64_t i = 0; i < (int64_t)T * KV * 2; i++) {
         const int64_t t = i / (2 * KV), h = i / 2 % KV, is_v = i % 2;
         const void *src = is_v ? v : k;
@@ -312,7 +409,6 @@ void pc_kv_write(const void *k, int64_t k_stride, const void *v, int64_t v_strid
 
 /* Rows [n, D] rotated by `hadamard`, in place (rows `stride` floats apart) */
 static void hadamard_rows(float *x, int64_t n, int64_t stride, int D) {
-#pragma omp parallel for schedule(static) if (n * D > (1 << 16))
     for (int64_t r = 0; r < n; r++) hadamard(x + r * stride, D);
 }
 
