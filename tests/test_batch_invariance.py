@@ -21,9 +21,13 @@ import pytest
 from prefixcache import LLM, SamplingParams
 from prefixcache.native import invariance
 
-# (dtype, weight_dtype): every form a float32 checkpoint runs in (the GGUF file's own blocks are
-# checked on the built-in SmolLM2 in tests/test_model_smollm2.py)
-FORMS = [("float32", "auto"), ("bfloat16", "auto"), ("float32", "bfloat16"), ("float32", "q8_0")]
+# (dtype, weight_dtype, kv_cache_dtype): every form a float32 checkpoint runs in (the GGUF file's
+# own blocks are checked on the built-in SmolLM2 in tests/test_model_smollm2.py), and the
+# quantized KV layouts, whose rows are quantized once, as written (the other layouts, with the
+# bfloat16 model too: tests/test_kv_quant.py)
+FORMS = [("float32", "auto", "auto"), ("bfloat16", "auto", "auto"),
+         ("float32", "bfloat16", "auto"), ("float32", "q8_0", "auto"),
+         ("float32", "auto", "int8"), ("float32", "auto", "int4")]  # fmt: skip
 BS = 16
 SHARED = list(range(40, 40 + 90))  # 5 full blocks and a part of one, shared by every prompt
 PROMPTS = [SHARED + [200 + 3 * i + j for j in range(5 + 4 * i)] for i in range(5)]
@@ -44,10 +48,10 @@ def together(llm: LLM, prompts: list[list[int]] = PROMPTS) -> Answers:
     return answers(llm.generate(prompts, GREEDY))
 
 
-def engine(dtype: str, weights: str, **settings: Any) -> LLM:
+def engine(dtype: str, weights: str, kv: str = "auto", **settings: Any) -> LLM:
     settings.setdefault("block_size", BS)
-    return LLM(model="tiny", dtype=dtype, weight_dtype=weights, check_integrity=True,
-               **settings)
+    return LLM(model="tiny", dtype=dtype, weight_dtype=weights, kv_cache_dtype=kv,
+               check_integrity=True, **settings)
 
 
 @pytest.fixture(autouse=True)
@@ -55,13 +59,16 @@ def invariant() -> None:
     assert invariance.enabled(), "PREFIXCACHE_BATCH_INVARIANT turns off what is tested here"
 
 
-@pytest.fixture(scope="module", params=FORMS, ids=["+".join(f) for f in FORMS])
-def form(request: pytest.FixtureRequest) -> tuple[str, str]:
+IDS = ["+".join(f).removesuffix("+auto") for f in FORMS]  # float32+auto, ..., float32+auto+int8
+
+
+@pytest.fixture(scope="module", params=FORMS, ids=IDS)
+def form(request: pytest.FixtureRequest) -> tuple[str, str, str]:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def reference(form: tuple[str, str]) -> Answers:
+def reference(form: tuple[str, str, str]) -> Answers:
     """Each prompt alone, the cache off: nothing shared, nothing chunked."""
     return one_at_a_time(engine(*form, enable_prefix_caching=False))
 

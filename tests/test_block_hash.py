@@ -43,6 +43,16 @@ def test_golden_namespace_bytes_and_roots() -> None:
     assert sha.root(Namespace(model="tiny", salt="X")).hex() == (
         "27413cdcd16f1d13928e69daaa3686c22c91454569ca41b66efe5a0484febed2"
     )
+    layout = Namespace(model="tiny", kv_layout="int8:q8_0/32")
+    assert encode_namespace(layout).hex() == (
+        "50434e5301010000000474696e7982000000008300000000040000000c696e74383a71385f302f3332"
+    )
+    assert sha.root(layout).hex() == (
+        "39c3f314f87229bdeb1f6a07733b6c8ad85c50c54343d1f87a185dccb9db3b2d"
+    )
+    assert sha.root(Namespace(model="tiny", kv_layout=None)).hex() == (  # the model's dtype
+        "2f80a01b5b73574d0cd9ee9b3e135e5e3fa525d01f34c8287d0d47f8ec3d7ed8"
+    )
 
 
 def test_golden_block_bytes_and_chain() -> None:

@@ -13,6 +13,7 @@ __all__ = [
     "DTYPE_CHOICES",
     "DTYPE_NAMES",
     "GENERATED_MODELS",
+    "KV_CACHE_DTYPE_CHOICES",
     "PACKAGED_MODELS",
     "PackagedModel",
     "WEIGHT_DTYPE_CHOICES",
@@ -26,6 +27,11 @@ DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 # what --weight-dtype accepts: how a float32 model keeps its projection weights
 # (`prefixcache.model.decoder.WEIGHT_DTYPES`), or "auto" (as --dtype, or what auto chose)
 WEIGHT_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "q8_0", "gguf")
+# what --kv-cache-dtype accepts: the paged KV cache's layout (`prefixcache.attention.kv_format`;
+# vLLM's fp8 spellings too), or "auto" (`prefixcache.model.kv_choice`)
+KV_CACHE_DTYPE_CHOICES = (
+    "auto", "float32", "bfloat16", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,16 +76,18 @@ def decode_attention(
     v_cache: torch.Tensor,
     plan: DecodePlan,
     scale: float,
+    kv_code: int = 0,
 ) -> torch.Tensor:
     """Attention output [B, num_heads, head_dim] for one query per sequence.
 
     q: [B, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    with every key of every sequence already written.
+    with every key of every sequence already written (``kv_code``: a quantized layout's, whose
+    rows are bytes; the kernel alone reads those).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if native_attention.applies(q, k_cache, v_cache):
-        return _attend_native(q, k_cache, v_cache, plan, scale)
+    if kv_code or native_attention.applies(q, k_cache, v_cache):
+        return _attend_native(q, k_cache, v_cache, plan, scale, kv_code)
     if not plan.shared:
         return _attend_tail_fused(q, k_cache, v_cache, plan, scale)
     # GQA without repeating K/V: the query heads of one kv head become rows of one matmul
@@ -132,7 +134,12 @@ def _native_inputs(plan: DecodePlan, block_size: int, device: torch.device) -> _
 
 
 def _attend_native(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    kv_code: int = 0,
 ) -> torch.Tensor:
     """The compiled kernel, once per group (its shared keys read once for all its queries, one
     softmax per row over shared and own keys, no log-sum-exp merge) and once for the rest."""
@@ -151,7 +158,7 @@ def _attend_native(
         if prepared is None:  # the step's first layer
             tails = (tail_slots, tail_lens) if every else (tail_slots[rows], tail_lens[rows])
             prepared = native_attention.PreparedDecode(
-                q_part, k_flat, v_flat, shared_slots, *tails, part
+                q_part, k_flat, v_flat, shared_slots, *tails, part, kv_code
             )
             inputs.prepared[i] = prepared
         prepared(q_part, k_flat, v_flat, scale, part)

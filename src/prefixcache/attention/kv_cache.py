@@ -1,4 +1,6 @@
-"""Paged KV storage: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim].
+"""Paged KV storage: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, row],
+a row being one token's head in the cache's layout (`kv_format`: head_dim values of the
+activations' dtype, or a quantized layout's bytes).
 
 The storage knows block ids and slots (``block_id * block_size + offset``), never hashes or
 requests. Writes go through a slot mapping; copy-on-write and zero-on-reuse act on whole blocks.
@@ -12,28 +14,50 @@ from typing import Protocol
 
 import torch
 
+from prefixcache.attention.kv_format import KVFormat, format_of_dtype
+
 __all__ = ["KVLayout", "PagedKVCache", "bytes_per_block"]
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The shape of a model's KV per token: every KV size (bytes per block, blocks in a budget,
-    the tensors to allocate) is computed from this one place."""
+    the tensors to allocate) is computed from this one place. ``dtype``: the activations'
+    (the queries'); ``kv_format``: how the cache keeps K and V (None: as ``dtype``)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32
+    kv_format: KVFormat | None = None
+
+    def __post_init__(self) -> None:
+        self.format.check_head_dim(self.head_dim)
 
     @classmethod
-    def of(cls, config: ModelShape, dtype: torch.dtype) -> KVLayout:
+    def of(
+        cls, config: ModelShape, dtype: torch.dtype, kv_format: KVFormat | None = None
+    ) -> KVLayout:
         """The layout of a model config (anything with the Hugging Face field names)."""
-        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype,
+                   kv_format)  # fmt: skip
+
+    @property
+    def format(self) -> KVFormat:
+        """The cache's layout (`kv_format`), resolved."""
+        return self.kv_format or format_of_dtype(self.dtype)
+
+    @property
+    def namespace_layout(self) -> str | None:
+        """What the cache namespace names of the layout: None where it keeps the activations'
+        dtype (the model identity names that), else the layout's name (`KVFormat.layout`)."""
+        found = self.format
+        return None if found == format_of_dtype(self.dtype) else found.layout
 
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V, over all layers, that one block of ``block_size`` tokens holds."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+        row = self.format.row_bytes(self.head_dim)
+        return 2 * self.num_layers * block_size * self.num_kv_heads * row
 
     def blocks_in(self, memory_bytes: int, block_size: int) -> int:
         """How many blocks fit in ``memory_bytes`` (at least one, else a clear error)."""
@@ -51,7 +75,7 @@ class KVLayout:
     ) -> PagedKVCache:
         """Paged K/V tensors of this layout."""
         return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
-                            self.head_dim, self.dtype, device)
+                            self.head_dim, self.dtype, device, self.kv_format)
 
 
 class ModelShape(Protocol):
@@ -71,7 +95,8 @@ def bytes_per_block(
 
 
 class PagedKVCache:
-    """K and V tensors for every layer, addressed by physical block id."""
+    """K and V tensors for every layer, addressed by physical block id. ``dtype``: the
+    activations'; ``kv_format``: the cache's layout (None: rows of ``dtype`` values)."""
 
     def __init__(
         self,
@@ -82,6 +107,7 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_format: KVFormat | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -99,10 +125,15 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # k_caches[i], v_caches[i]: [num_blocks, block_size, num_kv_heads, head_dim]
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv_format = kv_format or format_of_dtype(dtype)
+        self.kv_format.check_head_dim(head_dim)
+        self.storage_dtype = storage = self.kv_format.storage
+        shape = (num_blocks, block_size, num_kv_heads, self.kv_format.row_width(head_dim))
+        # k_caches[i], v_caches[i]: [num_blocks, block_size, num_kv_heads, row width]
+        self.k_caches = [torch.zeros(shape, dtype=storage, device=device)
+                         for _ in range(num_layers)]  # fmt: skip
+        self.v_caches = [torch.zeros(shape, dtype=storage, device=device)
+                         for _ in range(num_layers)]  # fmt: skip
 
     @classmethod
     def from_memory_budget(
@@ -114,14 +145,21 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_format: KVFormat | None = None,
     ) -> PagedKVCache:
         """As many blocks as fit in ``memory_bytes`` (at least one, else a clear error)."""
-        layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype)
+        layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype, kv_format)
         return layout.allocate(layout.blocks_in(memory_bytes, block_size), block_size, device)
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                        self.kv_format)  # fmt: skip
+
+    @property
+    def row_width(self) -> int:
+        """The tensors' last dimension: head_dim values, or a quantized row's bytes."""
+        return self.kv_format.row_width(self.head_dim)
 
     @property
     def num_bytes(self) -> int:
@@ -129,7 +167,7 @@ class PagedKVCache:
         return self.num_blocks * self.layout.bytes_per_block(self.block_size)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        """(K, V) of one layer, each [num_blocks, block_size, num_kv_heads, `row_width`]."""
         return self.k_caches[index], self.v_caches[index]
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -151,9 +189,9 @@ class PagedKVCache:
             cache.index_fill_(0, index, 0)
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A copy of the given blocks' K and V: [len(block_ids), 2 * num_layers, block_size,
-        num_kv_heads, head_dim], per block layer 0's K, layer 0's V, layer 1's K, ... (the
-        payload order of a tier record)."""
+        """A copy of the given blocks' K and V as stored: [len(block_ids), 2 * num_layers,
+        block_size, num_kv_heads, `row_width`], per block layer 0's K, layer 0's V, layer 1's
+        K, ... (the payload order of a tier record, in the cache's layout)."""
         index = self._check_ids(list(block_ids))
         parts: list[torch.Tensor] = []
         for k, v in zip(self.k_caches, self.v_caches, strict=True):
@@ -164,9 +202,9 @@ class PagedKVCache:
         """Overwrite the given blocks' K and V with ``data`` (as `read_blocks` returns it)."""
         index = self._check_ids(list(block_ids))
         shape = (len(index), 2 * self.num_layers, self.block_size, self.num_kv_heads,
-                 self.head_dim)
-        if tuple(data.shape) != shape or data.dtype != self.dtype:
-            raise ValueError(f"write_blocks: expected {shape} {self.dtype}, got "
+                 self.row_width)
+        if tuple(data.shape) != shape or data.dtype != self.storage_dtype:
+            raise ValueError(f"write_blocks: expected {shape} {self.storage_dtype}, got "
                              f"{tuple(data.shape)} {data.dtype}")
         for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
             k.index_copy_(0, index, data[:, 2 * layer].to(k.device))

@@ -114,6 +114,15 @@ class _Kernel:
         # ... over bfloat16 caches, with a last flag: bfloat16 products (bfloat16 queries)
         self.attention_kv16 = _bind(library, "pc_attention_kv16", None, [*attention, _I])
         self.decode_kv16 = _bind(library, "pc_decode_kv16", None, [*decode, _I])
+        # ... over quantized caches: the layout's code (kv_quant.h) and a buffer for the
+        # queries of a rotated layout
+        self.attention_quant = _bind(library, "pc_attention_quant", None, [*attention, _I, _P])
+        self.decode_quant = _bind(library, "pc_decode_quant", None, [*decode, _I, _P])
+        self.kv_write = _bind(library, "pc_kv_write", None,
+                              [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _P, _P, _I])
+        self.kv_row_bytes = _bind(library, "pc_kv_row_bytes", _I64, [_I, _I])
+        self.hadamard_rows = _bind(library, "pc_hadamard_rows", None, [_P, _I64, _I])
+        self.kv_read = _bind(library, "pc_kv_read", None, [_P, _P, _I64, _I, _I])
         self.scratch_floats = _bind(library, "pc_scratch_floats", _I64, [_I] * 6)
         self.decode_scratch_floats = _bind(library, "pc_decode_scratch_floats", _I64, [_I] * 8)
         self.decode_direct = _bind(library, "pc_decode_direct", _I, [_I] * 4)
@@ -149,28 +158,96 @@ def _kernel() -> _Kernel | None:
 _KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+# kv_quant.h's first quantized layout code: codes from here are quantized caches (bytes)
+QUANTIZED = 3
+
+
+def applies(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_code: int = 0
+) -> bool:
     """Whether the attention paths hand this step to the kernel: `enabled()`, CPU queries
     [T, heads, head_dim] with contiguous heads (rows may be strided) and contiguous caches, all
-    float32 or all bfloat16."""
+    float32 or all bfloat16, or float32 or bfloat16 queries over a quantized cache
+    (``kv_code``: its layout's code, `kv_format.KVFormat.code`)."""
     return q.stride(2) == 1 and q.stride(1) == q.shape[2] and applies_to(
-        q.dtype, q.device, k_cache, v_cache
+        q.dtype, q.device, k_cache, v_cache, kv_code
     )
 
 
 def applies_to(
-    dtype: torch.dtype, device: torch.device, k_cache: torch.Tensor, v_cache: torch.Tensor
+    dtype: torch.dtype,
+    device: torch.device,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_code: int = 0,
 ) -> bool:
     """`applies` for queries of ``dtype`` on ``device`` laid out as the decoder's are
     ([T, heads, head_dim] views with contiguous heads): decided before the step runs."""
+    quantized = kv_code >= QUANTIZED
+    # float32 queries over a bfloat16 cache: the kernel widens its rows
+    widened = dtype == torch.float32 and k_cache.dtype == torch.bfloat16
     return (
         device.type == "cpu"
         and dtype in _KV_DTYPES
-        and dtype == k_cache.dtype == v_cache.dtype
+        and (k_cache.dtype == v_cache.dtype == torch.uint8 if quantized
+             else (dtype == k_cache.dtype or widened) and k_cache.dtype == v_cache.dtype)
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and enabled()
-    )
+    )  # fmt: skip
+
+
+def kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_code: int,
+) -> bool:
+    """The step's K/V rows (k, v: [T, kv_heads, head_dim], float32 or bfloat16, heads
+    contiguous, rows may be strided) quantized into k_rows, v_rows ([num_slots, kv_heads,
+    row bytes] uint8) at ``slot_mapping`` by the kernel's writer (`pc_kv_write`: int8 and
+    int4); False, and nothing written, where it is not built here or the tensors are not ones
+    it takes (the caller then quantizes in torch, to the same bytes)."""
+    kernel = _kernel()
+    num_tokens, kv_heads, head_dim = k.shape
+    if kernel is None or num_tokens == 0:
+        return kernel is not None
+    width = kernel.kv_row_bytes(head_dim, kv_code)
+    ok = (
+        k.dtype == v.dtype in _KV_DTYPES and k.device.type == v.device.type == "cpu"
+        and v.shape == k.shape and k.stride(2) == v.stride(2) == 1
+        and k.stride(1) == v.stride(1) == head_dim
+        and k_rows.dtype == v_rows.dtype == torch.uint8
+        and k_rows.shape == v_rows.shape == (k_rows.shape[0], kv_heads, width)
+        and k_rows.is_contiguous() and v_rows.is_contiguous()
+        and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+        and slot_mapping.shape == (num_tokens,)
+    )  # fmt: skip
+    if not ok:
+        return False
+    low, high = min_max_slots(slot_mapping)
+    if low < 0 or high >= k_rows.shape[0]:
+        raise ValueError("native KV write: slot out of range")
+    kernel.kv_write(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), num_tokens, kv_heads, head_dim,
+        int(k.dtype == torch.bfloat16), slot_mapping.data_ptr(), k_rows.data_ptr(),
+        v_rows.data_ptr(), kv_code,
+    )  # fmt: skip
+    return True
+
+
+def kv_write_address() -> int | None:
+    """`pc_kv_write`'s address, for compiled callers (`fused_layers`), or None where the
+    kernel is not built."""
+    kernel = _kernel()
+    return None if kernel is None else _address(kernel.kv_write)
+
+
+def min_max_slots(slots: torch.Tensor) -> tuple[int, int]:
+    low, high = slots.aminmax()
+    return int(low), int(high)
 
 
 def _kernel_or_raise() -> _Kernel:
@@ -189,21 +266,29 @@ def _check(
     rows_per_head: int,
     what: str,
     slot_range: tuple[int, int] | None = None,
+    kv_code: int = 0,
 ) -> None:
     """The kernels read raw pointers: reject everything a wrong shape would turn into a bad read."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_flat.shape[1]
+    if kv_code >= QUANTIZED:  # bytes: rows of the layout's blocks; queries float32 or widened
+        width = _kernel_or_raise().kv_row_bytes(head_dim, kv_code)
+        caches_ok = k_flat.dtype == v_flat.dtype == torch.uint8 and head_dim % 32 == 0
+    else:
+        width = head_dim
+        caches_ok = k_flat.dtype == v_flat.dtype in _KV_DTYPES and (
+            q.dtype == torch.float32 or k_flat.dtype == torch.bfloat16
+        )
     if not (
         q.dtype == out.dtype in _KV_DTYPES
-        and k_flat.dtype == v_flat.dtype in _KV_DTYPES
-        and (q.dtype == torch.float32 or k_flat.dtype == torch.bfloat16)
+        and caches_ok
         and q.stride(2) == 1
         and q.stride(1) == head_dim
         and out.is_contiguous()
         and out.shape == q.shape
         and k_flat.is_contiguous()
         and v_flat.is_contiguous()
-        and k_flat.shape == v_flat.shape == (k_flat.shape[0], num_kv_heads, head_dim)
+        and k_flat.shape == v_flat.shape == (k_flat.shape[0], num_kv_heads, width)
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads * rows_per_head <= _MAX_TILE_ROWS
         and all(t.dtype == torch.int64 and t.is_contiguous() for t in slot_tensors)
@@ -280,6 +365,7 @@ def attend(
     scale: float,
     out: torch.Tensor,
     slot_range: tuple[int, int] | None = None,
+    kv_code: int = 0,
 ) -> None:
     """One sequence's prefill attention into ``out``; requires `available()`.
 
@@ -289,9 +375,12 @@ def attend(
     a bfloat16 cache); slots: [S] int64, the slot of every
     position 0 .. S - 1 (S >= T: the cached context, then the new tokens). New token t sits at
     position S - T + t and attends positions 0 .. S - T + t. ``slot_range``: the slots' (min,
-    max) when the caller already has them, else computed.
+    max) when the caller already has them, else computed. ``kv_code``: a quantized cache's
+    layout (`kv_format.KVFormat.code`; k_flat, v_flat then [num_slots, kv_heads, row bytes]
+    uint8), 0 for the float caches.
     """
-    PreparedAttend(q, k_flat, v_flat, slots, out, slot_range)(q, k_flat, v_flat, scale, out)
+    prepared = PreparedAttend(q, k_flat, v_flat, slots, out, slot_range, kv_code=kv_code)
+    prepared(q, k_flat, v_flat, scale, out)
 
 
 class PreparedAttend:
@@ -312,12 +401,14 @@ class PreparedAttend:
         out: torch.Tensor,
         slot_range: tuple[int, int] | None = None,
         scratch: torch.Tensor | None = None,
+        kv_code: int = 0,
     ) -> None:
         kernel = self._kernel = _kernel_or_raise()
         num_tokens, num_heads, head_dim = q.shape
         seq_len, num_kv_heads = slots.shape[0], k_flat.shape[1]
         self._tile_tokens = tile_tokens(num_heads, num_kv_heads, head_dim)
-        _check(q, k_flat, v_flat, out, [slots], self._tile_tokens, "attention", slot_range)
+        _check(q, k_flat, v_flat, out, [slots], self._tile_tokens, "attention", slot_range,
+               kv_code)
         if not 0 < num_tokens <= seq_len:
             raise ValueError(
                 f"native attention: unsupported: {num_tokens} new tokens over {seq_len} positions"
@@ -333,9 +424,13 @@ class PreparedAttend:
         self._signature = self.signature(q, k_flat, v_flat, out)
         # bfloat16 queries: widened before each call, the float32 outputs rounded back after
         self._out32 = torch.empty(q.shape) if q.dtype == torch.bfloat16 else None
-        self._extra: tuple[int, ...] = ()
+        self._extra: tuple[Any, ...] = ()
         self._function = kernel.attention
-        if k_flat.dtype == torch.bfloat16:
+        if kv_code >= QUANTIZED:  # a rotated layout's queries are rotated into a buffer
+            self._qrot = _rotation_buffer(q.shape, kv_code)
+            code = _with_products(kernel, kv_code, self._out32 is not None)
+            self._function, self._extra = kernel.attention_quant, (code, self._qrot)
+        elif k_flat.dtype == torch.bfloat16:
             self._function, self._extra = kernel.attention_kv16, (int(self._out32 is not None),)
 
     @staticmethod
@@ -392,15 +487,18 @@ def decode(
     tail_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    kv_code: int = 0,
 ) -> None:
     """Decode attention of B sequences (one query each) into ``out``; requires `available()`.
 
     q, out: [B, num_heads, head_dim] CPU (q's rows may be strided, out contiguous); k_flat,
     v_flat: [num_slots, num_kv_heads, head_dim] (dtypes as for `attend`); shared_slots: [P]
     int64, the keys every sequence starts with (P may be 0); tail_slots: [B, max_tail] int64,
-    then each sequence's own keys, tail_lens[b] (int32, 1 .. max_tail) of them.
+    then each sequence's own keys, tail_lens[b] (int32, 1 .. max_tail) of them; ``kv_code`` as
+    for `attend`.
     """
-    prepared = PreparedDecode(q, k_flat, v_flat, shared_slots, tail_slots, tail_lens, out)
+    prepared = PreparedDecode(q, k_flat, v_flat, shared_slots, tail_slots, tail_lens, out,
+                              kv_code)
     prepared(q, k_flat, v_flat, scale, out)
 
 
@@ -419,6 +517,7 @@ class PreparedDecode:
         tail_slots: torch.Tensor,
         tail_lens: torch.Tensor,
         out: torch.Tensor,
+        kv_code: int = 0,
     ) -> None:
         kernel = self._kernel = _kernel_or_raise()
         num_seqs, num_heads, head_dim = q.shape
@@ -426,7 +525,8 @@ class PreparedDecode:
         threads = self._threads = torch.get_num_threads()
         shared, group = shared_slots.shape[0], num_heads // num_kv_heads
         chunk = decode_chunk(num_seqs, num_kv_heads, threads, group)
-        _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], chunk, "decode")
+        _check(q, k_flat, v_flat, out, [shared_slots, tail_slots], chunk, "decode",
+               kv_code=kv_code)
         if not (
             tail_lens.dtype == torch.int32
             and tail_lens.is_contiguous()
@@ -450,8 +550,12 @@ class PreparedDecode:
         wide = q.dtype == torch.bfloat16
         self._q32 = torch.empty(q.shape) if wide else None
         self._out32 = torch.empty(q.shape) if wide else None
-        self._function, self._extra = kernel.decode, tuple[int, ...]()
-        if k_flat.dtype == torch.bfloat16:
+        self._function, self._extra = kernel.decode, tuple[Any, ...]()
+        if kv_code >= QUANTIZED:
+            self._qrot = _rotation_buffer(q.shape, kv_code)
+            code = _with_products(kernel, kv_code, wide)
+            self._function, self._extra = kernel.decode_quant, (code, self._qrot)
+        elif k_flat.dtype == torch.bfloat16:
             self._function, self._extra = kernel.decode_kv16, (int(wide),)
 
     def kernel_arguments(self, out: torch.Tensor) -> dict[str, int]:
@@ -507,6 +611,36 @@ class PreparedDecode:
             out.copy_(out32)
 
 
+def _with_products(kernel: _Kernel, kv_code: int, bfloat16_queries: bool) -> int:
+    """A quantized layout's code as the kernel takes it: for a bfloat16 model's queries on a
+    CPU with AVX512_BF16, its blocks read as bfloat16 and multiplied in pairs (kv_quant.h's
+    KV_PRODUCTS), as a bfloat16 cache is."""
+    return kv_code | (_PRODUCTS if bfloat16_queries and kernel.isa & 2 else 0)
+
+
+_PRODUCTS = 16  # kv_quant.h's KV_PRODUCTS
+
+
+def _rotation_buffer(shape: torch.Size, kv_code: int) -> _Buffer | None:
+    """Where a rotated layout's kernels put the rotated queries ([rows, heads, head_dim]
+    float32, kept alive by the caller), as the kernel's last argument; None (NULL) for the
+    others."""
+    if kv_code != _ROTATED:
+        return None
+    return _Buffer(torch.empty(shape, dtype=torch.float32))
+
+
+_ROTATED = 4  # kv_quant.h's KV_Q4: K and V rotated, so are the queries and outputs
+
+
+class _Buffer:
+    """A tensor passed to ctypes as its address, kept alive with the call's arguments."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._as_parameter_ = tensor.data_ptr()
+
+
 def decode_chunk(num_seqs: int, num_kv_heads: int, threads: int, group: int = 1) -> int:
     """Sequences per decode work item, the three largest of 16, 8, 4, 2, 1 whose ``group``
     stacked query heads fit a direct-path tile: the work items are kv heads x chunks of
@@ -550,28 +684,55 @@ def kernel_name(head_dim: int, dtype: torch.dtype) -> str:
 
 @functools.cache
 def available() -> bool:
-    """True when the kernel builds here and matches a float64 reference, over float32 and
-    bfloat16 caches (checked once)."""
-    if _kernel() is None:
+    """True when the kernel builds here and matches a float64 reference, over float32,
+    bfloat16 and the quantized caches (their written rows read back, checked once)."""
+    kernel = _kernel()
+    if kernel is None:
         return False
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, context, new = 6, 2, 16, 37, 21
-    k_flat = torch.randn(80, kv_heads, dim, generator=gen)
-    v_flat = torch.randn(80, kv_heads, dim, generator=gen)
+    heads, kv_heads, context, new = 6, 2, 37, 21
     slots = torch.randperm(80, generator=gen)[: context + new]
-    q = torch.randn(new, heads, dim, generator=gen)
     ok = True
-    for dtype in _KV_DTYPES:
+    for dim, dtype, code in ((16, torch.float32, 0), (16, torch.bfloat16, 0),
+                             (32, torch.float32, 3), (32, torch.float32, 4)):  # fmt: skip
+        k_flat = torch.randn(80, kv_heads, dim, generator=gen)
+        v_flat = torch.randn(80, kv_heads, dim, generator=gen)
+        q = torch.randn(new, heads, dim, generator=gen)
         k, v = k_flat.to(dtype), v_flat.to(dtype)
+        if code:  # written as the layout, read back as the values it stores
+            k, v = (torch.zeros(80, kv_heads, kernel.kv_row_bytes(dim, code), dtype=torch.uint8)
+                    for _ in range(2))  # fmt: skip
+            kv_write(k_flat, v_flat, k, v, torch.arange(80), code)
+            k_flat, v_flat = _read_rows(kernel, k, dim, code), _read_rows(kernel, v, dim, code)
         out = torch.empty_like(q)
-        attend(q, k, v, slots, dim**-0.5, out)
-        keys = k[slots].double().repeat_interleave(heads // kv_heads, 1)  # [S, heads, dim]
-        values = v[slots].double().repeat_interleave(heads // kv_heads, 1)
-        scores = torch.einsum("thd,shd->hts", q.double(), keys) * dim**-0.5
-        visible = torch.arange(context + new) <= (torch.arange(new) + context).unsqueeze(1)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        ref = torch.einsum("hts,shd->thd", probs, values)
+        attend(q, k, v, slots, dim**-0.5, out, kv_code=code)
+        ref = _reference(q, k_flat.to(dtype), v_flat.to(dtype), slots, context)
         ok = ok and torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
     if not ok:
         log.warning("native attention off: its probe disagrees with the reference")
     return ok
+
+
+def _read_rows(kernel: _Kernel, rows: torch.Tensor, dim: int, code: int) -> torch.Tensor:
+    """A quantized cache's rows [n, kv_heads, bytes] as the values they hold [n, kv_heads,
+    dim], rotated back."""
+    out = torch.empty(rows.shape[0], rows.shape[1], dim)
+    for i in range(rows.shape[0] * rows.shape[1]):
+        kernel.kv_read(out.data_ptr() + 4 * dim * i, rows.data_ptr(), i, dim, code)
+    if code == _ROTATED:
+        kernel.hadamard_rows(out.data_ptr(), out.shape[0] * out.shape[1], dim)
+    return out
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, context: int
+) -> torch.Tensor:
+    """Causal attention in float64 of q [T, heads, dim] after ``context`` keys of k, v."""
+    new, heads, dim = q.shape
+    group = heads // k.shape[1]
+    keys = k[slots].double().repeat_interleave(group, 1)  # [S, heads, dim]
+    values = v[slots].double().repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q.double(), keys) * dim**-0.5
+    visible = torch.arange(context + new) <= (torch.arange(new) + context).unsqueeze(1)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, values)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from prefixcache.attention import native_attention
 from prefixcache.attention.cascade_prefill import attend_group
 from prefixcache.attention.decode_attention import DecodePlan, decode_attention
+from prefixcache.attention.kv_format import KVFormat
 from prefixcache.attention.metadata import AttentionMetadata, min_max
 from prefixcache.attention.plan import EXPLICIT_SCORES_MAX_BYTES, AttentionPlan, attention_plan
 
@@ -36,8 +37,13 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_format: KVFormat | None = None,
 ) -> None:
-    """Store the step's new K/V; k, v: [T, num_kv_heads, head_dim], caches paged."""
+    """Store the step's new K/V; k, v: [T, num_kv_heads, head_dim], caches paged, in
+    ``kv_format`` (None: rows of the caches' dtype; a quantized layout quantizes each row)."""
+    if kv_format is not None and (kv_format.quantized or kv_format.storage != k.dtype):
+        kv_format.write(k, v, k_cache, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -61,15 +67,21 @@ def paged_attention(
     """
     if plan is None:
         plan = attention_plan(q, k_cache, v_cache, metadata)
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    layout = plan.kv_format
+    code = layout.code if layout is not None and layout.quantized else 0
+    if layout is not None and not plan.native and (code or layout.storage != q.dtype):
+        # the torch paths: over the values the cache holds, in the queries' dtype
+        k_cache, v_cache, k, v = _dequantized(layout, k_cache, v_cache, metadata, q.dtype)
+        code = 0
+    num_kv_heads = k.shape[1]
     gqa = q.shape[1] != num_kv_heads
     if plan.whole_step_causal:
         return _attend_causal(q, k, v, scale, gqa)
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])
+    v_flat = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.decode_rows:
-        _attend_decodes(q, k_cache, v_cache, metadata, list(plan.decode_rows), scale, out)
+        _attend_decodes(q, k_cache, v_cache, metadata, list(plan.decode_rows), scale, out, code)
     for group in plan.groups:
         attend_group(q, k, v, k_cache, v_cache, metadata, group, scale, out)
     group_size = q.shape[1] // num_kv_heads
@@ -77,7 +89,8 @@ def paged_attention(
         b, start, end, slots = work.seq, work.start, work.end, work.slots
         if work.path == "native":
             assert slots is not None
-            _attend_native(q[start:end], k_flat, v_flat, metadata, b, slots, scale, out[start:end])
+            _attend_native(q[start:end], k_flat, v_flat, metadata, b, slots, scale,
+                           out[start:end], code)
         elif work.path == "causal":
             out[start:end] = _attend_causal(q[start:end], k[start:end], v[start:end], scale, gqa)
         else:
@@ -93,6 +106,25 @@ def paged_attention(
     return out
 
 
+def _dequantized(
+    layout: KVFormat,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A quantized layer's caches as the values they hold, in ``dtype``, and the step's own
+    K/V as they were stored (what the torch paths attend, so that they see what a later step
+    reads): the reference and the fallback where the kernel does not run, at the cost of the
+    whole layer dequantized every step."""
+    k_full, v_full = layout.dequantize(k_cache, dtype), layout.dequantize(v_cache, dtype)
+    num_kv_heads = k_cache.shape[2]
+    slots = metadata.slot_mapping
+    k_new = k_full.view(-1, num_kv_heads, k_full.shape[-1]).index_select(0, slots)
+    v_new = v_full.view(-1, num_kv_heads, v_full.shape[-1]).index_select(0, slots)
+    return k_full, v_full, k_new, v_new
+
+
 def _attend_native(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -102,6 +134,7 @@ def _attend_native(
     slots: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    kv_code: int = 0,
 ) -> None:
     """Sequence b's prefill through the kernel, checked and set up in the step's first layer
     (`native_attention.PreparedAttend`); the step's sequences share one scratch buffer."""
@@ -110,7 +143,7 @@ def _attend_native(
         # the step's one scratch buffer, grown to the largest need
         pool = metadata.derived(("native_scratch",), dict[str, torch.Tensor])
         prepared = native_attention.PreparedAttend(
-            q, k_flat, v_flat, slots, out, min_max(slots), pool.get("buffer")
+            q, k_flat, v_flat, slots, out, min_max(slots), pool.get("buffer"), kv_code
         )
         pool["buffer"] = prepared.scratch
         return prepared
@@ -126,14 +159,15 @@ def _attend_decodes(
     rows: list[int],
     scale: float,
     out: torch.Tensor,
+    kv_code: int = 0,
 ) -> None:
     """Fill ``out`` at the decode sequences' tokens; their K/V are already in the cache."""
     plan = step_decode_plan(metadata, rows, q.device)
     if len(rows) == metadata.num_seqs:  # a pure decode step: token i belongs to sequence i
-        out.copy_(decode_attention(q, k_cache, v_cache, plan, scale))
+        out.copy_(decode_attention(q, k_cache, v_cache, plan, scale, kv_code))
         return
     tokens = torch.tensor([metadata.query_starts[b] for b in rows], device=q.device)
-    out[tokens] = decode_attention(q[tokens], k_cache, v_cache, plan, scale)
+    out[tokens] = decode_attention(q[tokens], k_cache, v_cache, plan, scale, kv_code)
 
 
 def step_decode_plan(

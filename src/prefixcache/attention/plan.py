@@ -24,6 +24,7 @@ import torch
 
 from prefixcache.attention import native_attention
 from prefixcache.attention.cascade_prefill import prefill_groups
+from prefixcache.attention.kv_format import KVFormat, format_of_dtype
 from prefixcache.attention.metadata import AttentionMetadata
 from prefixcache.attention.shared_prefix import SharedPrefix
 
@@ -62,6 +63,7 @@ class AttentionPlan:
     decode_rows: tuple[int, ...]
     groups: tuple[SharedPrefix, ...]
     prefill: tuple[SeqWork, ...]
+    kv_format: KVFormat | None = None  # the cache's layout; None: rows of the caches' dtype
 
 
 def build_plan(
@@ -71,19 +73,27 @@ def build_plan(
     num_heads: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_format: KVFormat | None = None,
 ) -> AttentionPlan:
     """The step's plan for queries [T, num_heads, head_dim] of ``dtype`` on ``device`` with
-    contiguous heads (the decoder's), over caches like ``k_cache`` / ``v_cache``."""
-    native = native_attention.applies_to(dtype, device, k_cache, v_cache)
-    return _build(metadata, num_heads, dtype, device, native)
+    contiguous heads (the decoder's), over caches like ``k_cache`` / ``v_cache`` in
+    ``kv_format`` (None: rows of their dtype)."""
+    layout = kv_format or format_of_dtype(k_cache.dtype)
+    native = native_attention.applies_to(dtype, device, k_cache, v_cache, layout.code)
+    return _build(metadata, num_heads, dtype, device, native, layout)
 
 
 def attention_plan(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_format: KVFormat | None = None,
 ) -> AttentionPlan:
     """The plan for the queries ``q`` [T, heads, head_dim] themselves."""
-    native = native_attention.applies(q, k_cache, v_cache)
-    return _build(metadata, q.shape[1], q.dtype, q.device, native)
+    layout = kv_format or format_of_dtype(k_cache.dtype)
+    native = native_attention.applies(q, k_cache, v_cache, layout.code)
+    return _build(metadata, q.shape[1], q.dtype, q.device, native, layout)
 
 
 def _build(
@@ -92,15 +102,16 @@ def _build(
     dtype: torch.dtype,
     device: torch.device,
     native: bool,
+    layout: KVFormat,
 ) -> AttentionPlan:
     if metadata.num_seqs == 1:
         computed, new = metadata.num_computed[0], metadata.num_new[0]
         if computed == 0 and not native:
-            return AttentionPlan(native, True, False, (), (), ())
+            return AttentionPlan(native, True, False, (), (), (), layout)
         if native and not (computed and new == 1):
             slots = metadata.slot_mapping if computed == 0 else metadata.context_slots[0]
             work = SeqWork(0, 0, metadata.num_tokens, "native", slots)
-            return AttentionPlan(native, False, True, (), (), (work,))
+            return AttentionPlan(native, False, True, (), (), (work,), layout)
     decode_rows = tuple(b for b, n in enumerate(metadata.num_new) if n == 1)
     # sequences sharing cached blocks: one cascade over the shared part on the torch paths; the
     # kernel takes each on its own (gathering the shared keys per sequence into L2 costs less
@@ -122,4 +133,4 @@ def _build(
             score_bytes = num_heads * (end - start) * len(slots) * dtype.itemsize
             small = device.type == "cpu" and score_bytes <= EXPLICIT_SCORES_MAX_BYTES
             prefill.append(SeqWork(b, start, end, "explicit" if small else "stacked", slots))
-    return AttentionPlan(native, False, False, decode_rows, groups, tuple(prefill))
+    return AttentionPlan(native, False, False, decode_rows, groups, tuple(prefill), layout)

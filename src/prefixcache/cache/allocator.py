@@ -181,4 +181,5 @@ class TableAllocator:
             return None
         if self.writes(seq):
             return self.identity.root(seq)
-        return self.identity.hasher.root(seq.namespace(self.config.model_id))
+        return self.identity.hasher.root(seq.namespace(self.config.model_id,
+                                                       self.config.kv_layout))

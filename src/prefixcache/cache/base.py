@@ -81,7 +81,7 @@ class PrefixCache:
                                               **settings)
         self.num_blocks, self.block_size, self.model_id = num_blocks, block_size, config.model_id
         self.enable_prefix_caching = config.enable_prefix_caching
-        self.identity = CacheIdentity(config.model_id, block_size, hash_algo)
+        self.identity = CacheIdentity(config.model_id, block_size, hash_algo, config.kv_layout)
         self.hasher: BlockHasher = self.identity.hasher
         self.stats = CacheStats()
         self.events = EventBuffer(config.enable_kv_events, config.max_events)

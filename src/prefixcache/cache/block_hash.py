@@ -2,8 +2,9 @@
 
 A block's identity is ``digest_i = H(encode(token_ids_i, extras_i, parent_digest_{i-1}))`` with
 ``parent_digest_{-1} = root(namespace)``. The namespace carries everything that changes KV values
-or who may see them (model identity, adapter, effective cache salt), so two namespaces share no
-block. Only complete blocks have an identity.
+or who may see them (model identity, adapter, effective cache salt, and the KV layout where it is
+not the model's own dtype), so two namespaces share no block. Only complete blocks have an
+identity.
 
 The encoding is canonical, typed and length-prefixed: every field is ``tag:u8 ‖ length:u32be ‖
 payload``; tokens are ``u32be`` each. The exact bytes, and golden vectors, are in
@@ -38,6 +39,7 @@ __all__ = [
 TAG_MODEL = 0x01
 TAG_ADAPTER = 0x02
 TAG_SALT = 0x03
+TAG_KV_LAYOUT = 0x04
 TAG_PARENT = 0x10
 TAG_TOKENS = 0x11
 TAG_EXTRAS = 0x12
@@ -133,19 +135,25 @@ class Namespace:
 
     ``model`` is the model identity (checkpoint digest, revision, dtype, rope fingerprint...),
     ``adapter`` the LoRA adapter name, ``salt`` the *effective* cache salt (the server derives it
-    from the authenticated tenant; a client cannot choose another tenant's).
+    from the authenticated tenant; a client cannot choose another tenant's), ``kv_layout`` how
+    the KV is stored where that is not the model's dtype (``int8:q8_0/32``: quantized blocks,
+    never mixed with another layout's). A namespace without a layout encodes without that field,
+    so the keys of caches in the model's own dtype are what they always were.
     """
 
     model: str = ""
     adapter: str | None = None
     salt: str | bytes | None = None
+    kv_layout: str | None = None
 
     def encode(self) -> bytes:
+        layout = b"" if self.kv_layout is None else _field(TAG_KV_LAYOUT, _text(self.kv_layout))
         return (
             NAMESPACE_MAGIC
             + _field(TAG_MODEL, self.model.encode("utf-8"))
             + _field(TAG_ADAPTER, _text(self.adapter))
             + _field(TAG_SALT, _text(self.salt))
+            + layout
         )
 
 

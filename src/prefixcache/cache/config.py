@@ -28,7 +28,8 @@ def one_of(name: str, value: object, choices: Collection[str]) -> None:
 class CacheConfig:
     """``kind``: ``hash`` (vLLM-style) or ``radix`` (SGLang-style). ``num_blocks=None`` only
     inside an engine's configuration: the engine sizes the pool from its memory budget.
-    ``model_id`` roots every namespace; ``eviction_policy`` ``lfu`` exists on radix only."""
+    ``model_id`` roots every namespace, with ``kv_layout`` where the KV is stored otherwise than
+    in the model's dtype; ``eviction_policy`` ``lfu`` exists on radix only."""
 
     kind: str = "hash"
     num_blocks: int | None = None
@@ -41,6 +42,7 @@ class CacheConfig:
     events_with_tokens: bool = True
     max_events: int = DEFAULT_MAX_EVENTS
     eviction_policy: str = "lru"
+    kv_layout: str | None = None
 
     def __post_init__(self) -> None:
         one_of("prefix cache", self.kind, CACHE_KINDS)

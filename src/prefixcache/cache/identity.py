@@ -20,12 +20,14 @@ __all__ = ["CacheIdentity"]
 
 @dataclass(frozen=True, slots=True)
 class CacheIdentity:
-    """``model_id`` roots every namespace; ``block_size`` and ``hash_algo`` cut and hash the chain.
-    Two caches with equal identities give a sequence the same digests."""
+    """``model_id`` (and ``kv_layout``, where the KV is not stored in the model's dtype) roots
+    every namespace; ``block_size`` and ``hash_algo`` cut and hash the chain. Two caches with
+    equal identities give a sequence the same digests."""
 
     model_id: str
     block_size: int
     hash_algo: str = "sha256"
+    kv_layout: str | None = None
     hasher: BlockHasher = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -33,17 +35,19 @@ class CacheIdentity:
 
     def block_digests(self, seq: Sequence) -> list[bytes]:
         """``seq``'s digest chain (every complete block), extended incrementally."""
-        return seq.digests(self.hasher, self.model_id)
+        return seq.digests(self.hasher, self.model_id, self.kv_layout)
 
     def root(self, seq: Sequence) -> bytes:
         """The namespace root: the parent of ``seq``'s first block."""
-        return seq.root_digest(self.hasher, self.model_id)
+        return seq.root_digest(self.hasher, self.model_id, self.kv_layout)
 
     def as_dict(self) -> dict[str, Any]:
         """The identity as plain data (what a replica reports to an ingress)."""
         return {"model_id": self.model_id, "block_size": self.block_size,
-                "hash_algo": self.hash_algo}
+                "hash_algo": self.hash_algo, "kv_layout": self.kv_layout}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheIdentity:
-        return cls(str(data["model_id"]), int(data["block_size"]), str(data["hash_algo"]))
+        layout = data.get("kv_layout")
+        return cls(str(data["model_id"]), int(data["block_size"]), str(data["hash_algo"]),
+                   None if layout is None else str(layout))

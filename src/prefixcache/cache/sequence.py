@@ -34,7 +34,7 @@ class Sequence:
         "seq_id", "token_ids", "num_prompt_tokens", "salt", "adapter", "lora", "block_extras",
         "reads_cache", "writes_cache", "domain", "num_computed_tokens", "block_digests",
         "block_token_bytes",
-        "_digest_key", "_root", "_hasher", "_model",
+        "_digest_key", "_root", "_hasher", "_model", "_kv_layout",
     )  # fmt: skip
 
     def __init__(
@@ -72,6 +72,7 @@ class Sequence:
         self._root = b""
         self._hasher: BlockHasher | None = None  # the last caller's, for a cheap same-key check
         self._model = ""
+        self._kv_layout: str | None = None
 
     def __repr__(self) -> str:
         return (
@@ -87,20 +88,23 @@ class Sequence:
         """Add one generated token (its KV is computed by the next step)."""
         self.token_ids.append(token_id)
 
-    def namespace(self, model: str) -> Namespace:
-        return Namespace(model=model, adapter=self.adapter, salt=self.salt)
+    def namespace(self, model: str, kv_layout: str | None = None) -> Namespace:
+        return Namespace(model=model, adapter=self.adapter, salt=self.salt, kv_layout=kv_layout)
 
-    def digests(self, hasher: BlockHasher, model: str) -> list[bytes]:
+    def digests(
+        self, hasher: BlockHasher, model: str, kv_layout: str | None = None
+    ) -> list[bytes]:
         """Digests of every complete block, extended incrementally (never re-hashed).
 
-        A sequence used by a cache with a different hasher or model gets a fresh chain.
+        A sequence used by a cache with a different hasher, model or KV layout gets a fresh
+        chain.
         """
-        if hasher is not self._hasher or model != self._model:
-            self._hasher, self._model = hasher, model
-            key = (hasher.algo, hasher.block_size, model)
+        if hasher is not self._hasher or model != self._model or kv_layout != self._kv_layout:
+            self._hasher, self._model, self._kv_layout = hasher, model, kv_layout
+            key = (hasher.algo, hasher.block_size, model, kv_layout)
             if key != self._digest_key:
                 self._digest_key = key
-                self._root = hasher.root(self.namespace(model))
+                self._root = hasher.root(self.namespace(model, kv_layout))
                 self.block_digests = []
                 self.block_token_bytes = []
         if len(self.token_ids) >= (len(self.block_digests) + 1) * hasher.block_size:
@@ -111,9 +115,9 @@ class Sequence:
             )
         return self.block_digests
 
-    def root_digest(self, hasher: BlockHasher, model: str) -> bytes:
+    def root_digest(self, hasher: BlockHasher, model: str, kv_layout: str | None = None) -> bytes:
         """The namespace root: the parent of the first block."""
-        self.digests(hasher, model)
+        self.digests(hasher, model, kv_layout)
         return self._root
 
     def fork(self, child_id: str) -> Sequence:

@@ -16,7 +16,12 @@ from typing import Any
 from prefixcache.cache import CacheConfig
 from prefixcache.cache.block_hash import HASH_ALGOS
 from prefixcache.cache.config import CACHE_KINDS, EVICTION_POLICIES
-from prefixcache.catalog import DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES, model_help
+from prefixcache.catalog import (
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    WEIGHT_DTYPE_CHOICES,
+    model_help,
+)
 from prefixcache.engine.sampling_params import LOGPROBS_MODES
 from prefixcache.sched import SCHEDULE_POLICIES, SchedulerConfig
 from prefixcache.sched.fairness import DomainLimits
@@ -89,11 +94,13 @@ class EngineConfig:
     ``max_num_seqs`` full-length sequences could use). ``check_integrity`` verifies every cache
     invariant after each step (tests). ``logprobs_mode``: what reported log-probabilities are
     of (`prefixcache.engine.sampler`). ``tiers``: the lower KV tiers (disk, Valkey) under the
-    pool; none by default."""
+    pool; none by default. ``kv_cache_dtype``: the paged KV cache's layout
+    (`prefixcache.model.kv_choice`)."""
 
     model: Any = "tiny"
     dtype: str = "float32"
     weight_dtype: str = "auto"  # how a float32 model keeps its projection weights
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     cache: CacheConfig = _ENGINE_CACHE
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -114,6 +121,9 @@ class EngineConfig:
         if self.weight_dtype not in WEIGHT_DTYPE_CHOICES:
             raise ValueError(f"unknown weight_dtype {self.weight_dtype!r}; choose one of "
                              f"{list(WEIGHT_DTYPE_CHOICES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of "
+                             f"{list(KV_CACHE_DTYPE_CHOICES)}")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
@@ -132,7 +142,8 @@ class EngineConfig:
         ``hash_algo``, ``eviction_policy``, ``zero_on_reuse``, ``kv_events``,
         ``kv_events_with_tokens``, ``max_num_seqs``, ``max_num_batched_tokens``,
         ``schedule_policy``, ``lpm_max_wait_steps``, ``dedup``, ``domain_limits``,
-        ``default_domain_limits``, ``seed``, ``dtype``, ``weight_dtype``, ``check_integrity``,
+        ``default_domain_limits``, ``seed``, ``dtype``, ``weight_dtype``, ``kv_cache_dtype``,
+        ``check_integrity``,
         ``logprobs_mode``, the tiers' flags (`prefixcache.tiers.TIERS`: ``kv_disk``,
         ``kv_disk_gib``, ``kv_valkey``, ``kv_valkey_ttl``), ``kv_offload_decode``,
         ``kv_offload_max_pending_blocks``, ``kv_offload_max_pending_bytes``, ``enable_lora``,
@@ -147,8 +158,8 @@ class EngineConfig:
                    if (v := settings.pop(k)) is not None}  # fmt: skip  # None: the default
         tier_settings = {k: v for k in list(settings) if k in _TIER_SETTINGS
                          if (v := settings.pop(k)) is not None}  # fmt: skip
-        known = {"dtype", "weight_dtype", "seed", "kv_cache_memory_bytes", "check_integrity",
-                 "logprobs_mode", "max_pinned_blocks", "pin_budgets"}
+        known = {"dtype", "weight_dtype", "kv_cache_dtype", "seed", "kv_cache_memory_bytes",
+                 "check_integrity", "logprobs_mode", "max_pinned_blocks", "pin_budgets"}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
@@ -219,6 +230,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str = "
                              "(widened in the GEMM), q8_0 (8-bit blocks), gguf (the GGUF file's "
                              "own quantized blocks); auto: as --dtype, or what --dtype auto "
                              "measured")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="how the paged KV cache keeps K and V: float32, bfloat16, int8 "
+                             "(8-bit blocks of 32 with a scale each: 3.8x float32's prefixes in "
+                             "the same memory), int4 (4-bit blocks of a Hadamard-rotated head: "
+                             "7.1x), fp8 / fp8_e4m3 / fp8_e5m2 (8-bit floats in scaled blocks); "
+                             "auto: the activations' dtype, or under --dtype auto the smallest "
+                             "layout that passes its fidelity gate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-cache", choices=(*CACHE_KINDS, "off"), default="hash",
                         help="the prefix cache: hash (vLLM-style), radix (SGLang-style) or off")

@@ -68,22 +68,23 @@ class LLMEngine:
     ) -> None:
         """``config``, or ``model`` and the flat keywords of `EngineConfig.from_kwargs`."""
         self.engine_config = config = _config(model, config, settings)
-        self.loaded: LoadedModel = _load(config.model, config.dtype, config.weight_dtype)
+        self.loaded: LoadedModel = _load(config)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Tokenizer = self.loaded.tokenizer
-        # which kernels run the model: fixed once it is loaded and packed (`CausalLM.kernels`)
-        self.kernels: dict[str, Any] = self.loaded.model.kernels()
         self.max_model_len: int = self.model_config.max_model_len
         self.block_size = config.block_size
-        self.kv_layout = self.loaded.kv_layout
+        self.kv_layout = self.loaded.kv_layout_for(config.kv_cache_dtype)
+        # which kernels run the model: fixed once it is loaded and packed (`CausalLM.kernels`)
+        self.kernels: dict[str, Any] = self.loaded.kernels(self.kv_layout)
         num_blocks = config.cache.num_blocks or _default_num_blocks(
             self.kv_layout, self.block_size, self.max_model_len, config
         )
         self.cache: PrefixCache = make_prefix_cache(
-            replace(config.cache, num_blocks=num_blocks, model_id=self.loaded.identity)
+            replace(config.cache, num_blocks=num_blocks, model_id=self.loaded.identity,
+                    kv_layout=self.kv_layout.namespace_layout)
         )
-        self.runner = ModelRunner(self.loaded.model,
-                                  self.loaded.make_kv_cache(num_blocks, self.block_size))
+        self.runner = ModelRunner(self.loaded.model, self.kv_layout.allocate(
+            num_blocks, self.block_size, self.loaded.device))
         self.scheduler: Scheduler[Request] = Scheduler(self.cache, config.scheduler)
         # LoRA adapters (None: off); their rows' updates run beside the base projections
         self.loras = self.runner.loras = (
@@ -400,11 +401,13 @@ def _acquire(loras: LoraRegistry | None, lora_request: LoRARequest | None) -> st
         raise InvalidParam("model", str(exc)) from None
 
 
-def _load(model: Any, dtype: str, weight_dtype: str = "auto") -> LoadedModel:
+def _load(config: EngineConfig) -> LoadedModel:
+    model = config.model
     if isinstance(model, str):
         from prefixcache.model.loader import load_model
 
-        return load_model(model, dtype=dtype, weight_dtype=weight_dtype)
+        return load_model(model, dtype=config.dtype, weight_dtype=config.weight_dtype,
+                          kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
     if not isinstance(model, LoadedModel):
         raise ValueError(
             f"model must be a preset name, a checkpoint dir or a LoadedModel, "

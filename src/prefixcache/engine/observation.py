@@ -16,6 +16,7 @@ from prefixcache.engine.tiering import TierTraffic
 from prefixcache.sched import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
+    from prefixcache.attention.kv_cache import KVLayout
     from prefixcache.model.config import ModelConfig
     from prefixcache.model.loader import LoadedModel
 
@@ -25,6 +26,7 @@ class Observed(Protocol):
 
     loaded: LoadedModel
     kernels: dict[str, Any]
+    kv_layout: KVLayout
     model_config: ModelConfig
     max_model_len: int
     block_size: int
@@ -37,19 +39,41 @@ class Observed(Protocol):
     num_steps: int
     last_scheduled: SchedulerOutput | None
 
-__all__ = ["Observed", "limits_of", "precision_of", "snapshot_of", "stats_of", "view_of"]
+__all__ = [
+    "Observed", "kv_cache_of", "limits_of", "precision_of", "snapshot_of", "stats_of", "view_of",
+]  # fmt: skip
 
 
-def precision_of(loaded: LoadedModel, kernels: dict[str, Any]) -> dict[str, Any]:
-    """What the model runs in: activations and KV ``dtype``, how the projections keep their
+def precision_of(
+    loaded: LoadedModel, kernels: dict[str, Any], kv_layout: KVLayout | None = None
+) -> dict[str, Any]:
+    """What the model runs in: activations ``dtype``, how the projections keep their
     ``weights``, which ``kernels`` run them (`CausalLM.kernels`: the GEMM, the attention path,
-    whether a row's result is batch invariant), and what ``--dtype auto`` measured where it
-    chose them."""
+    whether a row's result is batch invariant), what ``--dtype auto`` measured where it chose
+    them, and how the paged KV cache keeps K and V (``kv_cache``, `kv_cache_of`)."""
     dtype = str(loaded.dtype).removeprefix("torch.")
     out: dict[str, Any] = {"dtype": dtype, "weights": loaded.weight_dtype or dtype,
                            "precision": loaded.precision, "kernels": dict(kernels)}  # fmt: skip
     if loaded.choice is not None:
         out["dtype_auto"] = loaded.choice.as_dict()
+    out["kv_cache"] = kv_cache_of(loaded, kv_layout or loaded.kv_layout)
+    return out
+
+
+def kv_cache_of(loaded: LoadedModel, layout: KVLayout) -> dict[str, Any]:
+    """The KV cache's layout: its name (``dtype``), what the cache namespace and tier records
+    name (``layout``), bytes per token over all layers, and its fidelity against float32 KV
+    where it was measured (``kv_auto``: ``--kv-cache-dtype auto``'s choice; ``fidelity``: the
+    layout's own figures, `precision.fidelity_of`)."""
+    found = layout.format
+    out: dict[str, Any] = {"dtype": found.name, "layout": found.layout,
+                           "bytes_per_token": layout.bytes_per_block(1)}  # fmt: skip
+    measured = loaded.kv_measured
+    if measured is not None:
+        if measured.auto:
+            out["kv_auto"] = measured.as_dict()
+        if found.name in measured.fidelity:
+            out["fidelity"] = dict(measured.fidelity[found.name])
     return out
 
 
@@ -61,7 +85,7 @@ def limits_of(engine: Observed) -> EngineLimits:
         vocab_size=engine.model_config.vocab_size,
         block_size=engine.block_size,
         num_kv_blocks=engine.cache.num_blocks,
-        precision=precision_of(engine.loaded, engine.kernels),
+        precision=precision_of(engine.loaded, engine.kernels, engine.kv_layout),
     )
 
 

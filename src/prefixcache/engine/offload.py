@@ -41,12 +41,16 @@ _KNOWN_STORED = 1 << 18  # digests remembered as written (skipped by the write-b
 
 
 def tier_identity(model_id: str, kv: PagedKVCache, identity: CacheIdentity) -> TierIdentity:
-    """What names this engine's blocks at rest: the model identity and the KV's own shape."""
+    """What names this engine's blocks at rest: the model identity and the KV's own shape and
+    layout (`prefixcache.attention.kv_format`: records are stored as the cache holds them)."""
+    layout = kv.kv_format
     return TierIdentity(
-        model_id=model_id, kv_dtype=str(kv.dtype).removeprefix("torch."),
+        model_id=model_id, kv_dtype=layout.name,
         num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
         block_size=identity.block_size, hash_algo=identity.hash_algo,
-        element_size=torch.empty((), dtype=kv.dtype).element_size(),
+        element_size=torch.empty((), dtype=layout.storage).element_size(),
+        kv_layout=layout.layout if layout.quantized else "",
+        row_bytes=layout.row_bytes(kv.head_dim) if layout.quantized else 0,
     )  # fmt: skip
 
 
@@ -175,13 +179,13 @@ class KVOffload:
 
     def _load_loop(self) -> None:
         layout = self.kv_cache
-        shape = (2 * layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (2 * layout.num_layers, layout.block_size, layout.num_kv_heads, layout.row_width)
         while (load := self._loads.get()) is not None:
             try:
                 payloads, sources = self.store.load_run(load.keys)
                 if payloads:
                     raw = bytearray(b"".join(payloads))
-                    load.data = torch.frombuffer(raw, dtype=layout.dtype).view(-1, *shape)
+                    load.data = torch.frombuffer(raw, dtype=layout.storage_dtype).view(-1, *shape)
                     load.sources = sources
             except Exception as exc:  # noqa: BLE001 - a failed load is a miss, never a crash
                 logger.error("KV tier load failed: %s", describe_exception(exc))

@@ -111,12 +111,15 @@ class CausalLM(nn.Module):
             )
         ]
 
-    def kernels(self) -> dict[str, Any]:
+    def kernels(self, kv_cache: str | None = None) -> dict[str, Any]:
         """Which kernels run this model's steps here (`kernels_report`), from the packed copies
-        its projections hold."""
+        its projections hold; ``kv_cache``: a KV layout other than the activations' dtype
+        (its name), which the compiled layer calls do not write."""
         layer_gemms = {_gemm_name(p) for p in self.projections()}
         gemms = layer_gemms | {_gemm_name(self.lm_head)}
         layers = _layers_kernel(self.config, layer_gemms)
+        if kv_cache is not None and layers == "compiled":
+            layers = f"torch modules (the compiled calls write no {kv_cache} KV rows)"
         return kernels_report(gemms, self.config.head_dim, self.lm_head.weight.dtype, layers)
 
     def prepare_cpu_projections(self, pack: bool = True) -> None:
@@ -194,7 +197,7 @@ class CausalLM(nn.Module):
         delta: torch.Tensor | None = None  # the last layer's output, not yet added to h
         c = self.config
         plan = build_plan(attn_metadata, *kv_cache.layer(0), c.num_attention_heads, h.dtype,
-                          h.device)  # every layer's attention path, decided once
+                          h.device, kv_cache.kv_format)  # every layer's path, decided once
         fused = FusedLayers.prepare(
             c, self.layer_parts(), h, cos_sin, kv_cache, attn_metadata, plan, lora
         )
@@ -244,10 +247,13 @@ def _layers_kernel(config: ModelConfig, layer_gemms: set[str]) -> str:
     return "compiled" if why is None else f"torch modules ({why})"
 
 
-def expected_kernels(config: ModelConfig, dtype: torch.dtype, weights: str) -> dict[str, Any]:
+def expected_kernels(
+    config: ModelConfig, dtype: torch.dtype, weights: str, kv_cache: str | None = None
+) -> dict[str, Any]:
     """`CausalLM.kernels` of a model of ``config`` loaded in ``dtype`` with its projections kept
-    as ``weights`` (`WEIGHT_DTYPES`), without its weights: what `choose_gemm` picks for its MLP
-    shape, or the narrow forms' kernels."""
+    as ``weights`` (`WEIGHT_DTYPES`) and its KV as ``kv_cache`` (a layout other than ``dtype``,
+    by name), without its weights: what `choose_gemm` picks for its MLP shape, or the narrow
+    forms' kernels."""
     if weights in ("q8_0", "gguf"):
         gemm = _quant_name()
     elif dtype == torch.float32 and weights == "bfloat16":
@@ -256,7 +262,10 @@ def expected_kernels(config: ModelConfig, dtype: torch.dtype, weights: str) -> d
         onednn, panel = choose_gemm(config.hidden_size, 2 * config.intermediate_size, dtype)
         gemm = (f"panel GEMM ({panel_gemm.kernel_name(dtype)})" if panel
                 else "oneDNN" if onednn or dtype == torch.bfloat16 else "MKL")  # fmt: skip
-    return kernels_report({gemm}, config.head_dim, dtype, _layers_kernel(config, {gemm}))
+    layers = _layers_kernel(config, {gemm})
+    if kv_cache is not None and layers == "compiled":
+        layers = f"torch modules (the compiled calls write no {kv_cache} KV rows)"
+    return kernels_report({gemm}, config.head_dim, dtype, layers)
 
 
 def _quant_name() -> str:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from prefixcache.model.layers import LayerParts, Projection, RMSNorm
     from prefixcache.model.lora_batch import LoraStep
 
-__all__ = ["FusedLayers", "unsupported"]
+__all__ = ["QUANTIZED_KV_WRITTEN", "FusedLayers", "unsupported"]
 
 
 _P, _F, _I = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -72,6 +72,8 @@ class LayerArgs(ctypes.Structure):
         *[(name, _P) for name in ("q32", "out32")],
         ("lora_runs", _P),
         ("lora", _P),
+        ("kv_write", _P),
+        ("kv_format", _I),
     ]
 
 
@@ -137,6 +139,9 @@ class FusedLayers:
         library = native_layers.library()
         if library is None or unsupported(c) is not None or not _takes(h):
             return None
+        writer = _kv_writer(kv_cache)  # a quantized cache: its writer, called from C
+        if kv_cache.storage_dtype != h.dtype and writer is None:
+            return None  # the calls copy rows of h's dtype, or quantize int8 and int4 ones
         static = _static_parts(c, layers, h.dtype, kv_cache)
         if static is None:
             return None
@@ -146,7 +151,7 @@ class FusedLayers:
                 w.reserve(h.shape[0])
         buffers = _step_buffers(c, h)
         heads = c.num_attention_heads
-        attention = _whole_step_kernel(  # the attention kernel inside the call
+        attention = None if writer else _whole_step_kernel(  # the kernel inside the call
             buffers["qkv"][:, :heads], kv_cache, metadata, plan, buffers["attn"]
         )
         template = LayerArgs(
@@ -156,6 +161,7 @@ class FusedLayers:
             nthreads=torch.get_num_threads(),
             cos=cos_sin[0].data_ptr(), signed_sin=cos_sin[1].data_ptr(),
             slot_mapping=metadata.slot_mapping.data_ptr(),
+            kv_write=writer, kv_format=kv_cache.kv_format.code,
             **{name: t.data_ptr() for name, t in buffers.items()},
         )  # fmt: skip
         if attention is not None:
@@ -340,6 +346,20 @@ def _gemm_address(parts: list[_Parts]) -> int | None:
     return panel_gemm.compute_address(bf16w=kind == "panel-bf16w")
 
 
+def _kv_writer(kv_cache: PagedKVCache) -> int | None:
+    """The address of the kernel's writer of a quantized cache the calls write through
+    (int8, int4: `native_attention.kv_write_address`), else None (a float cache: its rows are
+    copied; other layouts: the calls do not apply)."""
+    if kv_cache.kv_format.name not in QUANTIZED_KV_WRITTEN:
+        return None
+    return native_attention.kv_write_address()
+
+
+# the quantized KV layouts the calls write (through the kernel's writer); over another layout
+# than the activations' dtype the layers run as torch modules
+QUANTIZED_KV_WRITTEN = ("int8", "int4")
+
+
 def _whole_step_kernel(
     q: torch.Tensor,
     kv_cache: PagedKVCache,
@@ -400,7 +420,9 @@ def _check_static(
     heads, kv_heads, inter = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
     width, q_size = (heads + 2 * kv_heads) * head_dim, heads * head_dim
     shapes = [(hidden, width), (q_size, hidden), (hidden, 2 * inter), (inter, hidden)]
-    cache_shape = (kv_cache.num_blocks, kv_cache.block_size, kv_heads, head_dim)
+    # rows of head_dim values in the model's dtype, or a quantized layout's bytes
+    cache_shape = (kv_cache.num_blocks, kv_cache.block_size, kv_heads, kv_cache.row_width)
+    cache_dtype = dtype if _kv_writer(kv_cache) is None else torch.uint8
     caches = [t for i in range(kv_cache.num_layers) for t in kv_cache.layer(i)]
     norms = [norm for p in parts for norm in (p.norm, p.post_norm)]
     eps = norms[0].eps
@@ -408,7 +430,7 @@ def _check_static(
         all(w.dtype == dtype for p in parts for w in p.packed)
         and kv_cache.num_layers == len(parts)
         and all(
-            t.shape == cache_shape and t.is_contiguous() and t.dtype == dtype and t.is_cpu
+            t.shape == cache_shape and t.is_contiguous() and t.dtype == cache_dtype and t.is_cpu
             for t in caches
         )
         and all([(w.in_features, w.out_features) for w in p.packed] == shapes for p in parts)

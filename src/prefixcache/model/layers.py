@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
-from prefixcache.attention.plan import AttentionPlan
+from prefixcache.attention.plan import AttentionPlan, attention_plan
 from prefixcache.model import native_layers, onednn_gemm, packed_gemm, panel_gemm, tuning
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.lora_batch import LoraStep
@@ -234,7 +234,9 @@ class Attention(nn.Module):
             q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, heads + kv_heads :]  # [T, kv_heads, head_dim]
         k_cache, v_cache = kv_cache.layer(self.layer_index)
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, kv_cache.kv_format)
+        if plan is None:
+            plan = attention_plan(q, k_cache, v_cache, metadata, kv_cache.kv_format)
         out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, plan)
         attended = out.reshape(num_tokens, self.q_size)
         projected: torch.Tensor = self.o_proj(attended)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from prefixcache.attention import KVLayout, PagedKVCache
-from prefixcache.model import precision, quant_gemm
+from prefixcache.attention.kv_format import KVFormat, format_of_dtype
+from prefixcache.model import kv_choice, precision, quant_gemm
 from prefixcache.model.builtin import (
     BUILTIN_MODELS,
     PACKAGED_MODELS,
@@ -32,6 +33,7 @@ from prefixcache.model.builtin import (
 )
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import WEIGHT_DTYPES, CausalLM
+from prefixcache.model.fused_layers import QUANTIZED_KV_WRITTEN
 from prefixcache.model.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from prefixcache.model.identity import model_identity
 from prefixcache.model.precision import Choice, Precision
@@ -80,6 +82,10 @@ class LoadedModel:
     # they are the parameters themselves) and, with --dtype auto, what chose it
     weight_dtype: str = ""
     choice: Choice | None = None
+    # the paged KV cache's layout (None: the activations' dtype) and, where ``auto`` measured
+    # it, what chose it
+    kv_format: KVFormat | None = None
+    kv_measured: kv_choice.KVChoice | None = None
 
     @property
     def precision(self) -> str:
@@ -90,8 +96,22 @@ class LoadedModel:
 
     @property
     def kv_layout(self) -> KVLayout:
-        """The shape of this model's KV, in its dtype: every KV size is computed from it."""
-        return KVLayout.of(self.config, self.dtype)
+        """The shape of this model's KV, in its KV layout: every KV size is computed from it."""
+        return KVLayout.of(self.config, self.dtype, self.kv_format)
+
+    def kv_layout_for(self, kv_cache_dtype: str) -> KVLayout:
+        """`kv_layout` with the cache kept as ``kv_cache_dtype`` (``auto``: as loaded), or a
+        clear `ValueError` where this model cannot keep it so."""
+        if kv_cache_dtype == "auto":
+            return self.kv_layout
+        return KVLayout.of(self.config, self.dtype, kv_choice.resolve(kv_cache_dtype, self.dtype))
+
+    def kernels(self, layout: KVLayout | None = None) -> dict[str, Any]:
+        """Which kernels run the model (`CausalLM.kernels`) over a KV cache of ``layout``
+        (None: `kv_layout`)."""
+        found = (layout or self.kv_layout).format
+        written = found.storage == self.dtype or found.name in QUANTIZED_KV_WRITTEN
+        return self.model.kernels(None if written else found.name)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Paged K/V storage shaped for this model, in its dtype and on its device."""
@@ -166,6 +186,7 @@ def load_model(
     device: str = "cpu",
     pack_weights: bool = True,
     weight_dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """Load config, weights (cast to ``dtype``) and tokenizer; no network access.
 
@@ -175,7 +196,9 @@ def load_model(
     ``dtype="auto"``: the precision measured fastest here (`prefixcache.model.precision`) on
     the CPU, the checkpoint's own elsewhere. ``weight_dtype``: how a float32 model keeps its
     projection weights (`WEIGHT_DTYPES`: bfloat16, q8_0, or the GGUF file's blocks); ``auto``
-    keeps them as ``dtype`` unless ``dtype="auto"`` chose otherwise.
+    keeps them as ``dtype`` unless ``dtype="auto"`` chose otherwise. ``kv_cache_dtype``: the
+    paged KV cache's layout (`kv_choice`: ``auto`` keeps the activations' dtype, or with
+    ``dtype="auto"`` the smallest layout that passes the same fidelity gate).
     """
     if dtype not in DTYPES and dtype != "auto":
         raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: auto, {', '.join(DTYPES)})")
@@ -183,8 +206,14 @@ def load_model(
         raise ModelLoadError(f"unsupported weight dtype {weight_dtype!r} "
                              f"(supported: auto, {', '.join(WEIGHT_DTYPES)})")  # fmt: skip
     checkpoint = open_checkpoint(name_or_path)
+    measured = dtype == "auto"
     dtype, weights, choice = resolve_precision(checkpoint, dtype, weight_dtype, device)
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
+    try:
+        layout, measured_kv = resolve_kv_format(checkpoint, kv_cache_dtype, dtype, weights,
+                                                measured and choice is not None)  # fmt: skip
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     model = _build(checkpoint, torch_dtype, torch_device, pack_weights, weights)
     precision = dtype if weights == dtype else f"{dtype}+{weights}"
     return LoadedModel(
@@ -197,7 +226,32 @@ def load_model(
         torch_device,
         weights,
         choice,
+        layout,
+        measured_kv,
     )
+
+
+def resolve_kv_format(
+    checkpoint: Checkpoint, kv_cache_dtype: str, dtype: str, weights: str, measure: bool
+) -> tuple[KVFormat | None, kv_choice.KVChoice | None]:
+    """The KV layout for ``--kv-cache-dtype`` under the resolved precision (None: the
+    activations' dtype) and, where ``auto`` measured it (``measure``: the precision was
+    measured too), what chose it. A layout the model cannot keep is a `ValueError`."""
+    torch_dtype = DTYPES[dtype]
+    if kv_cache_dtype != "auto":
+        found = kv_choice.resolve(kv_cache_dtype, torch_dtype)
+        found.check_head_dim(checkpoint.config.head_dim)
+        if found == format_of_dtype(torch_dtype):
+            return None, None
+        asked = kv_choice.measured(found.name, _kv_fidelity(checkpoint, dtype, weights))
+        return found, asked
+    if not measure:
+        return None, None
+    measured = kv_choice.choose(torch_dtype, checkpoint.config.head_dim,
+                                _kv_fidelity(checkpoint, dtype, weights))  # fmt: skip
+    log.info("KV cache: %s", measured.reason)
+    found = kv_choice.resolve(measured.layout, torch_dtype)
+    return (None if found == format_of_dtype(torch_dtype) else found), measured
 
 
 def resolve_precision(
@@ -259,6 +313,41 @@ def _fidelity(checkpoint: Checkpoint) -> Callable[[Precision], dict[str, Any]]:
                                                               option.weights))
 
         path = cache_dir() / "calibration" / f"fidelity-{key}.json"
+        return machine.measured_once(path, measure)[0]
+
+    return of
+
+
+def _kv_fidelity(
+    checkpoint: Checkpoint, dtype: str, weights: str
+) -> Callable[[KVFormat], dict[str, Any]]:
+    """`precision.fidelity_of` float32 (float32 KV) for the model in ``dtype`` with ``weights``
+    over a KV layout, over `precision.FIDELITY_TEXT`: measured once per model, precision,
+    layout, CPU and kernel sources, kept beside `_fidelity`'s."""
+    from prefixcache.native import compile_flags, cpu_signature, sources_digest
+
+    config, cpu = checkpoint.config, torch.device("cpu")
+    ids = checkpoint.tokenizer().encode(precision.FIDELITY_TEXT)
+    built: dict[str, Any] = {}
+
+    def logits(torch_dtype: torch.dtype, form: str, layout: KVFormat | None) -> torch.Tensor:
+        key = f"{torch_dtype}+{form}"
+        if key not in built:
+            built[key] = _build(checkpoint, torch_dtype, cpu, True, form)
+        return precision.all_logits(built[key], config, ids, torch_dtype, layout)
+
+    def of(layout: KVFormat) -> dict[str, Any]:
+        key = hashlib.sha256(json.dumps([
+            precision.CALIBRATION_VERSION, checkpoint.identity("float32"), dtype, weights,
+            layout.layout, cpu_signature(), sources_digest(), compile_flags(),
+            torch.__version__, precision.FIDELITY_TEXT,
+        ]).encode()).hexdigest()[:20]  # fmt: skip
+
+        def measure() -> dict[str, Any]:
+            reference = logits(torch.float32, "float32", None)
+            return precision.fidelity_of(reference, logits(DTYPES[dtype], weights, layout))
+
+        path = cache_dir() / "calibration" / f"kv-fidelity-{key}.json"
         return machine.measured_once(path, measure)[0]
 
     return of

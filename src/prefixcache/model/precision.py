@@ -46,6 +46,7 @@ from prefixcache.native import machine
 from prefixcache.paths import cache_dir
 
 if TYPE_CHECKING:
+    from prefixcache.attention.kv_format import KVFormat
     from prefixcache.model.decoder import CausalLM
     from prefixcache.model.layers import Projection
     from prefixcache.model.quant_gemm import QuantBlocks
@@ -241,16 +242,21 @@ def within_bounds(figures: dict[str, Any]) -> bool:
 
 
 def all_logits(
-    model: CausalLM, config: ModelConfig, ids: list[int], dtype: torch.dtype
+    model: CausalLM,
+    config: ModelConfig,
+    ids: list[int],
+    dtype: torch.dtype,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """The logits [len(ids), vocab] (float32) at every position of one prefill of ``ids``
-    through ``model`` over a paged cache of its own dtype."""
+    through ``model`` over a paged cache of its own dtype, or of ``kv_format`` (every position
+    attends the keys and values as that layout stores them)."""
     from prefixcache.attention import AttentionMetadata, PagedKVCache
 
     block = 16
     num_blocks = -(-len(ids) // block)
     cache = PagedKVCache(config.num_hidden_layers, num_blocks, block, config.num_key_value_heads,
-                         config.head_dim, dtype=dtype)  # fmt: skip
+                         config.head_dim, dtype=dtype, kv_format=kv_format)  # fmt: skip
     meta = AttentionMetadata.build([list(range(num_blocks))], [0], [len(ids)], block)
     meta.logits_indices = torch.arange(len(ids))
     with torch.inference_mode():

@@ -20,6 +20,7 @@
 #include <omp.h>
 
 #include "vector_math.h"
+#include "kv_quant.h"
 
 /* column-major C = alpha * op(A) * op(B) + beta * C (Fortran BLAS calling convention) */
 typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
@@ -71,21 +72,6 @@ static float softmax_row(float *row, int visible, int width, float scale) {
     return 1.0f / sum;
 }
 
-/* What the caches hold and how the direct path multiplies them (the `bf16` arguments) */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_BF16_PRODUCTS = 2 };
-
-/* D values of a cache row as floats: copied, or widened from bfloat16 (a bfloat16's bits are
- * the high half of the float it stands for, so widening is exact; GCC vectorises the loop) */
-static inline void load_row(float *dst, const void *cache, int64_t index, int D, int bf16) {
-    if (!bf16) {
-        memcpy(dst, (const float *)cache + index, (size_t)D * sizeof(float));
-        return;
-    }
-    const uint16_t *src = (const uint16_t *)cache + index;
-    uint32_t *bits = (uint32_t *)dst;
-    for (int d = 0; d < D; d++) bits[d] = (uint32_t)src[d] << 16;
-}
-
 /* Inside a parallel region: K and V of positions 0 .. n - 1 (slots[]) gathered head-major,
  * k_heads[h] and v_heads[h] each [n, D] in position order; ends with the team's barrier. */
 static void gather_heads(const void *k_cache, const void *v_cache, const int64_t *slots, int n,
@@ -93,7 +79,7 @@ static void gather_heads(const void *k_cache, const void *v_cache, const int64_t
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < (int64_t)KV * n; i++) {
         const int64_t h = i / n, j = i % n;
-        const int64_t src = (slots[j] * KV + h) * D, dst = (h * n + j) * D;
+        const int64_t src = slots[j] * KV + h, dst = (h * n + j) * D;
         load_row(k_heads + dst, k_cache, src, D, bf16);
         load_row(v_heads + dst, v_cache, src, D, bf16);
     }
@@ -103,7 +89,7 @@ static void gather_heads(const void *k_cache, const void *v_cache, const int64_t
 static void gather_head(const void *k_cache, const void *v_cache, const int64_t *slots, int n,
                         int KV, int D, int bf16, int h, float *k_out, float *v_out) {
     for (int64_t j = 0; j < n; j++) {
-        const int64_t src = (slots[j] * KV + h) * D;
+        const int64_t src = slots[j] * KV + h;
         load_row(k_out + j * D, k_cache, src, D, bf16);
         load_row(v_out + j * D, v_cache, src, D, bf16);
     }
@@ -408,6 +394,46 @@ void pc_attention_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_c
               out, scratch, T, S, H, KV, D, scale, tile_tokens, nthreads, sgemm, set_threads);
 }
 
+/* Queries [rows, H, D] (rows `stride` floats apart) as a rotated layout's kernels take them:
+ * each head's row rotated (`hadamard`) into qrot [rows, H, D]; else q itself */
+static const float *layout_queries(const float *q, int64_t *stride, int rows, int H, int D,
+                                   int fmt, float *qrot) {
+    if (!kv_rotated(fmt)) return q;
+    for (int64_t t = 0; t < rows; t++)
+        memcpy(qrot + t * H * D, q + t * *stride, (size_t)H * D * sizeof(float));
+    hadamard_rows(qrot, (int64_t)rows * H, D, D);
+    *stride = (int64_t)H * D;
+    return qrot;
+}
+
+/* pc_attention over quantized caches (`kv_quant.h`: fmt KV_Q8, KV_Q4, KV_FP8_*): each key
+ * block's K and V rows dequantized as they are read, in the direct path into the block's
+ * L1-sized buffer (as bfloat16 rows are widened), in the gather path into the gathered heads.
+ * A rotated layout's queries are rotated into qrot ([T, H, D] floats) first and the outputs
+ * rotated back after. */
+void pc_attention_quant(const float *q, int64_t q_row_stride, const void *k_cache,
+                        const void *v_cache, const int64_t *slots, float *out, float *scratch,
+                        int T, int S, int H, int KV, int D, float scale, int tile_tokens,
+                        int nthreads, sgemm_fn sgemm, set_threads_fn set_threads, int fmt,
+                        float *qrot) {
+    q = layout_queries(q, &q_row_stride, T, H, D, fmt, qrot);
+    attention(q, q_row_stride, k_cache, v_cache, fmt, slots, out, scratch, T, S, H, KV, D, scale,
+              tile_tokens, nthreads, sgemm, set_threads);
+    if (kv_rotated(fmt)) hadamard_rows(out, (int64_t)T * H, D, D);
+}
+
+/* Bytes of one cache row of D values in layout fmt */
+int64_t pc_kv_row_bytes(int D, int fmt) { return kv_row_bytes(D, fmt); }
+
+/* Rows [n, D] (contiguous) rotated by the normalised Hadamard transform, in place: what the
+ * kernels do to a rotated layout's queries and outputs, for tests and the torch paths */
+void pc_hadamard_rows(float *x, int64_t n, int D) { hadamard_rows(x, n, D, D); }
+
+/* D values of cache row `row` in layout fmt as floats (`load_row`), for tests */
+void pc_kv_read(float *dst, const void *cache, int64_t row, int D, int fmt) {
+    load_row(dst, cache, row, D, fmt);
+}
+
 /* The vector code of this build: bit 0 AVX-512F (else vectors of 8 lanes), bit 1 the bfloat16
  * products of AVX512_BF16 */
 int pc_attention_isa(void) {
@@ -542,7 +568,7 @@ static void decode_item(const float *q, int64_t q_row_stride, const void *k_cach
         int len = tail_lens[b0 + b];
         const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
         for (int j = 0; j < len; j++) {
-            const int64_t src = (slots[j] * KV + h) * D;
+            const int64_t src = slots[j] * KV + h;
             load_row(k_tail + (int64_t)j * D, k_cache, src, D, bf16);
         }
         float *row0 = scores + (int64_t)b * G * width;
@@ -560,7 +586,7 @@ static void decode_item(const float *q, int64_t q_row_stride, const void *k_cach
         int len = tail_lens[b0 + b];
         const int64_t *slots = tail_slots + (int64_t)(b0 + b) * max_tail;
         for (int j = 0; j < len; j++) {
-            const int64_t src = (slots[j] * KV + h) * D;
+            const int64_t src = slots[j] * KV + h;
             load_row(v_tail + (int64_t)j * D, v_cache, src, D, bf16);
         }
         sgemm("N", "N", &ld, &g_rows, &len, &one, v_tail, &ld,
@@ -661,4 +687,17 @@ void pc_decode_kv16(const float *q, int64_t q_row_stride, const uint16_t *k_cach
     decode(q, q_row_stride, k_cache, v_cache, products ? KV_BF16_PRODUCTS : KV_BF16,
            shared_slots, shared, tail_slots, tail_lens, max_tail, out, scratch, B, H, KV, D,
            scale, chunk, nthreads, sgemm, set_threads);
+}
+
+/* pc_decode over quantized caches (fmt and qrot as for pc_attention_quant) */
+void pc_decode_quant(const float *q, int64_t q_row_stride, const void *k_cache,
+                     const void *v_cache, const int64_t *shared_slots, int shared,
+                     const int64_t *tail_slots, const int *tail_lens, int max_tail, float *out,
+                     float *scratch, int B, int H, int KV, int D, float scale, int chunk,
+                     int nthreads, sgemm_fn sgemm, set_threads_fn set_threads, int fmt,
+                     float *qrot) {
+    q = layout_queries(q, &q_row_stride, B, H, D, fmt, qrot);
+    decode(q, q_row_stride, k_cache, v_cache, fmt, shared_slots, shared, tail_slots, tail_lens,
+           max_tail, out, scratch, B, H, KV, D, scale, chunk, nthreads, sgemm, set_threads);
+    if (kv_rotated(fmt)) hadamard_rows(out, (int64_t)B * H, D, D);
 }

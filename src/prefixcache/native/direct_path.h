@@ -132,17 +132,21 @@ static inline __attribute__((always_inline)) void D_(pv_tile)(const float *pt, i
 }
 
 #ifndef DIRECT_COMMON
-/* The cache rows of one kv head: row j of K (or V) is at base + slots[j] * stride. */
+/* The cache rows of one kv head: row j of K (or V) is at base + slots[j] * stride bytes. */
 struct head_rows {
     const float *k, *v;
     const int64_t *slots;
-    int64_t stride;
+    int64_t stride; /* bytes */
 };
 #endif
 
 #ifndef DIRECT_COMMON
-static inline const float *k_row(const struct head_rows *hr, int j) { return hr->k + hr->slots[j] * hr->stride; }
-static inline const float *v_row(const struct head_rows *hr, int j) { return hr->v + hr->slots[j] * hr->stride; }
+static inline const float *k_row(const struct head_rows *hr, int j) {
+    return (const float *)((const char *)hr->k + hr->slots[j] * hr->stride);
+}
+static inline const float *v_row(const struct head_rows *hr, int j) {
+    return (const float *)((const char *)hr->v + hr->slots[j] * hr->stride);
+}
 #endif
 
 /* st rows 0 .. nk = scores of keys b0 .. b0 + nk against the tile's rows; keys up to `keys`
@@ -333,10 +337,10 @@ static inline bf16_t to_bf16_1(float x) {
 
 #ifndef DIRECT_COMMON
 static inline const bf16_t *k_row16(const struct head_rows *hr, int j) {
-    return (const bf16_t *)hr->k + hr->slots[j] * hr->stride;
+    return (const bf16_t *)((const char *)hr->k + hr->slots[j] * hr->stride);
 }
 static inline const bf16_t *v_row16(const struct head_rows *hr, int j) {
-    return (const bf16_t *)hr->v + hr->slots[j] * hr->stride;
+    return (const bf16_t *)((const char *)hr->v + hr->slots[j] * hr->stride);
 }
 #endif
 
@@ -394,6 +398,23 @@ static __attribute__((noinline)) void D_(qk_block16)(const struct head_rows *hr,
     for (; j < nk; j++) {
         k_rows[0] = k_row16(hr, b0 + j);
         D_(qk_keys16)(k_rows, qp, ld, st + (int64_t)j * ld, 1, ld / LANES);
+    }
+}
+
+/* A quantized cache's row (`load_row`'s values) rounded to bfloat16 into dst [HD], a block's
+ * two vectors at a time, in registers from the bytes to the rounded values */
+static inline __attribute__((always_inline)) void D_(load_row16)(bf16_t *dst, const void *cache,
+                                                                 int64_t row, int fmt) {
+    const int layout = kv_layout(fmt), block_bytes = (int)kv_row_bytes(QBLOCK, layout);
+    const char *src = (const char *)cache + row * kv_row_bytes(HD, layout);
+    for (int b = 0; b < HD / QBLOCK; b++, src += block_bytes) {
+        uint16_t h;
+        memcpy(&h, src, 2);
+        float wide[QBLOCK];
+        dequant_block(wide, (const uint8_t *)src + 2, half_to_float(h), layout);
+        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wide + LANES),
+                                                  _mm512_loadu_ps(wide));
+        _mm512_storeu_si512(dst + b * QBLOCK, (__m512i)pair);
     }
 }
 
@@ -458,14 +479,14 @@ static __attribute__((noinline)) void D_(pv_block16)(const uint32_t *pp, int ld,
 #define DOT16 0
 #endif
 
-/* kv head h's rows in caches of either dtype (k_row / v_row for float32, k_row16 / v_row16
- * for bfloat16: the stride counts elements) */
+/* kv head h's rows in caches of any layout (`kv_quant.h`: k_row / v_row read float32 rows,
+ * k_row16 / v_row16 bfloat16 ones; the other layouts' rows are read by `load_row`) */
 static struct head_rows D_(head_of)(const void *k_cache, const void *v_cache, int bf16,
                                 const int64_t *slots, int h, int KV) {
-    const int64_t offset = (int64_t)h * HD * (bf16 ? 2 : 4); /* bytes */
+    const int64_t row = kv_row_bytes(HD, bf16), offset = (int64_t)h * row; /* bytes */
     const struct head_rows hr = {(const float *)((const char *)k_cache + offset),
                                  (const float *)((const char *)v_cache + offset), slots,
-                                 (int64_t)KV * HD};
+                                 (int64_t)KV * row};
     return hr;
 }
 
@@ -554,15 +575,15 @@ static void D_(tile_begin)(struct tile_state *ts, const struct direct_buf *b, in
     }
 }
 
-/* Start loading the K and V rows of the key block at b0 (if any: b0 < keys) of `size`-byte
- * elements while the current one computes. A block's rows lie in the cache's pages wherever
+/* Start loading the K and V rows (`size` bytes each) of the key block at b0 (if any: b0 < keys)
+ * while the current one computes. A block's rows lie in the cache's pages wherever
  * those are, one kv head's row every KV * HD elements: the hardware prefetchers miss most of
  * them, and the register tiles' own prefetches (a few keys ahead) come too late for memory. */
 static inline __attribute__((always_inline)) void D_(prefetch_block)(const struct head_rows *hr,
                                                                      int b0, int keys, int size) {
     for (int j = b0; j < b0 + KEY_BLOCK && j < keys; j++) {
-        const int64_t offset = hr->slots[j] * hr->stride * size;
-        for (int c = 0; c < HD * size; c += 64) {
+        const int64_t offset = hr->slots[j] * hr->stride;
+        for (int c = 0; c < size; c += 64) {
             prefetch((const char *)hr->k + offset + c);
             prefetch((const char *)hr->v + offset + c);
         }
@@ -587,22 +608,34 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
                             const struct direct_buf *b, const void *k_cache,
                             const void *v_cache, int bf16, int KV, int h, float scale) {
     enum { D = HD };
-    const struct head_rows wide = {b->k_wide, b->v_wide, BLOCK_ROWS, D};
+    const struct head_rows wide = {b->k_wide, b->v_wide, BLOCK_ROWS, D * (int64_t)sizeof(float)};
     const float *v_rows[KEY_BLOCK];
     const int keys = tiles[nt - 1].keys; /* the last tile sees the most */
 #if DOT16
-    if (bf16 == KV_BF16_PRODUCTS) {
+    if (kv_products(bf16)) {
+        /* a quantized block dequantized, then rounded to bfloat16 into the wide buffers */
+        const int quantized = kv_quantized(bf16);
+        const struct head_rows wide16 = {b->k_wide, b->v_wide, BLOCK_ROWS, D * 2};
+        const struct head_rows *rows = quantized ? &wide16 : hr;
         for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
             const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
-            D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, 2);
-            D_(pair_values)(hr, b0, block, b->v_pairs);
+            D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, (int)kv_row_bytes(HD, bf16));
+            if (quantized)
+                for (int j = 0; j < block; j++) {
+                    const int64_t src = hr->slots[b0 + j] * KV + h;
+                    D_(load_row16)((bf16_t *)b->k_wide + j * D, k_cache, src, bf16);
+                    D_(load_row16)((bf16_t *)b->v_wide + j * D, v_cache, src, bf16);
+                }
+            const int r0 = quantized ? 0 : b0;
+            D_(pair_values)(rows, r0, block, b->v_pairs);
             for (int t = 0; t < nt; t++) {
                 struct tile_state *ts = &tiles[t];
                 if (b0 >= ts->keys) continue;
                 const int first = (ts->start + b0) % SEGMENT_KEYS == 0;
                 if (first && b0 > 0) D_(close_segment)(ts, scale);
                 const int nk = ts->keys - b0 < KEY_BLOCK ? ts->keys - b0 : KEY_BLOCK;
-                D_(qk_block16)(hr, b0, nk, ts->keys, (const uint32_t *)ts->qt, ts->ld, b->st);
+                D_(qk_block16)(rows, r0, nk, quantized ? nk : ts->keys,
+                               (const uint32_t *)ts->qt, ts->ld, b->st);
                 D_(softmax_block)(b->st, b0, nk, ts, scale);
                 pair_probabilities(b->st, ts->ld, nk, b->p_pairs);
                 D_(pv_block16)(b->p_pairs, ts->ld, ts->rows, nk, b->v_pairs, ts->o, first);
@@ -613,12 +646,12 @@ static void D_(tiles_over_keys)(struct tile_state *tiles, int nt, const struct h
 #endif
     for (int b0 = 0; b0 < keys; b0 += KEY_BLOCK) {
         const int block = keys - b0 < KEY_BLOCK ? keys - b0 : KEY_BLOCK;
-        D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, bf16 ? 2 : 4);
+        D_(prefetch_block)(hr, b0 + PREFETCH_KEYS, keys, (int)kv_row_bytes(HD, bf16));
         if (bf16)
             for (int j = 0; j < block; j++) {
-                const int64_t src = (hr->slots[b0 + j] * KV + h) * D;
-                load_row(b->k_wide + j * D, k_cache, src, D, 1);
-                load_row(b->v_wide + j * D, v_cache, src, D, 1);
+                const int64_t src = hr->slots[b0 + j] * KV + h;
+                load_row(b->k_wide + j * D, k_cache, src, D, bf16);
+                load_row(b->v_wide + j * D, v_cache, src, D, bf16);
                 v_rows[j] = b->v_wide + j * D;
             }
         else
@@ -679,7 +712,7 @@ static void D_(direct_tiles)(const float *q, int64_t q_row_stride, const void *k
         for (int t0 = g0; t0 < g1 && nt < group; t0 += tile_tokens, nt++) {
             const int m = T - t0 < tile_tokens ? T - t0 : tile_tokens;
             D_(tile_begin)(&tiles[nt], &b, nt, tile_rows, q, q_row_stride, t0, m, C + t0, C + t0 + m,
-                       h, G, bf16 == KV_BF16_PRODUCTS, 1);
+                       h, G, kv_products(bf16), 1);
         }
         D_(tiles_over_keys)(tiles, nt, &hr, &b, k_cache, v_cache, bf16, KV, h, scale);
         for (int t = 0; t < nt; t++) D_(tile_end)(&tiles[t], out, h, H, G, scale);
@@ -716,7 +749,7 @@ static void D_(decode_segment)(const float *q, int64_t q_row_stride, const void 
                                int s, float *buf, int64_t *rest, struct decode_part p) {
     enum { D = HD };
     const struct direct_buf b = D_(direct_layout)(buf, G * nb);
-    const int aligned = shared / KEY_BLOCK * KEY_BLOCK, dot16 = bf16 == KV_BF16_PRODUCTS;
+    const int aligned = shared / KEY_BLOCK * KEY_BLOCK, dot16 = kv_products(bf16);
     const int k0 = s * SEGMENT_KEYS, k1 = k0 + SEGMENT_KEYS;
     const int common = (k1 < aligned ? k1 : aligned) - k0; /* <= 0: none */
     struct tile_state all, seq;

@@ -253,6 +253,7 @@ static void pc_attention_inputs(packed_gemm_fn gemm, float *h, const float *delt
     if (lora != NULL)
         pc_lora_apply(runs, &lora[0], x, hidden, hidden, qkv, width, 0, rows, 0, nthreads);
     pc_rotary(qkv, width, rows, H + KV, D, cos, signed_sin, nthreads);
+    if (k_cache == NULL) return; /* a quantized cache: the caller's kv_write writes it */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *k = qkv + (int64_t)r * width + (int64_t)H * D;
@@ -309,6 +310,11 @@ typedef void (*decode_kv16_fn)(const float *q, int64_t q_row_stride, const uint1
                                float scale, int chunk, int nthreads, void *sgemm,
                                void *set_threads, int products);
 
+/* pc_kv_write (attention.c's kv_quant.h): the step's K and V rows quantized into the caches */
+typedef void (*kv_write_fn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                            int T, int KV, int D, int bf16_in, const int64_t *slots,
+                            void *k_cache, void *v_cache, int fmt);
+
 /* One layer of one step: prefixcache.model.fused_layers.LayerArgs mirrors this layout. */
 struct layer_args {
     packed_gemm_fn gemm;
@@ -342,14 +348,26 @@ struct layer_args {
      * gate_up, down: lora.h), or NULL */
     const struct lora_runs *lora_runs;
     const struct lora_table *lora;
+    /* a quantized KV cache's writer (its layout kv_format) instead of the row copies, or NULL */
+    kv_write_fn kv_write;
+    int kv_format;
 };
+
+/* The K and V of qkv's rows (a bfloat16 model's where bf16) through the layer's kv_write */
+static void write_kv_quantized(const struct layer_args *a, const void *qkv, int bf16) {
+    const int64_t width = (int64_t)(a->H + 2 * a->KV) * a->D, size = bf16 ? 2 : 4;
+    const char *k = (const char *)qkv + (int64_t)a->H * a->D * size;
+    a->kv_write(k, width, k + (int64_t)a->KV * a->D * size, width, a->rows, a->KV, a->D, bf16,
+                a->slot_mapping, a->k_cache, a->v_cache, a->kv_format);
+}
 
 /* The steps before the attention (pc_attention_inputs) */
 void pc_layer_inputs(const struct layer_args *a) {
     pc_attention_inputs(a->gemm, a->h, a->delta, a->norm_w, a->eps, a->x, a->rows, a->hidden,
                         a->w_qkv, a->qkv_bias, a->qkv, a->H, a->KV, a->D, a->cos, a->signed_sin,
-                        a->k_cache, a->v_cache, a->slot_mapping, a->lora_runs, a->lora,
-                        a->nthreads);
+                        a->kv_write ? NULL : a->k_cache, a->v_cache, a->slot_mapping,
+                        a->lora_runs, a->lora, a->nthreads);
+    if (a->kv_write) write_kv_quantized(a, a->qkv, 0);
 }
 
 /* The steps after it (pc_mlp_block) on the attention output attended [rows, H * D] */
@@ -402,6 +420,10 @@ void pc_layer_inputs_bf16(const struct layer_args *a) {
                       a->nthreads);
     pc_rotary_bf16(qkv, width, rows, H + KV, D, (const bf16_t *)a->cos,
                    (const bf16_t *)a->signed_sin, a->nthreads);
+    if (a->kv_write) {
+        write_kv_quantized(a, qkv, 1);
+        return;
+    }
 #pragma omp parallel for num_threads(a->nthreads) schedule(static)
     for (int r = 0; r < rows; r++) {
         const bf16_t *k = qkv + (int64_t)r * width + (int64_t)H * D;

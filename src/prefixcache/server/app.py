@@ -97,8 +97,14 @@ def _metrics(
     engine: LLMEngine, model_name: str, domain_labels: str, vllm_names: bool
 ) -> ServerMetrics:
     """The server's metrics, the lower tiers' counters among them where the engine has tiers."""
+    kv = engine.limits.precision.get("kv_cache", {})
+    cache_config = {"cache_dtype": str(kv.get("dtype", "")), "kv_layout": str(kv.get("layout", "")),
+                    "block_size": str(engine.block_size),
+                    "num_blocks": str(engine.limits.num_kv_blocks),
+                    "block_bytes": str(engine.block_bytes)}  # fmt: skip
     metrics = ServerMetrics(model_name, engine.block_bytes, domain_labels,
-                            vllm_max_model_len=engine.max_model_len if vllm_names else None)
+                            vllm_max_model_len=engine.max_model_len if vllm_names else None,
+                            cache_config=cache_config)
     if engine.tier_stats() is not None:
         metrics.add_tiers(engine.tier_stats)
     return metrics

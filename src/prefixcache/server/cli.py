@@ -331,7 +331,8 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
     if events_config is not None:
         from prefixcache.server.kv_events import ZmqEventPublisher
 
-        publisher = ZmqEventPublisher(events_config, event_tokens)
+        kv_cache = engine.limits.precision.get("kv_cache", {})
+        publisher = ZmqEventPublisher(events_config, event_tokens, kv_cache.get("dtype"))
         app.state.kv_event_publisher = publisher
         app.state.async_engine.kv_event_sink = publisher.publish
         app.state.async_engine.on_stop.append(publisher.close)

@@ -19,7 +19,9 @@ block has the namespace root as its ``parent_block_hash`` (vLLM sends None there
 (vLLM's name for the KV cache attention reads, on every platform; the pool is in RAM here), else
 the lower tier by its `TierKind.medium`: ``"DISK"`` (this replica's own) or ``"VALKEY"`` (shared:
 every replica on that server can load its blocks). Token ids are tenant data: with a tenants file
-they are left out unless asked for.
+they are left out unless asked for. A ``BlockStored`` also says how the block's KV is kept
+(``kv_cache_dtype``: ``int8``, ``float32``, ...; an extra field, which vLLM's decoders skip): a
+block of one layout is never another layout's, whatever its digest.
 
 The sockets live on one publisher thread; the engine thread only hands it encoded batches
 through a bounded queue (a batch that does not fit is dropped and counted, never blocking a step).
@@ -65,6 +67,7 @@ class _BlockStored(_Event, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    kv_cache_dtype: str | None = None
 
 
 class _BlockRemoved(_Event, tag="BlockRemoved"):
@@ -83,12 +86,13 @@ class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 def _wire(
-    event: KVCacheEvent, with_tokens: bool
+    event: KVCacheEvent, with_tokens: bool, kv_cache_dtype: str | None = None
 ) -> _BlockStored | _BlockRemoved | _AllBlocksCleared:
     if isinstance(event, BlockStored):
         return _BlockStored(list(event.block_hashes), event.parent_block_hash,
                             list(event.token_ids) if with_tokens else [], event.block_size,
-                            event.lora_id, event.medium or POOL_MEDIUM, event.lora_name)
+                            event.lora_id, event.medium or POOL_MEDIUM, event.lora_name,
+                            kv_cache_dtype)
     if isinstance(event, BlockRemoved):
         return _BlockRemoved(list(event.block_hashes), event.medium or POOL_MEDIUM)
     if isinstance(event, AllBlocksCleared):
@@ -97,10 +101,13 @@ def _wire(
 
 
 def encode_batch(
-    events: list[KVCacheEvent], ts: float, with_tokens: bool, rank: int | None = None
+    events: list[KVCacheEvent], ts: float, with_tokens: bool, rank: int | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> bytes:
-    """One ``KVEventBatch`` as vLLM's msgpack bytes."""
-    return msgspec.msgpack.encode(_Batch(ts, [_wire(e, with_tokens) for e in events], rank))
+    """One ``KVEventBatch`` as vLLM's msgpack bytes (``kv_cache_dtype``: the KV layout the
+    stored blocks are kept in)."""
+    wire = [_wire(e, with_tokens, kv_cache_dtype) for e in events]
+    return msgspec.msgpack.encode(_Batch(ts, wire, rank))
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVCacheEvent]]:
@@ -182,11 +189,14 @@ class KVEventsConfig:
 class ZmqEventPublisher:
     """Publishes encoded batches on a PUB socket and answers replay requests, from one thread."""
 
-    def __init__(self, config: KVEventsConfig, with_tokens: bool) -> None:
+    def __init__(
+        self, config: KVEventsConfig, with_tokens: bool, kv_cache_dtype: str | None = None
+    ) -> None:
         import zmq
 
         self.config = config
         self.with_tokens = with_tokens
+        self.kv_cache_dtype = kv_cache_dtype
         self.topic = config.topic.encode()
         self.num_dropped = 0
         self._next_seq = 0
@@ -222,7 +232,7 @@ class ZmqEventPublisher:
         if not events:
             return
         payload = encode_batch(events, time.time(), self.with_tokens,
-                               self.config.data_parallel_rank)
+                               self.config.data_parallel_rank, self.kv_cache_dtype)
         seq = self._next_seq
         self._next_seq += 1
         try:

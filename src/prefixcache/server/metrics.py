@@ -43,9 +43,11 @@ class ServerMetrics:
     """Every metric of the server; ``render()`` is the /metrics body."""
 
     def __init__(self, model_name: str, block_bytes: int, domain_labels: str = "name",
-                 vllm_max_model_len: int | None = None) -> None:
+                 vllm_max_model_len: int | None = None,
+                 cache_config: dict[str, str] | None = None) -> None:
         """``vllm_max_model_len``: also export vLLM's names (`VllmMetrics`), token histograms up
-        to that length; None: ours only."""
+        to that length; None: ours only. ``cache_config``: the KV cache's settings, the labels
+        of ``cache_config_info`` (as vLLM's: ``cache_dtype``, ``block_size``, ...)."""
         if domain_labels not in DOMAIN_LABELS:
             raise ValueError(f"domain labels must be one of {DOMAIN_LABELS}, got {domain_labels!r}")
         self.domain_labels = domain_labels
@@ -58,6 +60,10 @@ class ServerMetrics:
         info = Gauge(PREFIX + "model_info", "Served model (value 1).", ["model_name"],
                      registry=self.registry)
         info.labels(model_name=model_name).set(1)
+        if cache_config:
+            config = Gauge(PREFIX + "cache_config_info", "The KV cache's settings (value 1).",
+                           sorted(cache_config), registry=self.registry)
+            config.labels(**cache_config).set(1)
         self.vllm: VllmMetrics | None = None
         if vllm_max_model_len is not None:
             self.vllm = VllmMetrics(self.registry, model_name, vllm_max_model_len)

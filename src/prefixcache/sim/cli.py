@@ -20,7 +20,7 @@ from typing import Any
 from prefixcache.cache.config import EVICTION_POLICIES
 from prefixcache.errors import have_extra
 from prefixcache.sched import SCHEDULE_POLICIES
-from prefixcache.sim.config import RunSpec, format_blocks
+from prefixcache.sim.config import KV_BYTES_SCALE, RunSpec, format_blocks
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.errors import TraceFormatError
 from prefixcache.sim.loader import FORMATS, load_trace, retime_poisson
@@ -104,8 +104,15 @@ def _tier_and_pin_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument(f"--kv-{kind.name}-gib", type=float, default=None, metavar="G",
                            help=f"sequential: a {kind.name} tier of G GiB, {where}")
     group.add_argument("--kv-bytes-per-token", type=float, default=None, metavar="B",
-                       help="KV bytes of one token, all layers (sizes the tiers in blocks and "
-                            "their reads; default 131072, an 8B Llama in bfloat16)")
+                       help="KV bytes of one token, all layers, in bfloat16 (sizes the tiers in "
+                            "blocks and their reads; default 131072, an 8B Llama)")
+    group.add_argument("--kv-cache-dtype", default=None, metavar="float32,int8,...",
+                       help=f"KV layouts to compare ({', '.join(KV_BYTES_SCALE)}): each sizes "
+                            "the RAM pool from --kv-cache-gib and scales a tier's bytes per "
+                            "block")
+    group.add_argument("--kv-cache-gib", type=float, default=None, metavar="G",
+                       help="the KV pool in GiB (total over replicas), in blocks of each "
+                            "--kv-cache-dtype's size (replaces --capacity)")
     group.add_argument("--pins", default="on", metavar="on,off",
                        help="honour the trace's cache breakpoints (tenant pins): on, off, or "
                             "on,off to compare (sequential mode)")
@@ -151,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     trace = _load(args)
-    plan = _plan(args)
+    plan = _plan(args, trace.block_size)
     cost = _cost_model(args)
     config = ReplicaConfig(
         args.max_batched_tokens,
@@ -189,7 +196,7 @@ def _load(args: argparse.Namespace) -> Trace:
     return trace
 
 
-def _plan(args: argparse.Namespace) -> SweepPlan:
+def _plan(args: argparse.Namespace, block_size: int) -> SweepPlan:
     capacities = [parse_capacity(c) for c in _items(args.capacity, "--capacity")]
     kinds = _items(args.prefix_cache, "--prefix-cache")
     policies = _choices(args.eviction_policy, "--eviction-policy", EVICTION_POLICIES)
@@ -210,7 +217,33 @@ def _plan(args: argparse.Namespace) -> SweepPlan:
     pins = [p == "on" for p in _choices(args.pins, "--pins", ("on", "off"))]
     plan.specs = [replace(s, pins=p, max_pinned_blocks=args.max_pinned_blocks)
                   for s in plan.specs for p in dict.fromkeys(pins)]
+    plan.specs = _layout_specs(args, plan.specs, block_size)
     return plan
+
+
+def _layout_specs(
+    args: argparse.Namespace, specs: list[RunSpec], block_size: int
+) -> list[RunSpec]:
+    """Each spec once per ``--kv-cache-dtype``, its capacity the blocks of that layout's size
+    in ``--kv-cache-gib`` (where given)."""
+    if args.kv_cache_dtype is None:
+        if args.kv_cache_gib is not None:
+            raise ValueError("--kv-cache-gib sizes the pool per --kv-cache-dtype: name them")
+        return specs
+    layouts = _choices(args.kv_cache_dtype, "--kv-cache-dtype", tuple(KV_BYTES_SCALE))
+    if args.kv_cache_gib is None or not args.kv_cache_gib > 0:
+        raise ValueError("--kv-cache-dtype needs --kv-cache-gib G > 0 (the pool's memory)")
+    per_token = args.kv_bytes_per_token or CostModel().kv_bytes_per_token
+    out: list[RunSpec] = []
+    for spec in specs:
+        for layout in layouts:
+            blocks = int(args.kv_cache_gib * (1 << 30)
+                         // (per_token * KV_BYTES_SCALE[layout] * block_size))  # fmt: skip
+            sized = replace(spec, capacity_blocks=max(blocks, spec.replicas),
+                            kv_cache_dtype=layout)
+            if sized not in out:
+                out.append(sized)
+    return out
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:

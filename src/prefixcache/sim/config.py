@@ -1,7 +1,9 @@
 """One simulated configuration (`RunSpec`) and how to build its caches from the registry.
 
 Capacity is the total over replicas, in blocks; ``None`` means unlimited (sized so that nothing
-is ever evicted). Knows the cache registry, not the replay.
+is ever evicted). A KV layout (``--kv-cache-dtype``) sizes it from a memory budget and scales
+the bytes a tier stores and reads per block (`KV_BYTES_SCALE`). Knows the cache registry, not
+the replay.
 """
 
 from __future__ import annotations
@@ -14,6 +16,14 @@ from prefixcache.cache.config import EVICTION_POLICIES
 from prefixcache.sched.fairness import QuietDomains
 from prefixcache.sim.trace import Trace
 from prefixcache.tiers import TIERS
+
+# KV bytes of each layout against bfloat16's (the cost model's ``kv_bytes_per_token``): the
+# engine's `prefixcache.attention.kv_format` rows (int8 and fp8: 34 bytes per 32 values, int4
+# 18), as a torch-free table
+KV_BYTES_SCALE = {
+    "float32": 2.0, "bfloat16": 1.0, "int8": 34 / 64, "int4": 18 / 64, "fp8": 34 / 64,
+    "fp8_e4m3": 34 / 64, "fp8_e5m2": 34 / 64,
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +40,7 @@ class RunSpec:
     tier_gib: tuple[tuple[str, float], ...] = ()
     pins: bool = True  # honour the trace's cache breakpoints (sequential mode)
     max_pinned_blocks: int | None = None  # per tenant and replica; None: a quarter of a replica
+    kv_cache_dtype: str = ""  # the KV layout (`KV_BYTES_SCALE`); "": the cost model's bytes
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
@@ -52,6 +63,9 @@ class RunSpec:
                 raise ValueError(f"--kv-{name}-gib must be > 0, got {gib}")
         if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
             raise ValueError(f"--max-pinned-blocks must be >= 0, got {self.max_pinned_blocks}")
+        if self.kv_cache_dtype and self.kv_cache_dtype not in KV_BYTES_SCALE:
+            raise ValueError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose among "
+                             f"{sorted(KV_BYTES_SCALE)}")
         if self.capacity_blocks is not None and self.capacity_blocks < self.replicas:
             raise ValueError(f"capacity {self.capacity_blocks} blocks < {self.replicas} replicas")
 
@@ -59,7 +73,13 @@ class RunSpec:
     def capacity_label(self) -> str:
         label = "inf" if self.capacity_blocks is None else format_blocks(self.capacity_blocks)
         tiers = "".join(f"+{name[0]}" for name, _ in self.tier_gib)
-        return label + tiers + ("" if self.pins else "-nopin")
+        layout = f"@{self.kv_cache_dtype}" if self.kv_cache_dtype else ""
+        return label + tiers + layout + ("" if self.pins else "-nopin")
+
+    @property
+    def kv_bytes_scale(self) -> float:
+        """This layout's KV bytes against the cost model's (bfloat16's)."""
+        return KV_BYTES_SCALE[self.kv_cache_dtype] if self.kv_cache_dtype else 1.0
 
     @property
     def has_tiers(self) -> bool:

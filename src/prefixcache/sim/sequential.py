@@ -86,7 +86,7 @@ class SequentialRun:
             for _ in range(spec.replicas)
         ]
         model = cost.model
-        self.block_bytes = model.kv_bytes_per_token * trace.block_size
+        self.block_bytes = model.kv_bytes_per_token * trace.block_size * spec.kv_bytes_scale
         for name, gib in spec.tier_gib:  # nearest first; a shared tier is one for them all
             tier_spec = TierSpec(name, int(gib * (1 << 30) // self.block_bytes), *model.reads(name))
             shared = SimTier(tier_spec) if TIERS[name].shared else None

@@ -8,7 +8,8 @@ throughout; ``docs/tiers.md`` gives the layout byte by byte::
     flags        u16       0
     identity_len u32       bytes of the identity JSON that follows
     identity     JSON      `TierIdentity.as_json()`: model identity, KV dtype, layout, block size,
-                           hash algorithm (sorted keys, no spaces, UTF-8)
+                           hash algorithm, and for a quantized KV layout its name and row bytes
+                           (sorted keys, no spaces, UTF-8)
     digest_len   u8
     digest       digest_len bytes   the block's chained digest (its key)
     parent       digest_len bytes   the previous block's digest, or the namespace root
@@ -17,7 +18,8 @@ throughout; ``docs/tiers.md`` gives the layout byte by byte::
     payload_len  u64
     crc          u32       zlib.crc32 of every byte before it, then of the payload
     payload      payload_len bytes: per layer, K then V, each [block_size, kv_heads, head_dim]
-                           in the KV dtype's little-endian bytes
+                           in the KV dtype's little-endian bytes, or [block_size, kv_heads,
+                           row_bytes] of a quantized layout's blocks (as the cache holds them)
 
 A record holds KV and digests, never token ids or text: the token check is a keyed hash (the
 parent digest roots it in the namespace, which carries the tenant's secret salt), so it cannot be
@@ -69,7 +71,9 @@ class TierIdentity:
     """Everything that makes two engines' blocks interchangeable. Equal identities and equal
     digests mean equal KV; anything else is a miss. ``model_id`` already covers the weights'
     content, the config, the dtype and the rope settings (`prefixcache.model.identity`); the
-    rest is the KV's own shape."""
+    rest is the KV's own shape and layout: a quantized layout (``kv_layout``, e.g.
+    ``int8:q8_0/32``) stores ``row_bytes`` per token and kv head, its blocks as the cache holds
+    them; the float layouts leave both empty, and their identity JSON without them."""
 
     model_id: str
     kv_dtype: str
@@ -79,9 +83,13 @@ class TierIdentity:
     block_size: int
     hash_algo: str
     element_size: int
+    kv_layout: str = ""
+    row_bytes: int = 0
 
     def as_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = {k: v for k, v in asdict(self).items()
+                  if k not in ("kv_layout", "row_bytes") or v}  # fmt: skip
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @property
     def tag(self) -> str:
@@ -91,8 +99,8 @@ class TierIdentity:
     @property
     def payload_bytes(self) -> int:
         """Bytes of one block's K and V."""
-        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-                * self.element_size)
+        row = self.row_bytes or self.head_dim * self.element_size
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
 
     @classmethod
     def from_json(cls, data: bytes) -> TierIdentity:

@@ -3,8 +3,10 @@
 Both prompts go through the production tokenizer and chat template, then through the real block
 identity (`cache/block_hash.py`) in their namespaces. The report gives the common token prefix, the
 reusable blocks and tokens, the first missing block with its token span, and the reason: a
-namespace component differs (model identity, adapter, salt: named, never printed) or the tokens
-differ (the position; the ids and decoded pieces around it only with ``--show-tokens``).
+namespace component differs (model identity, adapter, salt, KV layout: named, never printed) or
+the tokens differ (the position; the ids and decoded pieces around it only with
+``--show-tokens``). With a lower tier named, it says which of B's blocks the tier holds, and
+where the tier holds them only in another KV layout, that they are a miss for that reason.
 
 A LoRA adapter (``--adapter-a`` / ``--adapter-b``) is named in the namespace by its content, as
 the engine names it: give its directory (its files are read and digested) or its identity.
@@ -23,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cache.block_hash import HASH_ALGOS, BlockHasher, Namespace
-from prefixcache.catalog import DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES, model_help
+from prefixcache.catalog import (
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    WEIGHT_DTYPE_CHOICES,
+    model_help,
+)
 from prefixcache.errors import CliError
 
 __all__ = [
@@ -56,9 +63,29 @@ class ModelView:
     identity: str
     tokenizer: Any = None
     config: Any = None  # the model's config (the KV layout, for the tiers' identity)
-    dtype: str = "float32"  # of the activations and KV
+    dtype: str = "float32"  # of the activations
     precision: str = "float32"  # dtype, or dtype+weights where the weights are kept otherwise
     choice: Any = None  # what --dtype auto measured (`prefixcache.model.precision.Choice`)
+    kv_cache_dtype: str = ""  # the KV layout's name ("": the activations' dtype)
+
+    @property
+    def kv_format(self) -> Any:
+        """The KV layout (`prefixcache.attention.kv_format.KVFormat`)."""
+        from prefixcache.attention.kv_format import format_of_dtype, kv_format
+        from prefixcache.model.loader import DTYPES
+
+        if self.kv_cache_dtype:
+            return kv_format(self.kv_cache_dtype)
+        return format_of_dtype(DTYPES[self.dtype])
+
+    @property
+    def kv_layout(self) -> str | None:
+        """What the cache namespace names of the KV layout (None: the activations' dtype)."""
+        from prefixcache.attention.kv_format import format_of_dtype
+        from prefixcache.model.loader import DTYPES
+
+        found = self.kv_format
+        return None if found == format_of_dtype(DTYPES[self.dtype]) else found.layout
 
     def kernels(self) -> dict[str, Any]:
         """Which GEMM and attention path an engine would run this model with here, and whether
@@ -67,7 +94,12 @@ class ModelView:
         from prefixcache.model.loader import DTYPES
 
         weights = self.precision.partition("+")[2] or self.dtype
-        return expected_kernels(self.config, DTYPES[self.dtype], weights)
+        from prefixcache.model.fused_layers import QUANTIZED_KV_WRITTEN
+
+        layout = self.kv_format
+        written = layout.storage == DTYPES[self.dtype] or layout.name in QUANTIZED_KV_WRITTEN
+        kv = None if written else layout.name
+        return expected_kernels(self.config, DTYPES[self.dtype], weights, kv)
 
 
 @dataclass(slots=True)
@@ -179,7 +211,8 @@ def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
 
 def namespace_diff(a: Namespace, b: Namespace) -> list[str]:
     """The names (never the values) of the namespace components that differ."""
-    names = {"model": "model identity", "adapter": "adapter", "salt": "cache salt"}
+    names = {"model": "model identity", "adapter": "adapter", "salt": "cache salt",
+             "kv_layout": "KV layout"}
     return [label for attr, label in names.items() if getattr(a, attr) != getattr(b, attr)]
 
 
@@ -308,18 +341,24 @@ def _token_cell(index: int, token_id: int, tokenizer: Any, mark: bool) -> str:
 # ---- models and the command -------------------------------------------------------------------
 
 
-def load_model_view(name: str, dtype: str = "float32", weight_dtype: str = "auto") -> ModelView:
-    """The model's cache identity (as the engine computes it: ``--dtype auto`` resolved by the
-    same measurement, read from its cache after the first time) and tokenizer, without
-    weights."""
-    from prefixcache.model.loader import open_checkpoint, resolve_precision
+def load_model_view(
+    name: str, dtype: str = "float32", weight_dtype: str = "auto", kv_cache_dtype: str = "auto"
+) -> ModelView:
+    """The model's cache identity (as the engine computes it: ``--dtype auto`` and
+    ``--kv-cache-dtype auto`` resolved by the same measurements, read from their cache after
+    the first time) and tokenizer, without weights."""
+    from prefixcache.model.loader import open_checkpoint, resolve_kv_format, resolve_precision
 
     try:
         checkpoint = open_checkpoint(name)
+        measured = dtype == "auto"
         dtype, weights, choice = resolve_precision(checkpoint, dtype, weight_dtype)
+        layout, _ = resolve_kv_format(checkpoint, kv_cache_dtype, dtype, weights,
+                                      measured and choice is not None)  # fmt: skip
         precision = dtype if weights == dtype else f"{dtype}+{weights}"
         return ModelView(checkpoint.identity(precision), checkpoint.tokenizer(),
-                         checkpoint.config, dtype, precision, choice)  # fmt: skip
+                         checkpoint.config, dtype, precision, choice,
+                         layout.name if layout is not None else "")  # fmt: skip
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot load model {name!r}: {exc}") from None
 
@@ -333,6 +372,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype the engine runs (identity; auto: as serve measures it)")
     parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPE_CHOICES,
                         help="how the engine keeps its weights (identity), as serve's flag")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="how the engine keeps its KV cache (identity), as serve's flag")
+    parser.add_argument("--kv-cache-dtype-b", default=None, choices=KV_CACHE_DTYPE_CHOICES,
+                        help="another KV layout for B (default: --kv-cache-dtype)")
     parser.add_argument("--salt-a", default=None, help="effective cache salt of A")
     parser.add_argument("--salt-b", default=None, help="effective cache salt of B")
     parser.add_argument("--adapter-a", default=None, metavar="DIR|IDENTITY",
@@ -357,13 +400,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.block_size < 1:
         raise CliError(f"--block-size must be >= 1, got {args.block_size}")
-    view_a = load_model_view(args.model, args.dtype, args.weight_dtype)
-    view_b = (load_model_view(args.model_b, args.dtype, args.weight_dtype) if args.model_b
-              else view_a)  # fmt: skip
+    view_a = load_model_view(args.model, args.dtype, args.weight_dtype, args.kv_cache_dtype)
+    kv_b = args.kv_cache_dtype_b or args.kv_cache_dtype
+    view_b = (load_model_view(args.model_b or args.model, args.dtype, args.weight_dtype, kv_b)
+              if args.model_b or kv_b != args.kv_cache_dtype else view_a)  # fmt: skip
     a = read_prompt(args.a, view_a.tokenizer, args.chat)
     b = read_prompt(args.b, view_b.tokenizer, args.chat)
-    ns_a = Namespace(view_a.identity, adapter_identity(args.adapter_a, view_a), args.salt_a)
-    ns_b = Namespace(view_b.identity, adapter_identity(args.adapter_b, view_b), args.salt_b)
+    ns_a = Namespace(view_a.identity, adapter_identity(args.adapter_a, view_a), args.salt_a,
+                     view_a.kv_layout)
+    ns_b = Namespace(view_b.identity, adapter_identity(args.adapter_b, view_b), args.salt_b,
+                     view_b.kv_layout)
     ex = explain(a, b, ns_a, ns_b, args.block_size, args.hash_algo)
     tiers = None
     locations = tier_locations(args)
@@ -371,12 +417,16 @@ def run(args: argparse.Namespace) -> int:
         chain = BlockHasher(args.block_size, args.hash_algo).chain(b.token_ids, ns_b)
         chain = chain[: max(len(b.token_ids) - 1, 0) // args.block_size]
         tiers = tier_residence(view_b, chain, args.block_size, args.hash_algo, locations)
-    precision: dict[str, Any] = {"precision": view_b.precision, "kernels": view_b.kernels()}
+        others = other_layouts(view_b, b.token_ids, ns_b, args.block_size, args.hash_algo,
+                               locations)
+    precision: dict[str, Any] = {"precision": view_b.precision, "kernels": view_b.kernels(),
+                                 "kv_cache_dtype": view_b.kv_format.name}
     if view_b.choice is not None:
         precision["dtype_auto"] = view_b.choice.as_dict()
     if args.json:
         print(json.dumps(ex.as_dict() | {"model": precision}
-                         | ({"tiers": tiers} if tiers is not None else {})))  # fmt: skip
+                         | ({"tiers": tiers, "tiers_other_layouts": others}
+                            if tiers is not None else {})))  # fmt: skip
         return 0
     for line in format_explanation(ex, a, b, view_b.tokenizer, args.show_tokens):
         print(line)
@@ -386,8 +436,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"kernels: {kernels['gemm']}; {kernels['attention']} attention; a row's result "
           + ("does not depend" if kernels["batch_invariant"] else "may depend")
           + " on the rest of its batch; layers: " + str(kernels.get("layers", "compiled")))
+    print(f"KV cache: {view_b.kv_format.name}")
     if tiers is not None:
         print(*tier_lines(ex, tiers), sep="\n")
+        print(*layout_lines(others, view_b.kv_format.name), sep="\n")
     return 0
 
 
@@ -419,15 +471,65 @@ def tier_residence(
     """Per lower tier (``locations``: name -> where it is), which of B's blocks (``chain``,
     those a request could reuse) it holds, under the identity an engine serving ``view`` would
     write them with."""
-    from prefixcache.tiers import TIERS, TierIdentity
+    from prefixcache.tiers import TIERS
 
-    config = view.config
-    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
-    identity = TierIdentity(view.identity, view.dtype, config.num_hidden_layers,
-                            config.num_key_value_heads, config.head_dim, block_size, hash_algo,
-                            sizes.get(view.dtype, 4))
+    identity = _tier_identity(view, view.kv_format, block_size, hash_algo)
     return {name: TIERS[name].held(location, identity, chain)
             for name, location in locations.items()}
+
+
+def _tier_identity(view: ModelView, layout: Any, block_size: int, hash_algo: str) -> Any:
+    """The `TierIdentity` an engine serving ``view`` with the KV in ``layout`` writes under
+    (the fields of the engine's own `tier_identity`)."""
+    from prefixcache.tiers import TierIdentity
+
+    config = view.config
+    return TierIdentity(view.identity, layout.name, config.num_hidden_layers,
+                        config.num_key_value_heads, config.head_dim, block_size, hash_algo,
+                        layout.storage.itemsize, layout.layout if layout.quantized else "",
+                        layout.row_bytes(config.head_dim) if layout.quantized else 0)
+
+
+def other_layouts(
+    view: ModelView, token_ids: list[int], namespace: Namespace, block_size: int,
+    hash_algo: str, locations: dict[str, str],
+) -> dict[str, dict[str, int]]:  # fmt: skip
+    """Per lower tier, how many of B's reusable blocks it holds in each other KV layout the
+    model could keep (under that layout's namespace and identity): blocks an engine in
+    ``view``'s layout will not read ("KV layout differs")."""
+    from dataclasses import replace
+
+    from prefixcache.attention.kv_format import FORMATS, format_of_dtype
+    from prefixcache.model.loader import DTYPES
+    from prefixcache.tiers import TIERS
+
+    own, base = view.kv_format, format_of_dtype(DTYPES[view.dtype])
+    hasher = BlockHasher(block_size, hash_algo)
+    usable = max(len(token_ids) - 1, 0) // block_size
+    out: dict[str, dict[str, int]] = {name: {} for name in locations}
+    for layout in FORMATS.values():
+        if layout == own or (not layout.quantized and layout.storage.itemsize
+                             > base.storage.itemsize):
+            continue  # the engine's own layout, or one wider than its activations
+        try:
+            layout.check_head_dim(view.config.head_dim)
+        except ValueError:
+            continue
+        ns = replace(namespace, kv_layout=None if layout == base else layout.layout)
+        chain = hasher.chain(token_ids, ns)[:usable]
+        identity = _tier_identity(view, layout, block_size, hash_algo)
+        for name, location in locations.items():
+            held = sum(TIERS[name].held(location, identity, chain))
+            if held:
+                out[name][layout.name] = held
+    return out
+
+
+def layout_lines(others: dict[str, dict[str, int]], own: str) -> list[str]:
+    """What the tiers hold of B in other KV layouts: a miss, and why."""
+    return [f"{name} tier: holds {n} of B's blocks in the {layout} KV layout, which this "
+            f"engine ({own}) does not read: KV layout differs (a miss)"
+            for name, held in others.items() for layout, n in held.items()]  # fmt: skip
 
 
 def tier_lines(ex: Explanation, tiers: dict[str, list[bool]]) -> list[str]:

@@ -98,10 +98,13 @@ class DashboardSources:
 
     def data(self) -> JSONObject:
         engine = self.engine
-        return dashboard_data(engine.snapshot, self.view, self.metrics, self.model,
+        data = dashboard_data(engine.snapshot, self.view, self.metrics, self.model,
                               engine.limits.block_size,
                               self.tiers() if self.tiers is not None else None,
                               engine.num_pending)
+        kv_cache = engine.limits.precision.get("kv_cache", {})  # the KV layout (its name)
+        data["kv_cache_dtype"] = str(kv_cache.get("dtype", ""))
+        return data
 
 
 def install_dashboard(

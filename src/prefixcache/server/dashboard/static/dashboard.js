@@ -50,7 +50,8 @@ function redraw() {
 
 function cards(d) {
   const p = d.pool;
-  el("model").textContent = d.model + " · step " + fmt(d.step);
+  el("model").textContent = d.model + (d.kv_cache_dtype ? " · KV " + d.kv_cache_dtype : "") +
+    " · step " + fmt(d.step);
   el("pool-used").textContent = fmt(p.used);
   el("pool-cached").textContent = fmt(p.cached_free);
   el("pool-free").textContent = fmt(p.free);

@@ -1,0 +1,385 @@
+"""The quantized KV cache (``--kv-cache-dtype``): what each layout costs and buys, side by side.
+
+Parts (``--parts``, default all):
+
+- ``attention``: the attention kernel alone over SmolLM2's shapes (9 query heads, 3 kv heads,
+  head_dim 64), K and V from memory (``--layers`` layers' caches in turn, times per layer):
+  decode of ``--seqs`` sequences over 8,192 keys each, a 128-token prefill after a 2,048-token
+  hit, and a fresh 512-token prefill; float32 queries over float32, bfloat16 and the quantized
+  caches, and a bfloat16 model's over bfloat16 and int8. The float cases run on any tree (run
+  it with ``PYTHONPATH`` at another checkout to compare builds).
+- ``fidelity``: SmolLM2 (float32 weights) with each layout against float32 KV, as llama.cpp's
+  ``perplexity --kl-divergence`` states it: mean, 99th percentile and largest KL divergence of
+  the next-token distributions and the top-1 agreement, over the README's first 512 tokens and
+  over `precision.FIDELITY_TEXT` (what ``auto``'s gate reads).
+- ``capacity``: SmolLM2 with a fixed ``--kv-cache-memory-bytes``: 2,000-token prefixes sent one
+  after another until the first is evicted; how many stay cached whole, and the time to first
+  token of a miss and of a hit.
+- ``restore``: a 2,048-token prefix loaded back from a disk tier and a Valkey tier (a real
+  ``valkey-server`` on loopback), time to first token against a RAM hit, per block, and the
+  record's bytes.
+- ``traces``: the Mooncake conversation trace and the WEKA agentic traces through the
+  simulator (``--kv-cache-gib`` of an 8B Llama's KV per layout), and a scaled-down replay of
+  their first requests through the engine (each hash id one 16-token block, SmolLM2, a fixed
+  memory): hit rate and time to first token.
+
+    .venv/bin/python benchmarks/bench_kv_quant.py [--parts attention,fidelity] [--repeats 5]
+
+Cases alternate inside each repeat; medians. Prints tables and a final JSON line; the CPU and the
+load average are in the header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # tier_helpers: a valkey-server on a free port
+TRACES = ROOT.parent / "shared" / "traces"
+LAYOUTS = ("float32", "bfloat16", "int8", "int4")
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def median_ms(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+
+def _caches(layout: str, slots: int, layers: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Per layer (K rows, V rows, the kernel's layout code) of ``slots`` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(layers):
+        k, v = torch.randn(slots, 3, 64, generator=gen), torch.randn(slots, 3, 64, generator=gen)
+        if layout in ("float32", "bfloat16"):
+            out.append((k.to(getattr(torch, layout)), v.to(getattr(torch, layout)), 0))
+            continue
+        from prefixcache.attention.kv_format import kv_format
+
+        found = kv_format(layout)
+        out.append((found.quantize(k).contiguous(), found.quantize(v).contiguous(), found.code))
+    return out
+
+
+def bench_attention(args: argparse.Namespace) -> dict[str, Any]:
+    from prefixcache.attention import native_attention as na
+
+    cases = [("float32", torch.float32), ("bfloat16", torch.float32),
+             ("bfloat16", torch.bfloat16)]  # fmt: skip
+    try:
+        from prefixcache.attention import kv_format  # noqa: F401  # the quantized layouts
+        cases += [("int8", torch.float32), ("int4", torch.float32), ("fp8_e4m3", torch.float32),
+                  ("int8", torch.bfloat16)]  # fmt: skip
+    except ImportError:
+        pass
+    seqs, context, layers = args.seqs, 8192, args.layers
+    slots = seqs * context
+    # each sequence's keys in 16-token blocks scattered over the cache, as a block table has them
+    blocks = torch.randperm(slots // 16, generator=torch.Generator().manual_seed(1))
+    table = (blocks.view(-1, 1) * 16 + torch.arange(16)).view(seqs, context)
+    prepared: dict[str, list[Callable[[], None]]] = {}
+    for layout, qdtype in cases:
+        name = f"{layout} KV, {str(qdtype).removeprefix('torch.')} queries"
+        calls = []
+        for k, v, code in _caches(layout, slots, layers):
+            extra = {"kv_code": code} if code else {}
+            q = torch.randn(seqs, 9, 64).to(qdtype)
+            out = torch.empty_like(q)
+            decode = na.PreparedDecode(q, k, v, torch.empty(0, dtype=torch.long), table,
+                                       torch.full((seqs,), context, dtype=torch.int32), out,
+                                       **extra)  # fmt: skip
+            q2 = torch.randn(128, 9, 64).to(qdtype)
+            out2 = torch.empty_like(q2)
+            prefill = na.PreparedAttend(q2, k, v, table[0, :2048 + 128].contiguous(), out2,
+                                        **extra)  # fmt: skip
+            q3 = torch.randn(512, 9, 64).to(qdtype)
+            out3 = torch.empty_like(q3)
+            fresh = na.PreparedAttend(q3, k, v, table[1, :512].contiguous(), out3, **extra)
+            calls.append((lambda d=decode, q=q, k=k, v=v, o=out: d(q, k, v, 0.125, o),
+                          lambda p=prefill, q=q2, k=k, v=v, o=out2: p(q, k, v, 0.125, o),
+                          lambda p=fresh, q=q3, k=k, v=v, o=out3: p(q, k, v, 0.125, o)))
+        for part, label in enumerate(("decode 8k", "prefill 128 after 2048", "prefill 512")):
+            fns = [c[part] for c in calls]
+            prepared[f"{name}|{label}"] = [lambda fns=fns: [f() for f in fns]]  # type: ignore[misc]
+    for fn in prepared.values():
+        fn[0]()  # warm-up
+    samples: dict[str, list[float]] = {key: [] for key in prepared}
+    for _ in range(args.repeats):  # cases alternate inside each repeat
+        for key, fn in prepared.items():
+            samples[key].append(median_ms(fn[0], 1) / layers)
+    result = {key: statistics.median(v) for key, v in samples.items()}
+    print(f"\nattention, SmolLM2 shapes, {seqs} sequences, ms per layer (median of "
+          f"{args.repeats}, {layers} layers' caches in turn)")
+    for key, ms in result.items():
+        print(f"  {key:<60} {ms:8.3f}")
+    return result
+
+
+# -- fidelity ----------------------------------------------------------------------------------
+
+
+def bench_fidelity(args: argparse.Namespace) -> dict[str, Any]:
+    from prefixcache.attention.kv_format import kv_format
+    from prefixcache.model import precision
+    from prefixcache.model.loader import load_model
+
+    loaded = load_model("smollm2", dtype="float32")
+    texts = {"README 512": loaded.tokenizer.encode((ROOT / "README.md").read_text())[:512],
+             "FIDELITY_TEXT": loaded.tokenizer.encode(precision.FIDELITY_TEXT)}  # fmt: skip
+    out: dict[str, Any] = {}
+    print("\nfidelity against float32 KV, SmolLM2 float32 weights")
+    print(f"  {'text':<14} {'layout':<10} {'tokens':>6} {'mean KL':>9} {'p99 KL':>8} "
+          f"{'max KL':>8} {'top-1':>7}")
+    for text, ids in texts.items():
+        ref = precision.all_logits(loaded.model, loaded.config, ids, torch.float32)
+        for name in ("bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"):
+            logits = precision.all_logits(loaded.model, loaded.config, ids, torch.float32,
+                                          kv_format(name))  # fmt: skip
+            fig = precision.fidelity_of(ref, logits)
+            out[f"{text}|{name}"] = fig
+            print(f"  {text:<14} {name:<10} {fig['tokens']:>6} {fig['mean_kl']:>9.5f} "
+                  f"{fig['p99_kl']:>8.4f} {fig['max_kl']:>8.4f} "
+                  f"{100 * fig['top1_agreement']:>6.1f}%")
+    return out
+
+
+# -- capacity ----------------------------------------------------------------------------------
+
+
+def _one(engine: Any, rid: str, prompt: list[int]) -> tuple[float, int]:
+    from prefixcache.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(rid, prompt_token_ids=prompt, sampling_params=params)
+    last = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            last = out
+    assert last is not None
+    return time.perf_counter() - start, last.num_cached_tokens
+
+
+def _held(engine: Any, prompt: list[int]) -> bool:
+    """Whether every full block of ``prompt`` is in the cache (a pure lookup)."""
+    from prefixcache.cache import Sequence
+
+    hit = engine.cache.match(Sequence("probe", list(prompt)))
+    return hit.num_tokens >= (len(prompt) - 1) // engine.block_size * engine.block_size
+
+
+def bench_capacity(args: argparse.Namespace) -> dict[str, Any]:
+    from prefixcache.engine import LLMEngine
+
+    out: dict[str, Any] = {}
+    print(f"\ncapacity: 2,000-token prefixes in {args.memory >> 20} MiB of KV, SmolLM2 float32")
+    print(f"  {'layout':<10} {'blocks':>7} {'prefixes held':>14} {'miss TTFT':>10} "
+          f"{'hit TTFT':>9}")
+    for layout in LAYOUTS:
+        engine = LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout, block_size=16,
+                           kv_cache_memory_bytes=args.memory, max_num_seqs=64)
+        rng = random.Random(0)
+        vocab = engine.model_config.vocab_size
+        prompts: list[list[int]] = []
+        misses, hits = [], []
+        while not prompts or _held(engine, prompts[0]):
+            prompts.append([rng.randrange(3, vocab - 16) for _ in range(2000)])
+            misses.append(_one(engine, f"p{len(prompts)}", prompts[-1])[0])
+        held = sum(_held(engine, p) for p in prompts)
+        for i in range(3):  # hits on the newest (never the ones being counted)
+            seconds, cached = _one(engine, f"h{i}", prompts[-1])
+            assert cached >= 1984, cached
+            hits.append(seconds)
+        row = {"blocks": engine.cache.num_blocks, "prefixes_held": held,
+               "miss_ttft_s": statistics.median(misses), "hit_ttft_s": statistics.median(hits)}
+        out[layout] = row
+        print(f"  {layout:<10} {row['blocks']:>7} {held:>14} {row['miss_ttft_s']:>9.3f}s "
+              f"{row['hit_ttft_s']:>8.3f}s")
+        engine.close()
+    for layout in ("int8", "int4"):
+        for base in ("float32", "bfloat16"):
+            out[f"{layout}/{base}"] = out[layout]["prefixes_held"] / out[base]["prefixes_held"]
+    print("  held ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in out.items() if "/" in k))
+    return out
+
+
+# -- restore from the tiers --------------------------------------------------------------------
+
+
+def bench_restore(args: argparse.Namespace) -> dict[str, Any]:
+    from prefixcache.engine import LLMEngine
+    from tier_helpers import ValkeyProcess
+
+    valkey = ValkeyProcess().start()
+    out: dict[str, Any] = {}
+    print("\nrestore: a 2,048-token prefix (128 blocks) from a tier, SmolLM2 float32")
+    print(f"  {'layout':<10} {'record':>9} {'ram TTFT':>9} {'disk TTFT':>10} {'per block':>10} "
+          f"{'valkey TTFT':>12} {'per block':>10}")
+    try:
+        for layout in LAYOUTS:
+            disk = tempfile.mkdtemp(prefix="bench-kvq-")
+            engines = {"disk": LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout,
+                                         block_size=16, kv_disk=disk),
+                       "valkey": LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout,
+                                           block_size=16, kv_valkey=valkey.url)}  # fmt: skip
+            rng = random.Random(1)
+            vocab = engines["disk"].model_config.vocab_size
+            times: dict[str, list[float]] = {"ram": [], "disk": [], "valkey": []}
+            for r in range(args.repeats):
+                for name, engine in engines.items():
+                    prompt = [rng.randrange(3, vocab - 16) for _ in range(2048 + 16)]
+                    _one(engine, f"c{r}", prompt)
+                    assert engine.flush_tiers(120)
+                    if name == "disk":
+                        times["ram"].append(_one(engine, f"r{r}", prompt)[0])
+                    assert engine.reset_prefix_cache()
+                    seconds, cached = _one(engine, f"t{r}", prompt)
+                    assert cached == 2048, (layout, name, cached)
+                    times[name].append(seconds)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            record = engines["disk"].tiers.offload.store.identity.payload_bytes
+            row = {"record_bytes": record, **{f"{k}_ttft_s": v for k, v in med.items()},
+                   **{f"{k}_per_block_ms": 1000 * (med[k] - med["ram"]) / 128
+                      for k in ("disk", "valkey")}}  # fmt: skip
+            out[layout] = row
+            print(f"  {layout:<10} {record:>8,}B {med['ram']:>8.3f}s {med['disk']:>9.3f}s "
+                  f"{row['disk_per_block_ms']:>8.3f}ms {med['valkey']:>11.3f}s "
+                  f"{row['valkey_per_block_ms']:>8.3f}ms")
+            for engine in engines.values():
+                engine.close()
+    finally:
+        valkey.stop()
+    return out
+
+
+# -- traces ------------------------------------------------------------------------------------
+
+
+def _simulate(trace: str, extra: list[str]) -> list[dict[str, Any]]:
+    from prefixcache.sim import cli as sim_cli
+
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    with tempfile.TemporaryDirectory() as out:
+        args = parser.parse_args([trace, "--prefix-cache", "hash", "--no-plots",
+                                  "--no-progress", "--out", out, *extra])  # fmt: skip
+        with open(os.devnull, "w") as quiet:
+            stdout, sys.stdout = sys.stdout, quiet
+            try:
+                sim_cli.run(args)
+            finally:
+                sys.stdout = stdout
+        rows: list[dict[str, Any]] = json.loads(Path(out, "results.json").read_text())["results"]
+    return rows
+
+
+def _replay(engine: Any, requests: list[Any], max_tokens: int) -> dict[str, float]:
+    """Each request's hash ids as 16-token blocks (the same id, the same tokens), one at a
+    time: the hit rate and times to first token."""
+    ttft, cached, total = [], 0, 0
+    blocks: dict[int, list[int]] = {}
+    for i, request in enumerate(requests):
+        prompt: list[int] = []
+        for hid in request.hash_ids:
+            if hid not in blocks:
+                rng = random.Random(hid)
+                blocks[hid] = [rng.randrange(3, 40000) for _ in range(16)]
+            prompt += blocks[hid]
+        prompt = prompt[:max_tokens] + [7]
+        seconds, hit = _one(engine, f"t{i}", prompt)
+        ttft.append(seconds)
+        cached, total = cached + hit, total + len(prompt)
+    ttft.sort()
+    return {"hit_rate": cached / total, "ttft_p50_s": ttft[len(ttft) // 2],
+            "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], "requests": len(ttft)}
+
+
+def bench_traces(args: argparse.Namespace) -> dict[str, Any]:
+    from prefixcache.engine import LLMEngine
+    from prefixcache.sim.loader import load_trace
+
+    out: dict[str, Any] = {}
+    traces = {"mooncake conversation": str(TRACES / "mooncake" / "conversation_trace.jsonl"),
+              "agentic (WEKA)": str(TRACES / "weka-kv-cache-tester")}  # fmt: skip
+    print(f"\ntraces through the simulator: {args.sim_gib:g} GiB of KV (agentic: "
+          f"{args.agentic_gib:g}), an 8B Llama's 131,072 bytes per token in bfloat16, hash, LRU, "
+          "sequential")
+    for name, path in traces.items():
+        gib = args.sim_gib if name.startswith("mooncake") else args.agentic_gib
+        rows = _simulate(path, ["--kv-cache-dtype", ",".join(LAYOUTS),
+                                "--kv-cache-gib", str(gib)])  # fmt: skip
+        for row in rows:
+            key = f"sim|{name}|{row['capacity_label']}"
+            out[key] = {k: row.get(k) for k in ("hit_ratio", "ttft_p50_s", "ttft_p99_s")}
+            print(f"  {name:<24} {row['capacity_label']:<16} hit {row['hit_ratio']:.3f}  "
+                  f"TTFT p50 {1000 * row['ttft_p50_s']:7.1f} ms  p99 "
+                  f"{1000 * row['ttft_p99_s']:8.1f} ms")
+    print(f"\ntraces through the engine (SmolLM2 float32, {args.trace_memory >> 20} MiB of KV, "
+          f"the first {args.trace_requests} requests, each hash id 16 tokens, prompts cut at "
+          f"1,024)")
+    for name, path in traces.items():
+        requests = load_trace(path).requests[: args.trace_requests]
+        for layout in LAYOUTS:
+            engine = LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout, block_size=16,
+                               kv_cache_memory_bytes=args.trace_memory, max_num_seqs=64)
+            row = _replay(engine, requests, 1024)
+            out[f"engine|{name}|{layout}"] = row
+            print(f"  {name:<24} {layout:<10} hit {row['hit_rate']:.3f}  TTFT p50 "
+                  f"{1000 * row['ttft_p50_s']:7.1f} ms  p99 {1000 * row['ttft_p99_s']:8.1f} ms")
+            engine.close()
+    return out
+
+
+PARTS = {"attention": bench_attention, "fidelity": bench_fidelity, "capacity": bench_capacity,
+         "restore": bench_restore, "traces": bench_traces}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--seqs", type=int, default=4, help="attention: decode sequences")
+    parser.add_argument("--layers", type=int, default=4, help="attention: layers' caches")
+    parser.add_argument("--memory", type=int, default=512 << 20, help="KV bytes (capacity)")
+    parser.add_argument("--sim-gib", type=float, default=640.0, help="traces: simulated KV GiB")
+    parser.add_argument("--trace-requests", type=int, default=60, help="traces: engine replay")
+    parser.add_argument("--trace-memory", type=int, default=96 << 20,
+                        help="traces: the engine's KV bytes")
+    parser.add_argument("--agentic-gib", type=float, default=64.0,
+                        help="traces: simulated KV GiB for the agentic traces")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"bench_kv_quant on {cpu_name()}, {args.threads} threads, load average "
+          f"{os.getloadavg()[0]:.2f}, torch {torch.__version__}")
+    results = {name: PARTS[name](args) for name in args.parts.split(",")}
+    print(json.dumps({"cpu": cpu_name(), "threads": args.threads, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""The quantized KV cache (``--kv-cache-dtype``): the layouts' bytes, the kernel reading them as
+stored, the engine keeping them (capacity, identity, tiers), and bad input refused clearly.
+
+Batch invariance in the int8 and int4 layouts is in tests/test_batch_invariance.py (its forms);
+here the same answer alone, batched and warm for the other layouts and the bfloat16 model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from native_support import require_native_attention
+from prefixcache import LLM, SamplingParams
+from prefixcache.attention import KVLayout, native_attention
+from prefixcache.attention.kv_format import FORMATS, KVFormat, hadamard, kv_format
+from prefixcache.cache import CacheIdentity, Sequence
+from prefixcache.cache.block_hash import BlockHasher, Namespace
+from prefixcache.cli import main
+from prefixcache.engine.config import EngineConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+QUANTIZED = ["int8", "int4", "fp8_e4m3", "fp8_e5m2"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+PROMPTS = [list(range(40, 130)) + [200 + 3 * i + j for j in range(5 + 4 * i)] for i in range(3)]
+
+
+def _rows(kernel_rows: torch.Tensor, layout: KVFormat, dim: int) -> torch.Tensor:
+    """The values the kernel reads back from stored rows [n, bytes] (rotated back)."""
+    kernel = native_attention._kernel()
+    assert kernel is not None
+    out = torch.empty(kernel_rows.shape[0], dim)
+    for i in range(kernel_rows.shape[0]):
+        kernel.kv_read(out.data_ptr() + 4 * dim * i, kernel_rows.data_ptr(), i, dim, layout.code)
+    if layout.rotated:
+        kernel.hadamard_rows(out.data_ptr(), out.shape[0], dim)
+    return out
+
+
+# ---- the layouts' bytes --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_writes_the_torch_reference_bytes(name: str, dim: int, dtype) -> None:
+    require_native_attention()
+    layout = FORMATS[name]
+    gen = torch.Generator().manual_seed(dim)
+    qkv = (torch.randn(37, 7, dim, generator=gen) * 3).to(dtype)  # k, v: strided views
+    qkv[0, 3, :4] = 0  # a block with zeros, and a whole zero row
+    qkv[1, 4] = 0
+    k, v = qkv[:, 3:5], qkv[:, 5:7]
+    slots = torch.randperm(50, generator=gen)[:37]
+    k_rows, v_rows = (torch.zeros(50, 2, layout.row_width(dim), dtype=torch.uint8)
+                      for _ in range(2))  # fmt: skip
+    assert native_attention.kv_write(k, v, k_rows, v_rows, slots, layout.code)
+    assert torch.equal(k_rows[slots], layout.quantize(k))
+    assert torch.equal(v_rows[slots], layout.quantize(v))
+    assert torch.equal(_rows(k_rows[slots].reshape(-1, k_rows.shape[-1]), layout, dim),
+                       layout.dequantize(k_rows[slots]).reshape(-1, dim))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_each_layout_keeps_its_values_within_its_precision(name: str) -> None:
+    layout = kv_format(name)
+    x = torch.randn(64, 2, 64, generator=torch.Generator().manual_seed(1)) * 2
+    back = layout.dequantize(layout.quantize(x))
+    relative = float((back - x).norm() / x.norm())
+    bound = {"int8": 0.006, "int4": 0.12, "fp8_e4m3": 0.04, "fp8_e5m2": 0.08}[name]
+    assert relative < bound
+    if native_attention.available():
+        stored = layout.quantize(x).reshape(-1, layout.row_width(64)).contiguous()
+        assert torch.equal(_rows(stored, layout, 64), back.reshape(-1, 64))
+
+
+def test_bytes_per_value_and_the_hadamard_transform() -> None:
+    bytes_per_value = {name: FORMATS[name].row_bytes(64) / 64 for name in FORMATS}
+    assert bytes_per_value == {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1.0625,
+                               "int4": 0.5625, "fp8_e4m3": 1.0625, "fp8_e5m2": 1.0625}
+    x = torch.randn(5, 64)
+    assert torch.allclose(hadamard(hadamard(x)), x, atol=1e-6)  # its own inverse
+    assert torch.allclose(hadamard(x).norm(dim=-1), x.norm(dim=-1))  # a rotation
+    if native_attention.available():
+        kernel = native_attention._kernel()
+        assert kernel is not None
+        y = x.clone()
+        kernel.hadamard_rows(y.data_ptr(), 5, 64)
+        assert torch.equal(y, hadamard(x))
+
+
+def test_bad_layouts_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int3'"):
+        kv_format("int3")
+    assert kv_format("fp8") == FORMATS["fp8_e4m3"]  # vLLM's spelling
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        KVLayout(2, 2, 48, torch.float32, FORMATS["int8"])
+    with pytest.raises(ValueError, match="power-of-two head_dim, not 96"):
+        KVLayout(2, 2, 96, torch.float32, FORMATS["int4"])
+    KVLayout(2, 2, 96, torch.float32, FORMATS["int8"])  # 3 blocks of 32: fine
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
+        EngineConfig.from_kwargs("tiny", kv_cache_dtype="q4_0")
+    with pytest.raises(ValueError, match="bfloat16 under float32"):
+        LLM(model="tiny", dtype="bfloat16", kv_cache_dtype="float32")
+
+
+# ---- the kernel reads the blocks as stored -------------------------------------------------
+
+
+def _reference(q, keys, values, context: int) -> torch.Tensor:
+    new, heads, dim = q.shape
+    group = heads // keys.shape[1]
+    k = keys.double().repeat_interleave(group, 1)
+    v = values.double().repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q.double(), k) * dim**-0.5
+    visible = torch.arange(keys.shape[0]) <= (torch.arange(new) + context).unsqueeze(1)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+@pytest.mark.parametrize(("name", "dim"), [(name, dim) for name in QUANTIZED
+                                           for dim in (64, 128, 96) if (name, dim) != ("int4", 96)])
+def test_prefill_and_decode_attend_the_stored_values(name: str, dim: int) -> None:
+    require_native_attention()  # (int4 rotates a power-of-two head_dim only)
+    layout = kv_format(name)
+    gen = torch.Generator().manual_seed(dim)
+    heads, kv_heads, slots_n, context, new = 6, 2, 400, 300, 40  # past one 256-key segment
+    k, v = torch.randn(slots_n, kv_heads, dim, generator=gen), torch.randn(slots_n, kv_heads, dim,
+                                                                          generator=gen)
+    k_rows, v_rows = layout.quantize(k).contiguous(), layout.quantize(v).contiguous()
+    keys, values = layout.dequantize(k_rows), layout.dequantize(v_rows)
+    slots = torch.randperm(slots_n, generator=gen)[: context + new]
+    q = torch.randn(new, heads, dim, generator=gen)
+    out = torch.empty_like(q)
+    native_attention.attend(q, k_rows, v_rows, slots, dim**-0.5, out, kv_code=layout.code)
+    ref = _reference(q, keys[slots], values[slots], context)
+    assert torch.allclose(out.double(), ref, atol=2e-5, rtol=1e-4)
+    # decode: 3 sequences sharing the first 200 keys, each with its own tail
+    shared = slots[:200]
+    tails = torch.stack([slots[200 + 30 * b: 230 + 30 * b] for b in range(3)])
+    lens = torch.tensor([30, 17, 1], dtype=torch.int32)
+    q1 = torch.randn(3, heads, dim, generator=gen)
+    out1 = torch.empty_like(q1)
+    native_attention.decode(q1, k_rows, v_rows, shared, tails, lens, dim**-0.5, out1,
+                            kv_code=layout.code)
+    for b in range(3):
+        seq = torch.cat((shared, tails[b, : int(lens[b])]))
+        ref1 = _reference(q1[b : b + 1], keys[seq], values[seq], len(seq) - 1)
+        assert torch.allclose(out1[b : b + 1].double(), ref1, atol=2e-5, rtol=1e-4)
+
+
+# ---- the engine: same answers, capacity, identity, tiers -------------------------------------
+
+
+def _answers(outs) -> list[list[tuple[int, float]]]:
+    return [[(d["token_id"], d["logprob"]) for d in o.outputs[0].logprobs] for o in outs]
+
+
+@pytest.mark.parametrize(("dtype", "kv"), [("bfloat16", "int8"), ("float32", "bfloat16"),
+                                           ("float32", "fp8_e4m3"), ("bfloat16", "int4")])
+def test_same_answer_alone_batched_and_warm(dtype: str, kv: str) -> None:
+    def llm(**settings) -> LLM:
+        return LLM(model="tiny", dtype=dtype, kv_cache_dtype=kv, check_integrity=True,
+                   **settings)
+
+    alone = [_answers(llm(enable_prefix_caching=False).generate([p], GREEDY))[0]
+             for p in PROMPTS]  # fmt: skip
+    on = llm(max_num_batched_tokens=32)
+    assert _answers(on.generate(PROMPTS, GREEDY)) == alone  # batched, chunked, cold
+    assert _answers(on.generate(PROMPTS, GREEDY)) == alone  # warm: every prefix a hit
+    assert on.stats()["hit_tokens"] > 0
+
+
+def test_a_fixed_memory_holds_about_four_and_seven_times_the_blocks() -> None:
+    blocks = {}
+    for kv in ("float32", "bfloat16", "int8", "int4"):
+        llm = LLM(model="tiny", kv_cache_dtype=kv, kv_cache_memory_bytes=64 << 20,
+                  max_num_seqs=256)
+        blocks[kv] = llm.engine.cache.num_blocks
+        assert llm.engine.runner.kv_cache.num_bytes <= 64 << 20
+    assert blocks["int8"] / blocks["float32"] >= 3.7 and blocks["int8"] / blocks["bfloat16"] >= 1.85
+    assert blocks["int4"] / blocks["float32"] >= 7.0 and blocks["int4"] / blocks["bfloat16"] >= 3.5
+
+
+def test_the_layout_is_in_the_namespace_and_the_default_keys_are_unchanged() -> None:
+    hasher = BlockHasher(4)
+    tokens = list(range(12))
+    plain = hasher.chain(tokens, Namespace("m"))
+    assert plain == hasher.chain(tokens, Namespace("m", kv_layout=None))
+    int8 = hasher.chain(tokens, Namespace("m", kv_layout=FORMATS["int8"].layout))
+    int4 = hasher.chain(tokens, Namespace("m", kv_layout=FORMATS["int4"].layout))
+    assert len({plain[0], int8[0], int4[0]}) == 3  # no block shared between layouts
+    seq = Sequence("s", tokens)
+    assert CacheIdentity("m", 4, kv_layout="int8:q8_0/32").block_digests(seq) == int8
+    assert CacheIdentity("m", 4).block_digests(seq) == plain  # the chain is rebuilt
+    identity = CacheIdentity("m", 4, kv_layout="int8:q8_0/32")
+    assert CacheIdentity.from_dict(identity.as_dict()) == identity
+    float32 = LLM(model="tiny").engine.cache_identity
+    int8_engine = LLM(model="tiny", kv_cache_dtype="int8").engine.cache_identity
+    assert float32.kv_layout is None and int8_engine.kv_layout == "int8:q8_0/32"
+    assert float32.model_id == int8_engine.model_id  # the same model, another layout
+
+
+def test_tier_records_keep_the_layout_and_another_layout_misses(tmp_path: Path) -> None:
+    sizes = {}
+    answers = {}
+    for kv in ("int8", "float32", "int8"):
+        llm = LLM(model="tiny", kv_cache_dtype=kv, kv_disk=str(tmp_path), block_size=16)
+        answers.setdefault(kv, []).append(_answers(llm.generate(PROMPTS, GREEDY)))
+        assert llm.engine.flush_tiers(30)
+        loaded = llm.stats()["tiers"]["engine"]["blocks_loaded_by_tier"].get("disk", 0)
+        store = llm.engine.tiers.offload.store
+        sizes[kv] = store.identity.payload_bytes
+        if len(answers[kv]) == 2:  # the second int8 engine: the first's blocks, loaded
+            assert loaded > 0
+            assert answers[kv][0] == answers[kv][1]
+        else:  # nothing of the other layout is read
+            assert loaded == 0
+        llm.engine.close()
+    assert sizes["float32"] / sizes["int8"] == pytest.approx(4 / 1.0625)
+    records = {p.parent.parent.name for p in tmp_path.rglob("*.kv")}
+    assert len(records) == 2  # one directory per identity: both layouts kept, nothing lost
+
+
+def test_explain_names_a_tier_written_in_another_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = "A system prompt that every request of this tenant starts with, word for word. " * 3
+    llm = LLM(model="tiny", kv_cache_dtype="int8", kv_disk=str(tmp_path))
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    assert llm.engine.flush_tiers(30)
+    llm.engine.close()
+
+    def explain(*flags: str) -> str:
+        with pytest.raises(SystemExit):
+            main(["explain", prompt, prompt, "--model", "tiny", "--dtype", "float32",
+                  "--kv-disk", str(tmp_path), *flags])
+        return capsys.readouterr().out
+
+    assert "KV layout differs (a miss)" in explain()  # a float32 engine reads none of them
+    assert "in the int8 KV layout" in explain()
+    same = explain("--kv-cache-dtype", "int8")
+    assert "KV layout differs" not in same and "holds 0 of" not in same
+    split = explain("--kv-cache-dtype-b", "int4")  # A's RAM blocks are float32, B's int4
+    assert "why: the namespace differs: KV layout" in split
+
+
+def test_models_metrics_and_events_name_the_layout() -> None:
+    import httpx
+
+    from prefixcache.cache import BlockStored
+    from prefixcache.server.kv_events import decode_batch, encode_batch
+    from server_harness import start_server
+
+    running = start_server(["--model", "tiny", "--kv-cache-dtype", "int8", "--num-kv-blocks",
+                            "64"])
+    try:
+        card = httpx.get(running.base_url + "/v1/models").json()["data"][0]
+        kv = card["precision"]["kv_cache"]
+        assert kv["dtype"] == "int8" and kv["layout"] == "int8:q8_0/32"
+        assert kv["bytes_per_token"] == 4 * 2 * 2 * (64 + 4)  # layers x K,V x kv heads x row
+        assert kv["fidelity"]["top1_agreement"] > 0.9 and "mean_kl" in kv["fidelity"]
+        metrics = httpx.get(running.base_url + "/metrics").text
+        assert 'cache_dtype="int8"' in metrics and 'kv_layout="int8:q8_0/32"' in metrics
+    finally:
+        running.stop()
+    payload = encode_batch([BlockStored([b"d" * 32], b"r" * 32, [], 16)], 1.0, False, None,
+                           "int8")
+    assert b"kv_cache_dtype" in payload and b"int8" in payload
+    assert isinstance(decode_batch(payload)[1][0], BlockStored)  # readers that skip it decode
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_the_compiled_layer_calls_write_the_same_bytes(
+    kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # int8 and int4 rows are quantized by the kernel's writer inside the compiled calls, as
+    # the layers' separate steps write them: the same answers either way
+    from native_support import require_native_layers
+    from prefixcache.model import fused_layers
+
+    require_native_layers()
+    llm = LLM(model="tiny", kv_cache_dtype=kv)
+    assert llm.engine.kernels["layers"] == "compiled"
+    compiled = _answers(llm.generate(PROMPTS, GREEDY))
+    monkeypatch.setattr(fused_layers, "_kv_writer", lambda kv_cache: None)  # separate steps
+    separate = _answers(LLM(model="tiny", kv_cache_dtype=kv).generate(PROMPTS, GREEDY))
+    assert compiled == separate
+    assert LLM(model="tiny", kv_cache_dtype="fp8").engine.kernels["layers"].startswith("torch")
