@@ -76,7 +76,8 @@ class ServingContext:
         self.token_text = TokenText(self.tokenizer)
         # why a request missed: per tenant, kept beside the lower tier where there is one
         self.diagnoser = Diagnoser(self.block_size, store=diagnostics_store)
-        self.model_identity = engine.cache_identity.model_id  # weights, dtype: what KV means
+        identity = engine.cache_identity  # weights, dtype and KV layout: what a block means
+        self.model_identity = f"{identity.model_id}|{identity.kv_layout or ''}"
         self.loras = ServingLoras(engine, options.model_name)  # the LoRA adapters by model name
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
