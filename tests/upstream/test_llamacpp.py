@@ -27,11 +27,10 @@ import httpx
 import openai
 import pytest
 
-from server_harness import RunningServer, start_server, wait_idle
+from server_harness import SAFE_MARGIN, RunningServer, start_server, wait_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SAFE_MARGIN = 1e-3  # >= 10x the largest logit shift measured between batch compositions
 MIN_COMPARED = 4  # a reference with a near-tie before this step needs other prompts
 BLOCK = 16
 # -np 2 and a pool small enough that finished conversations are evicted and their blocks reused

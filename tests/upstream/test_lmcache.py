@@ -41,13 +41,12 @@ from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.tiers import DiskTier
 from prefixcache.tiers import record as rec
-from server_harness import RunningServer, start_server, wait_idle
+from server_harness import SAFE_MARGIN, RunningServer, start_server, wait_idle
 from tier_helpers import IDENTITY, ValkeyProcess, flush, key, payload, record_files, shared_url
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BS = 16
-SAFE_MARGIN = 1e-3  # >= 10x the largest float32 logit shift measured between batch compositions
 MAX_TOKENS = 6
 
 
