@@ -215,8 +215,8 @@ def test_dtype_auto_measures_once_per_machine_and_shape(tiny_llama, tmp_path, mo
     assert all(a["prefill"] > 0 and a["decode_step"] > 0 for a in attention.values())
     assert attention["float32"] == attention["float32+bfloat16"]
     assert auto.choice.cpu and "chose" in auto.choice.describe()
-    timings = [p for p in (tmp_path / "calibration").glob("*.json")
-               if not p.name.startswith("fidelity-")]  # fmt: skip
+    timings = [p for p in (tmp_path / "calibration").glob("*.json")  # not the fidelity files
+               if not p.name.startswith(("fidelity-", "kv-fidelity-"))]  # fmt: skip
     (kept,) = timings
     assert json.loads(kept.read_text())["chosen"] == min(
         labels, key=lambda label: figures[label]["score_s"])  # the fastest, as measured
