@@ -289,3 +289,11 @@ def test_the_compiled_layer_calls_write_the_same_bytes(
     separate = _answers(LLM(model="tiny", kv_cache_dtype=kv).generate(PROMPTS, GREEDY))
     assert compiled == separate
     assert LLM(model="tiny", kv_cache_dtype="fp8").engine.kernels["layers"].startswith("torch")
+
+
+def test_the_simulators_table_is_the_layouts_row_sizes() -> None:
+    from prefixcache.attention.kv_format import ALIASES
+    from prefixcache.sim.config import KV_BYTES_SCALE
+
+    for name, scale in KV_BYTES_SCALE.items():  # against bfloat16's row
+        assert kv_format(ALIASES.get(name, name)).row_bytes(64) / 128 == scale

@@ -310,3 +310,23 @@ def test_the_default_precision_answers_the_readmes_question_as_float32_does(llm)
     if chosen["candidates"]:  # measured (more than one candidate fits here)
         fidelity = chosen["candidates"][chosen["chosen"]].get("fidelity")
         assert chosen["chosen"] == "float32" or fidelity["eligible"]
+
+
+def test_int8_kv_answers_the_readmes_questions_as_float32_does(llm):
+    # the "done when": `serve --model smollm2 --kv-cache-dtype int8` answers the
+    # README's question as float32 does, and its second example (one system prompt, two
+    # questions, the second reading the first's cached blocks) too
+    int8 = LLM(model="smollm2", kv_cache_dtype="int8")
+    assert int8.engine.limits.precision["kv_cache"]["layout"] == "int8:q8_0/32"
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    question = [{"role": "user", "content": QUESTIONS[0]}]
+    assert int8.chat(question, params)[0].text == llm.chat(question, params)[0].text
+    system = ("You are a friendly geography tutor for school children. Answer every question in "
+              "one short, correct sentence, using simple words. If you do not know an answer, "
+              "say so plainly. " * 2)  # fmt: skip
+    for q in ["What is the capital of France?", "What is the capital of Italy?"]:
+        conversation = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        (ours,) = int8.chat(conversation, params)
+        assert ours.text == llm.chat(conversation, params)[0].text
+    assert ours.num_cached_tokens > 0  # the second question read the first's int8 blocks
+    assert _answers(int8)[:4] == _answers(llm)[:4]

@@ -146,3 +146,25 @@ def test_without_the_sim_extra_there_are_tables_but_no_plots(tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr
     assert "hash" in out.stdout and "prefixcache[sim]" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.json"]
+
+
+def test_kv_layouts_size_the_pool_from_its_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # each --kv-cache-dtype gets the blocks of its own size in --kv-cache-gib; smaller rows
+    # hold more of the trace and hit more
+    code, out, _ = _simulate([str(SYNTHETIC), "--kv-cache-dtype", "float32,int8,int4",
+                              "--kv-cache-gib", "8", "--prefix-cache", "hash",
+                              "--out", str(tmp_path), "--no-plots"], capsys)  # fmt: skip
+    assert code == 0 and "@int8" in out
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    blocks = {r["capacity_label"].split("@")[1]: r["capacity_blocks"] for r in rows}
+    hits = {r["capacity_label"].split("@")[1]: r["hit_ratio"] for r in rows}
+    assert blocks["int8"] == int(8 * 2**30 // (131072 * 34 / 64 * 512))
+    assert blocks["float32"] < blocks["int8"] < blocks["int4"]
+    assert hits["float32"] < hits["int8"] <= hits["int4"]
+    code, _, err = _simulate([str(SYNTHETIC), "--kv-cache-dtype", "int8"], capsys)
+    assert code == 2 and "needs --kv-cache-gib" in err
+    code, _, err = _simulate([str(SYNTHETIC), "--kv-cache-dtype", "int3", "--kv-cache-gib", "1"],
+                             capsys)  # fmt: skip
+    assert code == 2 and "int3" in err

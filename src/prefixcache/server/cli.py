@@ -310,9 +310,10 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
 
     cache = engine.engine_config.cache
     kind = cache.kind if cache.enable_prefix_caching else "off"
-    logger.info("model %s: context %d tokens, %d KV blocks of %d tokens, prefix cache %s, "
+    logger.info("model %s: context %d tokens, %d KV blocks of %d tokens in %s, prefix cache %s, "
                 "attention %s, element-wise layers %s",
                 args.model, engine.max_model_len, engine.limits.num_kv_blocks, args.block_size,
+                engine.limits.precision.get("kv_cache", {}).get("dtype", "?"),
                 "off" if kind == "off" else f"{kind}/{args.hash_algo}",
                 "compiled CPU kernel" if native_attention.available() else "torch",
                 "compiled" if native_layers.available() else "torch")
