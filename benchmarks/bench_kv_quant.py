@@ -12,6 +12,9 @@ Parts (``--parts``, default all):
   ``perplexity --kl-divergence`` states it: mean, 99th percentile and largest KL divergence of
   the next-token distributions and the top-1 agreement, over the README's first 512 tokens and
   over `precision.FIDELITY_TEXT` (what ``auto``'s gate reads).
+- ``llamacpp``: the same in llama.cpp's ``perplexity --kl-divergence`` protocol (the README in
+  chunks of 512 tokens, each chunk's second half scored), and with ``--llama-perplexity BIN``
+  llama.cpp's own q8_0 and q4_0 KV (rotated, its default, and not) on the same GGUF file.
 - ``capacity``: SmolLM2 with a fixed ``--kv-cache-memory-bytes``: 2,000-token prefixes sent one
   after another until the first is evicted; how many stay cached whole, and the time to first
   token of a miss and of a hit.
@@ -165,6 +168,58 @@ def bench_fidelity(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {text:<14} {name:<10} {fig['tokens']:>6} {fig['mean_kl']:>9.5f} "
                   f"{fig['p99_kl']:>8.4f} {fig['max_kl']:>8.4f} "
                   f"{100 * fig['top1_agreement']:>6.1f}%")
+    return out
+
+
+def bench_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
+    """llama.cpp's protocol on both sides: the README in chunks of 512 tokens, the KL divergence
+    of each chunk's second half against the same model's own wide KV (ours float32, llama.cpp's
+    f16), per layout; llama.cpp's own run where ``--llama-perplexity`` names its binary (its
+    q4_0 with and without the rotation it applies by default, LLAMA_ATTN_ROT_DISABLE)."""
+    import re
+    import subprocess
+
+    from prefixcache.attention.kv_format import kv_format
+    from prefixcache.model import precision
+    from prefixcache.model.builtin import locate_packaged
+    from prefixcache.model.loader import load_model
+
+    loaded = load_model("smollm2", dtype="float32")
+    ids = loaded.tokenizer.encode((ROOT / "README.md").read_text())
+    chunks = [ids[i : i + 512] for i in range(0, len(ids) - 511, 512)]
+    out: dict[str, Any] = {}
+    print(f"\nllama.cpp's protocol: the README, {len(chunks)} chunks of 512, second halves scored")
+    for name in ("int8", "fp8_e4m3", "int4"):
+        figs = []
+        for chunk in chunks:
+            ref = precision.all_logits(loaded.model, loaded.config, chunk, torch.float32)
+            got = precision.all_logits(loaded.model, loaded.config, chunk, torch.float32,
+                                       kv_format(name))  # fmt: skip
+            figs.append(precision.fidelity_of(ref[256:], got[256:]))
+        row = {k: statistics.mean(f[k] for f in figs) for k in ("mean_kl", "top1_agreement")}
+        out[f"ours|{name}"] = row
+        print(f"  ours       {name:<18} mean KL {row['mean_kl']:.5f}  top-1 "
+              f"{100 * row['top1_agreement']:.1f}%")
+    if not args.llama_perplexity:
+        return out
+    gguf, text = locate_packaged("smollm2"), str(ROOT / "README.md")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = str(Path(tmp) / "base.kld")
+        common = [args.llama_perplexity, "-m", str(gguf), "-f", text, "-c", "512", "-b", "512",
+                  "-t", str(args.threads), "-fa", "on"]  # fmt: skip
+        subprocess.run([*common, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", base],
+                       capture_output=True, check=True)  # fmt: skip
+        for label, kv, rotation in (("q8_0", "q8_0", "0"), ("q4_0 rotated", "q4_0", "0"),
+                                    ("q4_0 unrotated", "q4_0", "1")):  # fmt: skip
+            run = subprocess.run([*common, "-ctk", kv, "-ctv", kv, "--kl-divergence-base", base,
+                                  "--kl-divergence"], capture_output=True, text=True,
+                                 env={**os.environ, "LLAMA_ATTN_ROT_DISABLE": rotation},
+                                 check=True)  # fmt: skip
+            log = run.stdout + run.stderr
+            kl = float(re.search(r"Mean +KLD: +([0-9.]+)", log).group(1))  # type: ignore[union-attr]
+            top = float(re.search(r"Same top p: +([0-9.]+)", log).group(1))  # type: ignore[union-attr]
+            out[f"llama.cpp|{label}"] = {"mean_kl": kl, "top1_agreement": top / 100}
+            print(f"  llama.cpp  {label:<18} mean KL {kl:.5f}  top-1 {top:.1f}%")
     return out
 
 
@@ -352,8 +407,8 @@ def bench_traces(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-PARTS = {"attention": bench_attention, "fidelity": bench_fidelity, "capacity": bench_capacity,
-         "restore": bench_restore, "traces": bench_traces}  # fmt: skip
+PARTS = {"attention": bench_attention, "fidelity": bench_fidelity, "llamacpp": bench_llamacpp,
+         "capacity": bench_capacity, "restore": bench_restore, "traces": bench_traces}  # fmt: skip
 
 
 def main() -> None:
@@ -365,6 +420,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="attention: layers' caches")
     parser.add_argument("--memory", type=int, default=512 << 20, help="KV bytes (capacity)")
     parser.add_argument("--sim-gib", type=float, default=640.0, help="traces: simulated KV GiB")
+    parser.add_argument("--llama-perplexity", default=None, metavar="BIN",
+                        help="llamacpp: llama.cpp's llama-perplexity, to run its side too")
     parser.add_argument("--trace-memory", type=int, default=96 << 20,
                         help="traces: the engine's KV bytes")
     parser.add_argument("--agentic-gib", type=float, default=64.0,

@@ -14,7 +14,8 @@ the chunking or anything else in the step. The attention kernel reads the blocks
 The quantized layouts' cache tensors are bytes (uint8) of shape [num_blocks, block_size,
 num_kv_heads, `KVFormat.row_width`]; which layout they hold travels beside them as the
 `KVFormat` (`PagedKVCache.kv_format`, `AttentionPlan.kv_format`). Accepted spellings are vLLM's
-as well: ``fp8`` is ``fp8_e4m3``; ``auto`` is resolved by the engine (`resolve`).
+as well: ``fp8`` is ``fp8_e4m3``; ``auto`` is resolved by the model's loader
+(`prefixcache.model.kv_choice`).
 """
 
 from __future__ import annotations
