@@ -91,7 +91,7 @@ def test_bytes_per_value_and_the_hadamard_transform() -> None:
         assert torch.equal(y, hadamard(x))
 
 
-def test_bad_layouts_are_refused_by_name() -> None:
+def test_bad_layouts_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int3'"):
         kv_format("int3")
     assert kv_format("fp8") == FORMATS["fp8_e4m3"]  # vLLM's spelling
@@ -100,6 +100,12 @@ def test_bad_layouts_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="power-of-two head_dim, not 96"):
         KVLayout(2, 2, 96, torch.float32, FORMATS["int4"])
     KVLayout(2, 2, 96, torch.float32, FORMATS["int8"])  # 3 blocks of 32: fine
+    import prefixcache.attention.kv_format as formats
+
+    with monkeypatch.context() as patch:  # a torch without 8-bit floats on the CPU
+        patch.setattr(formats, "_fp8_supported", lambda dtype: False)
+        with pytest.raises(ValueError, match="cannot convert to torch.float8_e4m3fn"):
+            kv_format("fp8")
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         EngineConfig.from_kwargs("tiny", kv_cache_dtype="q4_0")
     with pytest.raises(ValueError, match="bfloat16 under float32"):

@@ -347,7 +347,7 @@ def _kv_fidelity(
             reference = logits(torch.float32, "float32", None)
             return precision.fidelity_of(reference, logits(DTYPES[dtype], weights, layout))
 
-        path = cache_dir() / "calibration" / f"kv-fidelity-{key}.json"
+        path = cache_dir() / "calibration" / f"fidelity-kv-{key}.json"
         return machine.measured_once(path, measure)[0]
 
     return of
