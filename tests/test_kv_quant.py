@@ -157,6 +157,59 @@ def test_prefill_and_decode_attend_the_stored_values(name: str, dim: int) -> Non
         assert torch.allclose(out1[b : b + 1].double(), ref1, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8_e5m2", "bfloat16"])
+def test_the_torch_paths_dequantize_only_the_blocks_a_step_reads(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # without the kernel, each sequence's path (decode, a cascade over shared cached blocks,
+    # a prefill over its own context, a fresh prefill) attends the values its blocks hold,
+    # and the layer copies those blocks only, never the whole cache
+    from prefixcache.attention import AttentionMetadata, PagedKVCache
+    from prefixcache.attention import plan as plans
+    from prefixcache.attention.paged_attention import paged_attention, write_kv
+
+    monkeypatch.setattr(native_attention, "available", lambda: False)
+    layout, dim, bs, kv_heads, heads = kv_format(name), 64, 4, 2, 6
+    cache = PagedKVCache(1, 64, bs, kv_heads, dim, kv_format=layout)
+    k_cache, v_cache = cache.layer(0)
+    shared = [40, 7, 21]  # three cached blocks read by sequences 1 and 2
+    tables = [[3, 9], shared + [11, 12], shared + [13, 14], [50, 51, 52], [60, 61]]
+    computed, new = [6, 12, 12, 5, 0], [1, 5, 6, 7, 6]
+    gen = torch.Generator().manual_seed(3)
+    full = [(torch.randn(c + n, kv_heads, dim, generator=gen),
+             torch.randn(c + n, kv_heads, dim, generator=gen)) for c, n in zip(computed, new)]
+    for b, c in enumerate(computed):  # earlier steps wrote the context (the shared blocks once)
+        if c and b != 2:
+            prior = AttentionMetadata.build([tables[b]], [0], [c], bs)
+            write_kv(full[b][0][:c], full[b][1][:c], k_cache, v_cache, prior.slot_mapping, layout)
+    meta = AttentionMetadata.build(tables, computed, new, bs)
+    k = torch.cat([fk[c:] for (fk, _), c in zip(full, computed)])
+    v = torch.cat([fv[c:] for (_, fv), c in zip(full, computed)])
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layout)
+    plan = plans.build_plan(meta, k_cache, v_cache, heads, torch.float32, torch.device("cpu"),
+                            layout)
+    assert not plan.native and plan.groups  # the torch paths, a cascade among them
+    read_rows = []
+    dequantize = type(layout).dequantize
+
+    def counted(self: KVFormat, rows: torch.Tensor, dtype: torch.dtype = torch.float32):
+        read_rows.append(rows.shape[0])
+        return dequantize(self, rows, dtype)
+
+    monkeypatch.setattr(type(layout), "dequantize", counted)
+    q = torch.randn(sum(new), heads, dim, generator=gen)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, dim**-0.5, plan)
+    blocks_read = len({block for table in tables for block in table})
+    assert read_rows == [blocks_read, blocks_read]  # K and V: 14 of the cache's 64 blocks
+    flat_k = dequantize(layout, k_cache).view(-1, kv_heads, dim)
+    flat_v = dequantize(layout, v_cache).view(-1, kv_heads, dim)
+    for b in range(len(new)):
+        s, e = meta.query_starts[b], meta.query_starts[b + 1]
+        seq = AttentionMetadata.build([tables[b]], [0], [computed[b] + new[b]], bs).slot_mapping
+        ref = _reference(q[s:e], flat_k[seq], flat_v[seq], computed[b])
+        assert torch.allclose(out[s:e].double(), ref, atol=2e-5, rtol=1e-4), b
+
+
 # ---- the engine: same answers, capacity, identity, tiers -------------------------------------
 
 
