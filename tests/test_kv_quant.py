@@ -2,10 +2,12 @@
 stored, the engine keeping them (capacity, identity, tiers), and bad input refused clearly.
 
 Batch invariance in the int8 and int4 layouts is in tests/test_batch_invariance.py (its forms);
-here the same answer alone, batched and warm for the other layouts and the bfloat16 model."""
+here the same answer alone, batched, chunked, warm and from a tier for the other layouts and the
+bfloat16 model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,33 @@ def test_bad_layouts_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
         EngineConfig.from_kwargs("tiny", kv_cache_dtype="q4_0")
     with pytest.raises(ValueError, match="bfloat16 under float32"):
         LLM(model="tiny", dtype="bfloat16", kv_cache_dtype="float32")
+
+
+def test_a_model_whose_head_the_layout_cannot_take_is_refused_at_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a checkpoint with 96-value heads: int8 keeps them (3 blocks of 32), int4's rotation
+    # needs a power of two, refused by LLM(...) and by the command line with the reason
+    import transformers
+
+    from prefixcache.model.byte_tokenizer import write_byte_tokenizer
+
+    config = transformers.LlamaConfig(hidden_size=192, intermediate_size=128, head_dim=96,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=300)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    write_byte_tokenizer(tmp_path)
+    int8 = LLM(model=str(tmp_path), kv_cache_dtype="int8")
+    assert int8.engine.runner.kv_cache.head_dim == 96
+    assert len(int8.generate(["hello"], GREEDY)[0].outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="needs a power-of-two head_dim, not 96"):
+        LLM(model=str(tmp_path), kv_cache_dtype="int4")
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", str(tmp_path), "--kv-cache-dtype", "int4", "hello"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "power-of-two head_dim, not 96" in err
+    assert "Traceback" not in err
 
 
 # ---- the kernel reads the blocks as stored -------------------------------------------------
@@ -218,18 +247,26 @@ def _answers(outs) -> list[list[tuple[int, float]]]:
 
 
 @pytest.mark.parametrize(("dtype", "kv"), [("bfloat16", "int8"), ("float32", "bfloat16"),
-                                           ("float32", "fp8_e4m3"), ("bfloat16", "int4")])
-def test_same_answer_alone_batched_and_warm(dtype: str, kv: str) -> None:
+                                           ("float32", "fp8_e4m3"), ("float32", "fp8_e5m2"),
+                                           ("bfloat16", "int4")])
+def test_same_answer_alone_batched_chunked_warm_and_from_a_tier(
+    dtype: str, kv: str, tmp_path: Path
+) -> None:
     def llm(**settings) -> LLM:
         return LLM(model="tiny", dtype=dtype, kv_cache_dtype=kv, check_integrity=True,
                    **settings)
 
     alone = [_answers(llm(enable_prefix_caching=False).generate([p], GREEDY))[0]
              for p in PROMPTS]  # fmt: skip
-    on = llm(max_num_batched_tokens=32)
+    on = llm(max_num_batched_tokens=32, kv_disk=str(tmp_path))
     assert _answers(on.generate(PROMPTS, GREEDY)) == alone  # batched, chunked, cold
     assert _answers(on.generate(PROMPTS, GREEDY)) == alone  # warm: every prefix a hit
     assert on.stats()["hit_tokens"] > 0
+    assert on.engine.flush_tiers(30)
+    on.engine.close()
+    restored = llm(kv_disk=str(tmp_path))  # its prefixes read back from the disk tier
+    assert _answers(restored.generate(PROMPTS, GREEDY)) == alone
+    assert restored.stats()["tiers"]["engine"]["blocks_loaded_by_tier"].get("disk", 0) > 0
 
 
 def test_a_fixed_memory_holds_about_four_and_seven_times_the_blocks() -> None:
@@ -262,25 +299,61 @@ def test_the_layout_is_in_the_namespace_and_the_default_keys_are_unchanged() -> 
     assert float32.model_id == int8_engine.model_id  # the same model, another layout
 
 
-def test_tier_records_keep_the_layout_and_another_layout_misses(tmp_path: Path) -> None:
-    sizes = {}
-    answers = {}
-    for kv in ("int8", "float32", "int8"):
-        llm = LLM(model="tiny", kv_cache_dtype=kv, kv_disk=str(tmp_path), block_size=16)
+@pytest.fixture(params=["disk", "valkey"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A fresh disk directory or valkey-server, as an engine's tier flags."""
+    if request.param == "disk":
+        yield {"kv_disk": str(tmp_path)}
+        return
+    from tier_helpers import ValkeyProcess
+
+    server = ValkeyProcess().start()
+    try:
+        yield {"kv_valkey": server.url}
+    finally:
+        server.stop()
+
+
+def _stored_record_bytes(tier: dict[str, str]) -> dict[str, list[int]]:
+    """Each identity tag's stored records' sizes, as the tier holds them."""
+    sizes: dict[str, list[int]] = {}
+    if "kv_disk" in tier:
+        for path in Path(tier["kv_disk"]).rglob("*.kv"):
+            sizes.setdefault(path.parent.parent.name, []).append(path.stat().st_size)
+        return sizes
+    from prefixcache.tiers.valkey import connect
+
+    client = connect(tier["kv_valkey"])
+    for key in client.scan_iter(match="prefixcache:v1:*", count=1000):
+        parts = key.decode().split(":")
+        if len(parts) == 4:  # a record, not a domain's set
+            sizes.setdefault(parts[2], []).append(int(client.strlen(key)))
+    return sizes
+
+
+def test_tier_records_keep_the_layout_and_another_layout_misses(tier: dict[str, str]) -> None:
+    # each layout's records are stored as its cache holds them, under its own identity: an
+    # engine of another layout reads none of them (a miss) and removes none (both kept), and
+    # the next engine of the first layout loads its own with the same answers
+    tags, answers = {}, {}
+    for kv in ("int8", "float32", "int4", "bfloat16", "int8"):
+        llm = LLM(model="tiny", kv_cache_dtype=kv, block_size=16, **tier)
         answers.setdefault(kv, []).append(_answers(llm.generate(PROMPTS, GREEDY)))
         assert llm.engine.flush_tiers(30)
-        loaded = llm.stats()["tiers"]["engine"]["blocks_loaded_by_tier"].get("disk", 0)
-        store = llm.engine.tiers.offload.store
-        sizes[kv] = store.identity.payload_bytes
+        loaded = llm.stats()["tiers"]["engine"]["blocks_loaded_by_tier"]
+        tags[kv] = llm.engine.tiers.offload.store.identity.tag
         if len(answers[kv]) == 2:  # the second int8 engine: the first's blocks, loaded
-            assert loaded > 0
+            assert sum(loaded.values()) > 0
             assert answers[kv][0] == answers[kv][1]
-        else:  # nothing of the other layout is read
-            assert loaded == 0
+        else:  # nothing of another layout is read
+            assert sum(loaded.values()) == 0
         llm.engine.close()
-    assert sizes["float32"] / sizes["int8"] == pytest.approx(4 / 1.0625)
-    records = {p.parent.parent.name for p in tmp_path.rglob("*.kv")}
-    assert len(records) == 2  # one directory per identity: both layouts kept, nothing lost
+    stored = _stored_record_bytes(tier)
+    assert sorted(stored) == sorted(tags.values())  # 4 identities, every record kept
+    size = {kv: sum(stored[tag]) / len(stored[tag]) for kv, tag in tags.items()}  # headers too
+    assert len({len(stored[tag]) for tag in stored}) == 1  # the same blocks in each layout
+    assert 3.5 <= size["float32"] / size["int8"] and 1.8 <= size["bfloat16"] / size["int8"]
+    assert 6.0 <= size["float32"] / size["int4"] and 3.0 <= size["bfloat16"] / size["int4"]
 
 
 def test_explain_names_a_tier_written_in_another_layout(
@@ -323,6 +396,8 @@ def test_models_metrics_and_events_name_the_layout() -> None:
         assert kv["fidelity"]["top1_agreement"] > 0.9 and "mean_kl" in kv["fidelity"]
         metrics = httpx.get(running.base_url + "/metrics").text
         assert 'cache_dtype="int8"' in metrics and 'kv_layout="int8:q8_0/32"' in metrics
+        dashboard = httpx.get(running.base_url + "/dashboard/data").json()
+        assert dashboard["kv_cache_dtype"] == "int8"  # the page's model line: "tiny · KV int8"
     finally:
         running.stop()
     payload = encode_batch([BlockStored([b"d" * 32], b"r" * 32, [], 16)], 1.0, False, None,
