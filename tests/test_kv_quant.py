@@ -269,6 +269,25 @@ def test_same_answer_alone_batched_chunked_warm_and_from_a_tier(
     assert restored.stats()["tiers"]["engine"]["blocks_loaded_by_tier"].get("disk", 0) > 0
 
 
+def test_auto_picks_a_smaller_layout_only_within_the_precision_gate() -> None:
+    # under --dtype auto, auto checks int4 then int8 against --dtype auto's own gate: on the
+    # tiny model int4 misses it (its top-1 agreement), int8 passes and is kept; under a
+    # given --dtype, auto keeps the activations' dtype, as vLLM's does
+    from prefixcache.model import precision
+
+    measured = LLM(model="tiny", dtype="auto")
+    kv = measured.engine.limits.precision["kv_cache"]
+    checked = kv["kv_auto"]["fidelity"]
+    assert list(checked) == ["int4", "int8"]  # smallest first
+    for figures in checked.values():
+        assert figures["eligible"] == precision.within_bounds(figures)
+    assert not checked["int4"]["eligible"] and checked["int8"]["eligible"]
+    assert kv["dtype"] == kv["kv_auto"]["chosen"] == "int8"
+    assert measured.engine.runner.kv_cache.kv_format == FORMATS["int8"]
+    given = LLM(model="tiny", dtype="float32", kv_cache_dtype="auto")
+    assert given.engine.runner.kv_cache.kv_format == FORMATS["float32"]
+
+
 def test_a_fixed_memory_holds_about_four_and_seven_times_the_blocks() -> None:
     blocks = {}
     for kv in ("float32", "bfloat16", "int8", "int4"):
