@@ -206,14 +206,15 @@ def test_the_torch_paths_dequantize_only_the_blocks_a_step_reads(
     computed, new = [6, 12, 12, 5, 0], [1, 5, 6, 7, 6]
     gen = torch.Generator().manual_seed(3)
     full = [(torch.randn(c + n, kv_heads, dim, generator=gen),
-             torch.randn(c + n, kv_heads, dim, generator=gen)) for c, n in zip(computed, new)]
+             torch.randn(c + n, kv_heads, dim, generator=gen))
+            for c, n in zip(computed, new, strict=True)]  # fmt: skip
     for b, c in enumerate(computed):  # earlier steps wrote the context (the shared blocks once)
         if c and b != 2:
             prior = AttentionMetadata.build([tables[b]], [0], [c], bs)
             write_kv(full[b][0][:c], full[b][1][:c], k_cache, v_cache, prior.slot_mapping, layout)
     meta = AttentionMetadata.build(tables, computed, new, bs)
-    k = torch.cat([fk[c:] for (fk, _), c in zip(full, computed)])
-    v = torch.cat([fv[c:] for (_, fv), c in zip(full, computed)])
+    k = torch.cat([fk[c:] for (fk, _), c in zip(full, computed, strict=True)])
+    v = torch.cat([fv[c:] for (_, fv), c in zip(full, computed, strict=True)])
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layout)
     plan = plans.build_plan(meta, k_cache, v_cache, heads, torch.float32, torch.device("cpu"),
                             layout)

@@ -31,6 +31,7 @@ from prefixcache.attention.plan import EXPLICIT_SCORES_MAX_BYTES, AttentionPlan,
 
 __all__ = ["EXPLICIT_SCORES_MAX_BYTES", "paged_attention", "step_decode_plan", "write_kv"]
 
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
