@@ -399,15 +399,24 @@ def test_explain_names_a_tier_written_in_another_layout(
     assert "why: the namespace differs: KV layout" in split
 
 
-def test_models_metrics_and_events_name_the_layout() -> None:
+def test_models_metrics_dashboard_and_events_name_the_layout() -> None:
     import httpx
+    import msgspec
+    import zmq
 
     from prefixcache.cache import BlockStored
-    from prefixcache.server.kv_events import decode_batch, encode_batch
+    from prefixcache.server.kv_events import decode_batch
     from server_harness import start_server
+    from tier_helpers import free_port
 
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    events = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+              f'"endpoint": "{endpoint}", "topic": "kv"}}')
     running = start_server(["--model", "tiny", "--kv-cache-dtype", "int8", "--num-kv-blocks",
-                            "64"])
+                            "64", "--kv-events-config", events])  # fmt: skip
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.connect(endpoint)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
     try:
         card = httpx.get(running.base_url + "/v1/models").json()["data"][0]
         kv = card["precision"]["kv_cache"]
@@ -418,12 +427,22 @@ def test_models_metrics_and_events_name_the_layout() -> None:
         assert 'cache_dtype="int8"' in metrics and 'kv_layout="int8:q8_0/32"' in metrics
         dashboard = httpx.get(running.base_url + "/dashboard/data").json()
         assert dashboard["kv_cache_dtype"] == "int8"  # the page's model line: "tiny · KV int8"
+        stored = []
+        for attempt in range(50):  # until the subscription has joined: a request's blocks
+            httpx.post(running.base_url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": f"{attempt} " + "a shared prefix " * 8,
+                "max_tokens": 1})  # fmt: skip
+            if subscriber.poll(200):
+                _, _, payload = subscriber.recv_multipart()
+                stored = [e for e in msgspec.msgpack.decode(payload)[1]
+                          if e.get("type") == "BlockStored"]  # fmt: skip
+                if stored:
+                    break
+        assert stored and all(e["kv_cache_dtype"] == "int8" for e in stored)
+        assert isinstance(decode_batch(payload)[1][0], BlockStored)  # readers that skip it
     finally:
+        subscriber.close(0)
         running.stop()
-    payload = encode_batch([BlockStored([b"d" * 32], b"r" * 32, [], 16)], 1.0, False, None,
-                           "int8")
-    assert b"kv_cache_dtype" in payload and b"int8" in payload
-    assert isinstance(decode_batch(payload)[1][0], BlockStored)  # readers that skip it decode
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])
