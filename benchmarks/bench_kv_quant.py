@@ -26,8 +26,8 @@ Parts (``--parts``, default all):
   conversations interleaved through the engine (each hash id one token, SmolLM2, a fixed
   memory): hit rate and time to first token.
 - ``mooncake``: the Mooncake conversation trace's first ``--mooncake-requests`` through the
-  engine (each hash id a 16-token block of its own, SmolLM2, ``--mooncake-memory`` of KV): hit
-  rate and time to first token per layout.
+  engine (each hash id a block of ``--mooncake-block`` tokens of its own, SmolLM2,
+  ``--mooncake-memory`` of KV): hit rate and time to first token per layout.
 
     .venv/bin/python benchmarks/bench_kv_quant.py [--parts attention,fidelity] [--repeats 5]
 
@@ -423,16 +423,17 @@ def bench_mooncake_engine(args: argparse.Namespace) -> dict[str, Any]:
 
     trace = load_trace(str(TRACES / "mooncake" / "conversation_trace.jsonl"))
     requests = trace.requests[: args.mooncake_requests]
+    size = args.mooncake_block
     print(f"\nthe Mooncake conversation trace's first {len(requests)} requests through the engine "
-          f"(SmolLM2 float32, {args.mooncake_memory >> 20} MiB of KV, each hash id one 16-token "
-          "block of its own, one request at a time)")
+          f"(SmolLM2 float32, {args.mooncake_memory >> 20} MiB of KV, each hash id one "
+          f"{size}-token block of its own, one request at a time)")
     out: dict[str, Any] = {}
     prompts: list[list[int]] = []
     for layout in LAYOUTS:
-        engine = LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout, block_size=16,
+        engine = LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout, block_size=size,
                            kv_cache_memory_bytes=args.mooncake_memory, max_num_seqs=64)
         vocab = engine.model_config.vocab_size
-        prompts = prompts or [[t for h in r.hash_ids for t in _block_tokens(h, 16, vocab)]
+        prompts = prompts or [[t for h in r.hash_ids for t in _block_tokens(h, size, vocab)]
                               for r in requests]  # fmt: skip
         row = _replay(engine, prompts)
         out[f"engine|mooncake|{layout}"] = row
@@ -467,6 +468,8 @@ def main() -> None:
                         help="mooncake: the trace's first N requests through the engine")
     parser.add_argument("--mooncake-memory", type=int, default=512 << 20,
                         help="mooncake: the engine's KV bytes")
+    parser.add_argument("--mooncake-block", type=int, default=4,
+                        help="mooncake: tokens per hash id (the engine's block size)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"bench_kv_quant on {cpu_name()}, {args.threads} threads, load average "
