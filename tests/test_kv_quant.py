@@ -377,18 +377,19 @@ def test_tier_records_keep_the_layout_and_another_layout_misses(tier: dict[str, 
 
 
 def test_explain_names_a_tier_written_in_another_layout(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tier: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     prompt = "A system prompt that every request of this tenant starts with, word for word. " * 3
-    llm = LLM(model="tiny", kv_cache_dtype="int8", kv_disk=str(tmp_path))
+    llm = LLM(model="tiny", kv_cache_dtype="int8", **tier)
     llm.generate([prompt], SamplingParams(max_tokens=1))
     assert llm.engine.flush_tiers(30)
     llm.engine.close()
+    [(flag, location)] = tier.items()
 
     def explain(*flags: str) -> str:
         with pytest.raises(SystemExit):
             main(["explain", prompt, prompt, "--model", "tiny", "--dtype", "float32",
-                  "--kv-disk", str(tmp_path), *flags])
+                  "--" + flag.replace("_", "-"), location, *flags])
         return capsys.readouterr().out
 
     assert "KV layout differs (a miss)" in explain()  # a float32 engine reads none of them
