@@ -25,6 +25,9 @@ Parts (``--parts``, default all):
   simulator (``--kv-cache-gib`` of an 8B Llama's KV per layout), and two agentic
   conversations interleaved through the engine (each hash id one token, SmolLM2, a fixed
   memory): hit rate and time to first token.
+- ``mooncake``: the Mooncake conversation trace's first ``--mooncake-requests`` through the
+  engine (each hash id a block of ``--mooncake-block`` tokens of its own, SmolLM2,
+  ``--mooncake-memory`` of KV): hit rate and time to first token per layout.
 
     .venv/bin/python benchmarks/bench_kv_quant.py [--parts attention,fidelity] [--repeats 5]
 
@@ -353,12 +356,12 @@ def _simulate(trace: str, extra: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _replay(engine: Any, requests: list[Any], max_tokens: int) -> dict[str, float]:
-    """Each request's hash ids as one token each (the same id, the same token; equal id prefixes,
-    equal token prefixes), one request at a time: the hit rate and times to first token."""
+def _replay(engine: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """Each request's prompt (its hash ids as tokens: equal id prefixes, equal token prefixes)
+    and one token more, one request at a time: the hit rate and times to first token."""
     ttft, cached, total = [], 0, 0
-    for i, request in enumerate(requests):
-        prompt = [3 + hid % 40000 for hid in request.hash_ids][:max_tokens] + [7]
+    for i, ids in enumerate(prompts):
+        prompt = ids + [7]
         seconds, hit = _one(engine, f"t{i}", prompt)
         ttft.append(seconds)
         cached, total = cached + hit, total + len(prompt)
@@ -398,7 +401,7 @@ def bench_traces(args: argparse.Namespace) -> dict[str, Any]:
     for layout in LAYOUTS:
         engine = LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout, block_size=16,
                            kv_cache_memory_bytes=args.trace_memory, max_num_seqs=64)
-        row = _replay(engine, requests, 2048)
+        row = _replay(engine, [[3 + h % 40000 for h in r.hash_ids][:2048] for r in requests])
         out[f"engine|agentic|{layout}"] = row
         print(f"  {layout:<10} {engine.cache.num_blocks:>5} blocks  hit {row['hit_rate']:.3f}  "
               f"TTFT p50 {1000 * row['ttft_p50_s']:7.1f} ms  p99 "
@@ -407,8 +410,43 @@ def bench_traces(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _block_tokens(hash_id: int, block_size: int, vocab: int) -> list[int]:
+    """The tokens of one Mooncake hash id: a block of its own (the trace's ids name blocks;
+    equal ids, equal tokens, and no two ids alike)."""
+    rng = random.Random(hash_id)
+    return [rng.randrange(3, vocab) for _ in range(block_size)]
+
+
+def bench_mooncake_engine(args: argparse.Namespace) -> dict[str, Any]:
+    from prefixcache.engine import LLMEngine
+    from prefixcache.sim.loader import load_trace
+
+    trace = load_trace(str(TRACES / "mooncake" / "conversation_trace.jsonl"))
+    requests = trace.requests[: args.mooncake_requests]
+    size = args.mooncake_block
+    print(f"\nthe Mooncake conversation trace's first {len(requests)} requests through the engine "
+          f"(SmolLM2 float32, {args.mooncake_memory >> 20} MiB of KV, each hash id one "
+          f"{size}-token block of its own, one request at a time)")
+    out: dict[str, Any] = {}
+    prompts: list[list[int]] = []
+    for layout in LAYOUTS:
+        engine = LLMEngine("smollm2", dtype="float32", kv_cache_dtype=layout, block_size=size,
+                           kv_cache_memory_bytes=args.mooncake_memory, max_num_seqs=64)
+        vocab = engine.model_config.vocab_size
+        prompts = prompts or [[t for h in r.hash_ids for t in _block_tokens(h, size, vocab)]
+                              for r in requests]  # fmt: skip
+        row = _replay(engine, prompts)
+        out[f"engine|mooncake|{layout}"] = row
+        print(f"  {layout:<10} {engine.cache.num_blocks:>5} blocks  hit {row['hit_rate']:.3f}  "
+              f"TTFT p50 {1000 * row['ttft_p50_s']:7.1f} ms  p99 "
+              f"{1000 * row['ttft_p99_s']:8.1f} ms")
+        engine.close()
+    return out
+
+
 PARTS = {"attention": bench_attention, "fidelity": bench_fidelity, "llamacpp": bench_llamacpp,
-         "capacity": bench_capacity, "restore": bench_restore, "traces": bench_traces}  # fmt: skip
+         "capacity": bench_capacity, "restore": bench_restore, "traces": bench_traces,
+         "mooncake": bench_mooncake_engine}  # fmt: skip
 
 
 def main() -> None:
@@ -426,6 +464,12 @@ def main() -> None:
                         help="traces: the engine's KV bytes")
     parser.add_argument("--agentic-gib", type=float, default=64.0,
                         help="traces: simulated KV GiB for the agentic traces")
+    parser.add_argument("--mooncake-requests", type=int, default=1000,
+                        help="mooncake: the trace's first N requests through the engine")
+    parser.add_argument("--mooncake-memory", type=int, default=512 << 20,
+                        help="mooncake: the engine's KV bytes")
+    parser.add_argument("--mooncake-block", type=int, default=4,
+                        help="mooncake: tokens per hash id (the engine's block size)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"bench_kv_quant on {cpu_name()}, {args.threads} threads, load average "

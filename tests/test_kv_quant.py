@@ -2,10 +2,12 @@
 stored, the engine keeping them (capacity, identity, tiers), and bad input refused clearly.
 
 Batch invariance in the int8 and int4 layouts is in tests/test_batch_invariance.py (its forms);
-here the same answer alone, batched and warm for the other layouts and the bfloat16 model."""
+here the same answer alone, batched, chunked, warm and from a tier for the other layouts and the
+bfloat16 model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,33 @@ def test_bad_layouts_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
         LLM(model="tiny", dtype="bfloat16", kv_cache_dtype="float32")
 
 
+def test_a_model_whose_head_the_layout_cannot_take_is_refused_at_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a checkpoint with 96-value heads: int8 keeps them (3 blocks of 32), int4's rotation
+    # needs a power of two, refused by LLM(...) and by the command line with the reason
+    import transformers
+
+    from prefixcache.model.byte_tokenizer import write_byte_tokenizer
+
+    config = transformers.LlamaConfig(hidden_size=192, intermediate_size=128, head_dim=96,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=300)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    write_byte_tokenizer(tmp_path)
+    int8 = LLM(model=str(tmp_path), kv_cache_dtype="int8")
+    assert int8.engine.runner.kv_cache.head_dim == 96
+    assert len(int8.generate(["hello"], GREEDY)[0].outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="needs a power-of-two head_dim, not 96"):
+        LLM(model=str(tmp_path), kv_cache_dtype="int4")
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", str(tmp_path), "--kv-cache-dtype", "int4", "hello"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "power-of-two head_dim, not 96" in err
+    assert "Traceback" not in err
+
+
 # ---- the kernel reads the blocks as stored -------------------------------------------------
 
 
@@ -157,6 +186,60 @@ def test_prefill_and_decode_attend_the_stored_values(name: str, dim: int) -> Non
         assert torch.allclose(out1[b : b + 1].double(), ref1, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8_e5m2", "bfloat16"])
+def test_the_torch_paths_dequantize_only_the_blocks_a_step_reads(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # without the kernel, each sequence's path (decode, a cascade over shared cached blocks,
+    # a prefill over its own context, a fresh prefill) attends the values its blocks hold,
+    # and the layer copies those blocks only, never the whole cache
+    from prefixcache.attention import AttentionMetadata, PagedKVCache
+    from prefixcache.attention import plan as plans
+    from prefixcache.attention.paged_attention import paged_attention, write_kv
+
+    monkeypatch.setattr(native_attention, "available", lambda: False)
+    layout, dim, bs, kv_heads, heads = kv_format(name), 64, 4, 2, 6
+    cache = PagedKVCache(1, 64, bs, kv_heads, dim, kv_format=layout)
+    k_cache, v_cache = cache.layer(0)
+    shared = [40, 7, 21]  # three cached blocks read by sequences 1 and 2
+    tables = [[3, 9], shared + [11, 12], shared + [13, 14], [50, 51, 52], [60, 61]]
+    computed, new = [6, 12, 12, 5, 0], [1, 5, 6, 7, 6]
+    gen = torch.Generator().manual_seed(3)
+    full = [(torch.randn(c + n, kv_heads, dim, generator=gen),
+             torch.randn(c + n, kv_heads, dim, generator=gen))
+            for c, n in zip(computed, new, strict=True)]  # fmt: skip
+    for b, c in enumerate(computed):  # earlier steps wrote the context (the shared blocks once)
+        if c and b != 2:
+            prior = AttentionMetadata.build([tables[b]], [0], [c], bs)
+            write_kv(full[b][0][:c], full[b][1][:c], k_cache, v_cache, prior.slot_mapping, layout)
+    meta = AttentionMetadata.build(tables, computed, new, bs)
+    k = torch.cat([fk[c:] for (fk, _), c in zip(full, computed, strict=True)])
+    v = torch.cat([fv[c:] for (_, fv), c in zip(full, computed, strict=True)])
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layout)
+    plan = plans.build_plan(meta, k_cache, v_cache, heads, torch.float32, torch.device("cpu"),
+                            layout)
+    assert not plan.native and plan.groups  # the torch paths, a cascade among them
+    read_rows = []
+    dequantize = type(layout).dequantize
+
+    def counted(self: KVFormat, rows: torch.Tensor, dtype: torch.dtype = torch.float32):
+        read_rows.append(rows.shape[0])
+        return dequantize(self, rows, dtype)
+
+    monkeypatch.setattr(type(layout), "dequantize", counted)
+    q = torch.randn(sum(new), heads, dim, generator=gen)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, dim**-0.5, plan)
+    blocks_read = len({block for table in tables for block in table})
+    assert read_rows == [blocks_read, blocks_read]  # K and V: 14 of the cache's 64 blocks
+    flat_k = dequantize(layout, k_cache).view(-1, kv_heads, dim)
+    flat_v = dequantize(layout, v_cache).view(-1, kv_heads, dim)
+    for b in range(len(new)):
+        s, e = meta.query_starts[b], meta.query_starts[b + 1]
+        seq = AttentionMetadata.build([tables[b]], [0], [computed[b] + new[b]], bs).slot_mapping
+        ref = _reference(q[s:e], flat_k[seq], flat_v[seq], computed[b])
+        assert torch.allclose(out[s:e].double(), ref, atol=2e-5, rtol=1e-4), b
+
+
 # ---- the engine: same answers, capacity, identity, tiers -------------------------------------
 
 
@@ -165,18 +248,45 @@ def _answers(outs) -> list[list[tuple[int, float]]]:
 
 
 @pytest.mark.parametrize(("dtype", "kv"), [("bfloat16", "int8"), ("float32", "bfloat16"),
-                                           ("float32", "fp8_e4m3"), ("bfloat16", "int4")])
-def test_same_answer_alone_batched_and_warm(dtype: str, kv: str) -> None:
+                                           ("float32", "fp8_e4m3"), ("float32", "fp8_e5m2"),
+                                           ("bfloat16", "int4")])
+def test_same_answer_alone_batched_chunked_warm_and_from_a_tier(
+    dtype: str, kv: str, tmp_path: Path
+) -> None:
     def llm(**settings) -> LLM:
         return LLM(model="tiny", dtype=dtype, kv_cache_dtype=kv, check_integrity=True,
                    **settings)
 
     alone = [_answers(llm(enable_prefix_caching=False).generate([p], GREEDY))[0]
              for p in PROMPTS]  # fmt: skip
-    on = llm(max_num_batched_tokens=32)
+    on = llm(max_num_batched_tokens=32, kv_disk=str(tmp_path))
     assert _answers(on.generate(PROMPTS, GREEDY)) == alone  # batched, chunked, cold
     assert _answers(on.generate(PROMPTS, GREEDY)) == alone  # warm: every prefix a hit
     assert on.stats()["hit_tokens"] > 0
+    assert on.engine.flush_tiers(30)
+    on.engine.close()
+    restored = llm(kv_disk=str(tmp_path))  # its prefixes read back from the disk tier
+    assert _answers(restored.generate(PROMPTS, GREEDY)) == alone
+    assert restored.stats()["tiers"]["engine"]["blocks_loaded_by_tier"].get("disk", 0) > 0
+
+
+def test_auto_picks_a_smaller_layout_only_within_the_precision_gate() -> None:
+    # under --dtype auto, auto checks int4 then int8 against --dtype auto's own gate: on the
+    # tiny model int4 misses it (its top-1 agreement), int8 passes and is kept; under a
+    # given --dtype, auto keeps the activations' dtype, as vLLM's does
+    from prefixcache.model import precision
+
+    measured = LLM(model="tiny", dtype="auto")
+    kv = measured.engine.limits.precision["kv_cache"]
+    checked = kv["kv_auto"]["fidelity"]
+    assert list(checked) == ["int4", "int8"]  # smallest first
+    for figures in checked.values():
+        assert figures["eligible"] == precision.within_bounds(figures)
+    assert not checked["int4"]["eligible"] and checked["int8"]["eligible"]
+    assert kv["dtype"] == kv["kv_auto"]["chosen"] == "int8"
+    assert measured.engine.runner.kv_cache.kv_format == FORMATS["int8"]
+    given = LLM(model="tiny", dtype="float32", kv_cache_dtype="auto")
+    assert given.engine.runner.kv_cache.kv_format == FORMATS["float32"]
 
 
 def test_a_fixed_memory_holds_about_four_and_seven_times_the_blocks() -> None:
@@ -209,40 +319,77 @@ def test_the_layout_is_in_the_namespace_and_the_default_keys_are_unchanged() -> 
     assert float32.model_id == int8_engine.model_id  # the same model, another layout
 
 
-def test_tier_records_keep_the_layout_and_another_layout_misses(tmp_path: Path) -> None:
-    sizes = {}
-    answers = {}
-    for kv in ("int8", "float32", "int8"):
-        llm = LLM(model="tiny", kv_cache_dtype=kv, kv_disk=str(tmp_path), block_size=16)
+@pytest.fixture(params=["disk", "valkey"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A fresh disk directory or valkey-server, as an engine's tier flags."""
+    if request.param == "disk":
+        yield {"kv_disk": str(tmp_path)}
+        return
+    from tier_helpers import ValkeyProcess
+
+    server = ValkeyProcess().start()
+    try:
+        yield {"kv_valkey": server.url}
+    finally:
+        server.stop()
+
+
+def _stored_record_bytes(tier: dict[str, str]) -> dict[str, list[int]]:
+    """Each identity tag's stored records' sizes, as the tier holds them."""
+    sizes: dict[str, list[int]] = {}
+    if "kv_disk" in tier:
+        for path in Path(tier["kv_disk"]).rglob("*.kv"):
+            sizes.setdefault(path.parent.parent.name, []).append(path.stat().st_size)
+        return sizes
+    from prefixcache.tiers.valkey import connect
+
+    client = connect(tier["kv_valkey"])
+    for key in client.scan_iter(match="prefixcache:v1:*", count=1000):
+        parts = key.decode().split(":")
+        if len(parts) == 4:  # a record, not a domain's set
+            sizes.setdefault(parts[2], []).append(int(client.strlen(key)))
+    return sizes
+
+
+def test_tier_records_keep_the_layout_and_another_layout_misses(tier: dict[str, str]) -> None:
+    # each layout's records are stored as its cache holds them, under its own identity: an
+    # engine of another layout reads none of them (a miss) and removes none (both kept), and
+    # the next engine of the first layout loads its own with the same answers
+    tags, answers = {}, {}
+    for kv in ("int8", "float32", "int4", "bfloat16", "int8"):
+        llm = LLM(model="tiny", kv_cache_dtype=kv, block_size=16, **tier)
         answers.setdefault(kv, []).append(_answers(llm.generate(PROMPTS, GREEDY)))
         assert llm.engine.flush_tiers(30)
-        loaded = llm.stats()["tiers"]["engine"]["blocks_loaded_by_tier"].get("disk", 0)
-        store = llm.engine.tiers.offload.store
-        sizes[kv] = store.identity.payload_bytes
+        loaded = llm.stats()["tiers"]["engine"]["blocks_loaded_by_tier"]
+        tags[kv] = llm.engine.tiers.offload.store.identity.tag
         if len(answers[kv]) == 2:  # the second int8 engine: the first's blocks, loaded
-            assert loaded > 0
+            assert sum(loaded.values()) > 0
             assert answers[kv][0] == answers[kv][1]
-        else:  # nothing of the other layout is read
-            assert loaded == 0
+        else:  # nothing of another layout is read
+            assert sum(loaded.values()) == 0
         llm.engine.close()
-    assert sizes["float32"] / sizes["int8"] == pytest.approx(4 / 1.0625)
-    records = {p.parent.parent.name for p in tmp_path.rglob("*.kv")}
-    assert len(records) == 2  # one directory per identity: both layouts kept, nothing lost
+    stored = _stored_record_bytes(tier)
+    assert sorted(stored) == sorted(tags.values())  # 4 identities, every record kept
+    size = {kv: sum(stored[tag]) / len(stored[tag]) for kv, tag in tags.items()}  # headers too
+    assert len({len(stored[tag]) for tag in stored}) == 1  # the same blocks in each layout
+    assert 3.5 <= size["float32"] / size["int8"] and 1.8 <= size["bfloat16"] / size["int8"]
+    assert 6.0 <= size["float32"] / size["int4"] and 3.0 <= size["bfloat16"] / size["int4"]
 
 
 def test_explain_names_a_tier_written_in_another_layout(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tier: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     prompt = "A system prompt that every request of this tenant starts with, word for word. " * 3
-    llm = LLM(model="tiny", kv_cache_dtype="int8", kv_disk=str(tmp_path))
+    llm = LLM(model="tiny", kv_cache_dtype="int8", **tier)
     llm.generate([prompt], SamplingParams(max_tokens=1))
     assert llm.engine.flush_tiers(30)
     llm.engine.close()
+    [(flag, location)] = tier.items()
 
     def explain(*flags: str) -> str:
         with pytest.raises(SystemExit):
             main(["explain", prompt, prompt, "--model", "tiny", "--dtype", "float32",
-                  "--kv-disk", str(tmp_path), *flags])
+                  "--" + flag.replace("_", "-"), location, *flags])
         return capsys.readouterr().out
 
     assert "KV layout differs (a miss)" in explain()  # a float32 engine reads none of them
@@ -253,15 +400,24 @@ def test_explain_names_a_tier_written_in_another_layout(
     assert "why: the namespace differs: KV layout" in split
 
 
-def test_models_metrics_and_events_name_the_layout() -> None:
+def test_models_metrics_dashboard_and_events_name_the_layout() -> None:
     import httpx
+    import msgspec
+    import zmq
 
     from prefixcache.cache import BlockStored
-    from prefixcache.server.kv_events import decode_batch, encode_batch
+    from prefixcache.server.kv_events import decode_batch
     from server_harness import start_server
+    from tier_helpers import free_port
 
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    events = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+              f'"endpoint": "{endpoint}", "topic": "kv"}}')
     running = start_server(["--model", "tiny", "--kv-cache-dtype", "int8", "--num-kv-blocks",
-                            "64"])
+                            "64", "--kv-events-config", events])  # fmt: skip
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.connect(endpoint)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
     try:
         card = httpx.get(running.base_url + "/v1/models").json()["data"][0]
         kv = card["precision"]["kv_cache"]
@@ -270,12 +426,24 @@ def test_models_metrics_and_events_name_the_layout() -> None:
         assert kv["fidelity"]["top1_agreement"] > 0.9 and "mean_kl" in kv["fidelity"]
         metrics = httpx.get(running.base_url + "/metrics").text
         assert 'cache_dtype="int8"' in metrics and 'kv_layout="int8:q8_0/32"' in metrics
+        dashboard = httpx.get(running.base_url + "/dashboard/data").json()
+        assert dashboard["kv_cache_dtype"] == "int8"  # the page's model line: "tiny · KV int8"
+        stored = []
+        for attempt in range(50):  # until the subscription has joined: a request's blocks
+            httpx.post(running.base_url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": f"{attempt} " + "a shared prefix " * 8,
+                "max_tokens": 1})  # fmt: skip
+            if subscriber.poll(200):
+                _, _, payload = subscriber.recv_multipart()
+                stored = [e for e in msgspec.msgpack.decode(payload)[1]
+                          if e.get("type") == "BlockStored"]  # fmt: skip
+                if stored:
+                    break
+        assert stored and all(e["kv_cache_dtype"] == "int8" for e in stored)
+        assert isinstance(decode_batch(payload)[1][0], BlockStored)  # readers that skip it
     finally:
+        subscriber.close(0)
         running.stop()
-    payload = encode_batch([BlockStored([b"d" * 32], b"r" * 32, [], 16)], 1.0, False, None,
-                           "int8")
-    assert b"kv_cache_dtype" in payload and b"int8" in payload
-    assert isinstance(decode_batch(payload)[1][0], BlockStored)  # readers that skip it decode
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])

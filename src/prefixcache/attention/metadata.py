@@ -62,6 +62,25 @@ class AttentionMetadata:
         their slots against the cache size with it instead of a pass per layer."""
         return self.derived(("slot_range",), lambda: min_max(self.slot_mapping))
 
+    def compacted(self) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The blocks this step's sequences read ([U] int64, ascending) and this step's
+        metadata over them renumbered 0 .. U - 1: for a path that attends a copy of the blocks
+        it reads (the torch paths over a quantized cache) rather than the whole cache. Built
+        once per step."""
+        return self.derived(("compacted",), self._compact)
+
+    def _compact(self) -> tuple[torch.Tensor, AttentionMetadata]:
+        block_size = self.block_size
+        counts = [-(-(c + n) // block_size) for c, n in zip(self.num_computed, self.num_new,
+                                                             strict=True)]  # fmt: skip
+        table = self.block_tables.cpu().numpy()
+        read = np.concatenate([table[b, :count] for b, count in enumerate(counts)])
+        used, local = np.unique(read, return_inverse=True)
+        tables = [part.tolist() for part in np.split(local, np.cumsum(counts)[:-1])]
+        device = self.block_tables.device
+        step = AttentionMetadata.build(tables, self.num_computed, self.num_new, block_size, device)
+        return torch.as_tensor(used, dtype=torch.int64, device=device), step
+
     def stacked_mask(self, b: int, repeats: int, dtype: torch.dtype) -> torch.Tensor:
         """Sequence b's causal mask as an additive ``dtype`` mask (0 / -inf), tiled ``repeats``
         times along the query axis: [repeats * num_new, seq_len], for query heads stacked into

@@ -31,6 +31,7 @@ from prefixcache.attention.plan import EXPLICIT_SCORES_MAX_BYTES, AttentionPlan,
 
 __all__ = ["EXPLICIT_SCORES_MAX_BYTES", "paged_attention", "step_decode_plan", "write_kv"]
 
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -70,8 +71,10 @@ def paged_attention(
     layout = plan.kv_format
     code = layout.code if layout is not None and layout.quantized else 0
     if layout is not None and not plan.native and (code or layout.storage != q.dtype):
-        # the torch paths: over the values the cache holds, in the queries' dtype
-        k_cache, v_cache, k, v = _dequantized(layout, k_cache, v_cache, metadata, q.dtype)
+        # the torch paths: over the values the step's blocks hold, in the queries' dtype
+        k_cache, v_cache, k, v, metadata = _dequantized(layout, k_cache, v_cache, metadata,
+                                                        q.dtype)  # fmt: skip
+        plan = _torch_plan(q, k_cache, v_cache, metadata)
         code = 0
     num_kv_heads = k.shape[1]
     gqa = q.shape[1] != num_kv_heads
@@ -112,17 +115,28 @@ def _dequantized(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A quantized layer's caches as the values they hold, in ``dtype``, and the step's own
-    K/V as they were stored (what the torch paths attend, so that they see what a later step
-    reads): the reference and the fallback where the kernel does not run, at the cost of the
-    whole layer dequantized every step."""
-    k_full, v_full = layout.dequantize(k_cache, dtype), layout.dequantize(v_cache, dtype)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The blocks the step reads (`AttentionMetadata.compacted`) as the values they hold, in
+    ``dtype``, the step's own K/V as they were stored (what the torch paths attend, so that
+    they see what a later step reads), and the step's metadata over those blocks: the
+    reference and the fallback where the kernel does not run, copying what the step reads as
+    a float cache's gather does, never the whole cache."""
+    blocks, step = metadata.compacted()
+    k_read = layout.dequantize(k_cache.index_select(0, blocks), dtype)
+    v_read = layout.dequantize(v_cache.index_select(0, blocks), dtype)
     num_kv_heads = k_cache.shape[2]
-    slots = metadata.slot_mapping
-    k_new = k_full.view(-1, num_kv_heads, k_full.shape[-1]).index_select(0, slots)
-    v_new = v_full.view(-1, num_kv_heads, v_full.shape[-1]).index_select(0, slots)
-    return k_full, v_full, k_new, v_new
+    slots = step.slot_mapping
+    k_new = k_read.view(-1, num_kv_heads, k_read.shape[-1]).index_select(0, slots)
+    v_new = v_read.view(-1, num_kv_heads, v_read.shape[-1]).index_select(0, slots)
+    return k_read, v_read, k_new, v_new, step
+
+
+def _torch_plan(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: AttentionMetadata
+) -> AttentionPlan:
+    """The torch paths' plan over the dequantized blocks of a step (once per step)."""
+    key = ("torch_plan", q.shape[1], q.dtype, q.device)
+    return step.derived(key, lambda: attention_plan(q, k_cache, v_cache, step))
 
 
 def _attend_native(
