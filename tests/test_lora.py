@@ -391,6 +391,48 @@ def test_kv_events_name_the_adapter_as_vllm_sends_it(
     assert decode_batch(wire)[1][0].lora_name == "all16"
 
 
+def test_every_tier_announces_an_adapters_blocks_with_its_lora_id_and_name(
+    adapters: dict[str, tuple[Any, Path]], tmp_path: Path,
+) -> None:
+    from prefixcache.cache import BlockStored
+    from prefixcache.server.kv_events import decode_batch, encode_batch
+    from tier_helpers import ValkeyProcess, flush, shared_url
+
+    url, server = shared_url(), None
+    if url is None:
+        server = ValkeyProcess().start()
+        url = server.url
+    flush(url)
+    try:
+        def stored(llm: LLM, lora: LoRARequest | None) -> dict[str | None, set[Any]]:
+            llm.generate([PROMPTS[3]], GREEDY, lora_request=lora)
+            assert llm.engine.flush_tiers(30)
+            events = [e for e in llm.engine.take_kv_events() if isinstance(e, BlockStored)]
+            _, wire = decode_batch(encode_batch(events, 1.0, with_tokens=False))
+            out: dict[str | None, set[Any]] = {}
+            for event in wire:
+                assert isinstance(event, BlockStored)
+                out.setdefault(event.medium, set()).add((event.lora_id, event.lora_name))
+            return out
+
+        def engine(disk: Path) -> LLM:
+            return tiny(kv_events=True, kv_disk=str(disk), kv_valkey=url)
+
+        writer = engine(tmp_path / "one")  # computes, writes to its disk and to Valkey
+        want = {None: {(2, "all16")}, "DISK": {(2, "all16")}, "VALKEY": {(2, "all16")}}
+        assert stored(writer, request(adapters, "all16")) == want
+        writer.engine.close()
+        reader = engine(tmp_path / "two")  # loads from Valkey, copies to its disk
+        renamed = request(adapters, "all16", lora_id=5, alias="again")
+        assert stored(reader, renamed) == {m: {(5, "again")} for m in want}
+        base = stored(reader, None)
+        assert base and all(pairs == {(None, None)} for pairs in base.values())
+        reader.engine.close()
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def test_explain_names_an_adapter_by_its_files(
     adapters: dict[str, tuple[Any, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
