@@ -240,6 +240,28 @@ def test_unloading_makes_its_blocks_unreachable_and_evicts_them(
         assert _cached(llm, PROMPTS[3], qv8) == 0  # loaded again: computed again
 
 
+def test_unloading_evicts_blocks_its_pins_held_and_those_of_an_adapter_out_of_its_slot(
+    adapters: dict[str, tuple[Any, Path]],
+) -> None:
+    llm = tiny(max_cpu_loras=1)  # one slot: all16 takes qv8's
+    engine = llm.engine
+    qv8, all16 = request(adapters, "qv8"), request(adapters, "all16")
+    engine.add_request("pinned", prompt_token_ids=PROMPTS[3], sampling_params=GREEDY,
+                       lora_request=qv8, pins=[(48, 3600.0)])  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pins.pins) == 1
+    assert _cached(llm, PROMPTS[1], all16) == 0
+    assert engine.loras is not None and list(engine.loras.loaded()) == [
+        engine.loras.identity_of("all16")]  # qv8 is out of its slot, still registered
+    assert _cached(llm, PROMPTS[3], qv8) == 48  # its slot filled again: its blocks hit
+    assert _cached(llm, PROMPTS[1], all16) == 48  # qv8 out again
+    assert llm.remove_lora("qv8")
+    assert not engine.pins.pins  # its pin went with it
+    assert _cached(llm, PROMPTS[3], qv8) == 0  # loaded again: computed again
+    assert _cached(llm, PROMPTS[1], all16) == 48  # all16's blocks stay
+
+
 # ---- bad adapters ----------------------------------------------------------------------------
 
 
