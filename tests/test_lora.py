@@ -8,7 +8,9 @@ file does not, unloading evicts); bad adapters refused with nothing disturbed; `
 from __future__ import annotations
 
 import json
+import platform
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +140,89 @@ def test_every_dtype_and_weight_form_runs_the_adapter(
     assert error < 2 * form_error + 1e-3 < effect.item()
     for (ids, slot), row in zip(seqs, mixed, strict=True):
         assert torch.equal(step_logits(loaded, slots, [(ids, slot)])[0], row)
+
+
+# the layers library (lora.h in it) as this CPU builds it, as a CPU with AVX2 and FMA but no
+# AVX-512 builds it (8 lanes, tiles of 4 rows), and as one with neither (plain vectors, multiply
+# and add rounded apart): PREFIXCACHE_NATIVE_CFLAGS, part of the build's key
+KERNEL_FLAGS = {"this CPU": "", "AVX2": "-mno-avx512f", "plain": "-mno-avx"}
+
+
+@pytest.fixture(params=list(KERNEL_FLAGS))
+def lora_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    from native_support import require_native_layers
+    from prefixcache.model import native_layers, panel_gemm
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the instruction-set switches are x86's")
+    require_native_layers()
+    caches = [native_layers._library, native_layers.available, panel_gemm._library,
+              panel_gemm.available]  # fmt: skip
+    monkeypatch.setenv("PREFIXCACHE_NATIVE_CFLAGS", KERNEL_FLAGS[request.param])
+    for cached in caches:
+        cached.cache_clear()
+    assert native_layers.available()  # built with these flags, and its probe passes
+    isa = {"this CPU": "AVX-512F", "AVX2": "AVX2", "plain": "plain loops"}[request.param]
+    assert panel_gemm.kernel_name(torch.float32) == isa  # the flags reach the compiler
+    yield request.param
+    monkeypatch.undo()
+    for cached in caches:
+        cached.cache_clear()
+
+
+def _update(slots: LoraSlots, runs: list[LoraRun], x: torch.Tensor, projection: int,
+            native: bool) -> torch.Tensor:  # fmt: skip
+    """Layer 0's LoRA update of ``projection`` over the rows of ``x``, by the kernel or by
+    torch (in float32, then added to the output's zeros)."""
+    from prefixcache.model import native_layers
+
+    config = slots.config
+    width = (config.q_size + 2 * config.kv_size, config.hidden_size,
+             2 * config.intermediate_size, config.hidden_size)[projection]  # fmt: skip
+    out = torch.zeros(x.shape[0], width, dtype=x.dtype)
+    step = slots.step(runs)
+    assert step is not None
+    native_layers.set_enabled(native)
+    try:
+        step.apply(0, projection, x, out)
+    finally:
+        native_layers.set_enabled(True)
+    return out
+
+
+def test_every_build_of_the_kernel_equals_torch_and_keeps_a_rows_bits_in_any_batch(
+    base: Any, adapters: dict[str, tuple[Any, Path]], slots: LoraSlots, lora_kernel: str,
+) -> None:
+    """The LoRA kernel as this CPU, an AVX2 CPU and a CPU with neither AVX-512 nor AVX2 build
+    it: each projection's update equals torch's within the AVX-512 build's tolerance (TOL of
+    the update's scale), in a step that mixes three adapters and the base over runs that cut
+    its tiles anywhere; a row's bits are the same alone, beside other rows or at another place
+    in the step (float32 and bfloat16 rows); and the model's logits still equal peft's."""
+    config = base.config
+    gen = torch.Generator().manual_seed(7)
+    runs = [LoraRun(0, 5, 1), LoraRun(7, 11, 0), LoraRun(18, 1, 2), LoraRun(19, 9, 1)]
+    inputs = (config.hidden_size, config.q_size, config.hidden_size, config.intermediate_size)
+    for projection, width in enumerate(inputs):
+        x = torch.randn(28, width, generator=gen)
+        ours, theirs = (_update(slots, runs, x, projection, native) for native in (True, False))
+        assert (ours - theirs).abs().max().item() <= TOL * theirs.abs().max().item()
+        assert not ours[5:7].any()  # rows under no adapter: untouched
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = x.to(dtype)
+            mixed = _update(slots, runs, rows, projection, True)
+            alone = _update(slots, [LoraRun(0, 11, 0)], rows[7:18], projection, True)
+            moved = _update(slots, [LoraRun(3, 11, 0)], rows[4:18], projection, True)[3:]
+            assert torch.equal(alone, mixed[7:18]) and torch.equal(moved, mixed[7:18])
+            for i in range(19, 28):  # each row of a run as its own one-row step
+                one = _update(slots, [LoraRun(0, 1, 1)], rows[i : i + 1], projection, True)
+                assert torch.equal(one[0], mixed[i])
+    models = [model for model, _ in adapters.values()]
+    seqs = [(PROMPTS[0], None), (PROMPTS[1], 0), (PROMPTS[2], 1), (PROMPTS[3], 2)]
+    mixed_logits = step_logits(base, slots, seqs)
+    for (ids, slot), ours_row in zip(seqs, mixed_logits, strict=True):
+        reference = peft_logits(models[slot or 0], ids, adapter=slot is not None)
+        assert (ours_row - reference).abs().max().item() < TOL * reference.abs().max().item()
+        assert torch.equal(step_logits(base, slots, [(ids, slot)])[0], ours_row)
 
 
 # ---- the engine: greedy tokens against peft --------------------------------------------------
