@@ -289,3 +289,36 @@ def test_diagnostics_name_a_changed_adapter(server: RunningServer) -> None:
     assert moved.cache_missed_tokens > 0
     assert respond("a", first.id).prompt_cache_diagnostics.type == "cache_hit"
     assert respond("tiny", first.id).prompt_cache_diagnostics.reason == "adapter_changed"
+
+
+def test_smollm2_serves_two_adapters_and_the_base_together_as_peft_without_shared_blocks(
+    tmp_path: Path,
+) -> None:
+    """The issue's check: ``serve --model smollm2 --enable-lora --lora-modules a=DIR b=DIR``
+    answers a, b and the base, in flight together, as transformers + peft do (float32), and
+    ``cached_tokens`` shows no reuse across them."""
+    base = load_model("smollm2")
+    targets = {"a": (["q_proj", "v_proj", "o_proj", "down_proj"], 0.05), "b": (ALL_TARGETS, 0.1)}
+    models = {name: peft_adapter(base.path, tmp_path / name, seed=i + 5, scale=scale, r=16,
+                                 lora_alpha=16, target_modules=t)
+              for i, (name, (t, scale)) in enumerate(targets.items())}  # fmt: skip
+    prompt = "Many fine-tunes of one base model share a server; each keeps its blocks. " * 2
+    ids = base.tokenizer.encode(prompt)
+    want = {name: base.tokenizer.decode(peft_greedy(m, ids, MAX_TOKENS))
+            for name, m in models.items()}  # fmt: skip
+    want["smollm2"] = base.tokenizer.decode(peft_greedy(models["a"], ids, MAX_TOKENS, False))
+    assert len(set(want.values())) == 3  # the adapters change the answer
+    running = start_server(["--model", "smollm2", "--dtype", "float32", "--enable-lora",
+                            "--max-loras", "2", "--lora-modules", f"a={tmp_path / 'a'}",
+                            f"b={tmp_path / 'b'}"])  # fmt: skip
+    try:
+        names = ["smollm2", "a", "b"]
+        with ThreadPoolExecutor(3) as pool:  # in flight together: steps mixing them
+            answers = list(pool.map(lambda m: complete(running, m, prompt), names))
+        first = dict(zip(names, answers, strict=True))
+        assert {m: text for m, (text, _) in first.items()} == want
+        assert {m: cached for m, (_, cached) in first.items()} == {m: 0 for m in names}
+        for name in names:  # each hits its own blocks only
+            assert complete(running, name, prompt) == (want[name], len(ids) // 16 * 16)
+    finally:
+        running.stop()
