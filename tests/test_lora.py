@@ -103,18 +103,26 @@ def slots(base: Any, adapters: dict[str, tuple[Any, Path]]) -> LoraSlots:
 def test_logits_equal_peft_alone_and_in_a_step_mixing_adapters_and_the_base(
     base: Any, adapters: dict[str, tuple[Any, Path]], slots: LoraSlots, native_kernels: str
 ) -> None:
+    # the compiled kernels: a row's bits are its own
+    mixed = _logits_as_peft(base, adapters, slots, same_bits=native_kernels == "native")
+    # the adapter changes the answer: the test is not comparing the base with itself
+    base_row = step_logits(base, slots, [(PROMPTS[2], None)])[0]
+    assert (mixed[2] - base_row).abs().max().item() > 0.1
+
+
+def _logits_as_peft(base: Any, adapters: dict[str, tuple[Any, Path]], slots: LoraSlots,
+                    same_bits: bool) -> list[torch.Tensor]:  # fmt: skip
+    """A step's logits for a base row and a row of each adapter: each within TOL of peft's
+    and, ``same_bits``, the bits of its row run alone. The step's logits."""
     models = [model for model, _ in adapters.values()]
     seqs = [(PROMPTS[0], None), (PROMPTS[1], 0), (PROMPTS[2], 1), (PROMPTS[3], 2)]
     mixed = step_logits(base, slots, seqs)
     for (ids, slot), ours in zip(seqs, mixed, strict=True):
         reference = peft_logits(models[slot or 0], ids, adapter=slot is not None)
         assert (ours - reference).abs().max().item() < TOL * reference.abs().max().item()
-        alone = step_logits(base, slots, [(ids, slot)])[0]
-        if native_kernels == "native":  # the compiled kernels: a row's bits are its own
-            assert torch.equal(alone, ours)
-    # the adapter changes the answer: the test is not comparing the base with itself
-    base_row = step_logits(base, slots, [(PROMPTS[2], None)])[0]
-    assert (mixed[2] - base_row).abs().max().item() > 0.1
+        if same_bits:
+            assert torch.equal(step_logits(base, slots, [(ids, slot)])[0], ours)
+    return mixed
 
 
 @pytest.mark.parametrize("dtype, weights", [("bfloat16", "auto"), ("float32", "bfloat16"),
@@ -216,13 +224,7 @@ def test_every_build_of_the_kernel_equals_torch_and_keeps_a_rows_bits_in_any_bat
             for i in range(19, 28):  # each row of a run as its own one-row step
                 one = _update(slots, [LoraRun(0, 1, 1)], rows[i : i + 1], projection, True)
                 assert torch.equal(one[0], mixed[i])
-    models = [model for model, _ in adapters.values()]
-    seqs = [(PROMPTS[0], None), (PROMPTS[1], 0), (PROMPTS[2], 1), (PROMPTS[3], 2)]
-    mixed_logits = step_logits(base, slots, seqs)
-    for (ids, slot), ours_row in zip(seqs, mixed_logits, strict=True):
-        reference = peft_logits(models[slot or 0], ids, adapter=slot is not None)
-        assert (ours_row - reference).abs().max().item() < TOL * reference.abs().max().item()
-        assert torch.equal(step_logits(base, slots, [(ids, slot)])[0], ours_row)
+    _logits_as_peft(base, adapters, slots, same_bits=True)
 
 
 # ---- the engine: greedy tokens against peft --------------------------------------------------
