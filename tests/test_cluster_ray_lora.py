@@ -1,8 +1,10 @@
 """`prefixcache serve --replicas 2 --enable-lora` on Ray Serve: an adapter an admin loads at run
-time through the ingress is served by every replica, and the cache-aware router keeps each of
-its prefixes on one replica (the ingress names its requests' blocks in the adapter's namespace,
-as for an adapter given at start), until it is unloaded from every replica. The command starts a
-Ray instance of its own (no $RAY_ADDRESS), as test_cluster_ray_tiers.py's."""
+time through the ingress is served by every replica, and the cache-aware router sends its
+requests where its blocks are (the ingress names them in the adapter's namespace, as for an
+adapter given at start: the same files under a run-time name find the start-time name's blocks,
+not the base's replica) and keeps each of its prefixes on one replica, until it is unloaded from
+every replica. The command starts a Ray instance of its own (no $RAY_ADDRESS), as
+test_cluster_ray_tiers.py's."""
 
 from __future__ import annotations
 
@@ -51,40 +53,47 @@ def test_an_adapter_loaded_at_run_time_is_on_every_replica_and_routed_by_its_pre
     cmd = [sys.executable, "-m", "prefixcache", "serve", "--model", "tiny", "--replicas", "2",
            "--router", "cache-aware", "--port", str(port), "--cpus-per-replica", "1",
            "--threads-per-replica", "1", "--num-kv-blocks", "256", "--tenants", str(EXAMPLE),
-           "--metrics-key", "cluster-metrics-key", "--enable-lora",
-           "--allow-runtime-lora-updating"]  # fmt: skip
+           "--metrics-key", "cluster-metrics-key", "--enable-lora", "--lora-modules",
+           f"sql={adapter}", "--allow-runtime-lora-updating"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: _replicas(base) == 2, 180, proc, log)
-        # a request first: the ingress reads the replicas' adapters before the load
-        assert _cached(base, "tiny", "A question before any adapter is loaded.") == 0
-        body = {"lora_name": "sql", "lora_path": str(adapter)}
+        # the adapter given at start computes a prompt on one replica; the base's same prompt
+        # goes to the other (nothing of its namespace anywhere: the one holding fewer blocks)
+        prompt = f"{PREFIXES[2]} Which table?"
+        assert _cached(base, "sql", prompt) == 0
+        time.sleep(1.0)  # the replica's KV events reach the router's index
+        assert _cached(base, "tiny", prompt) == 0
+        time.sleep(1.0)
+        # the same files loaded at run time under another name: the same identity, so the
+        # ingress names its blocks as the replica holding sql's (not the base's) does
+        body = {"lora_name": "sql2", "lora_path": str(adapter)}
         loaded = httpx.post(base + "/v1/load_lora_adapter", headers=ADMIN, json=body, timeout=60)
         assert loaded.status_code == 200 and "added successfully" in loaded.text, loaded.text
         again = httpx.post(base + "/v1/load_lora_adapter", headers=ADMIN, json=body, timeout=60)
         assert again.status_code == 400 and "already been loaded" in again.text
+        assert _cached(base, "sql2", prompt) >= len(prompt) // BLOCK // 2 * BLOCK
         cached = {}
-        for i, prefix in enumerate(PREFIXES):
-            for j in range(4):  # a replica without the adapter would answer 404
-                cached[i, j] = _cached(base, "sql", f"{prefix} Question {j}?")
-                time.sleep(0.3)  # the replica's KV events reach the router's index
-        for i, prefix in enumerate(PREFIXES):
+        for i, prefix in enumerate(PREFIXES[:2]):
+            for j in range(3):  # a replica without the adapter would answer 404
+                cached[i, j] = _cached(base, "sql2", f"{prefix} Question {j}?")
+                time.sleep(0.3)
+        for i, prefix in enumerate(PREFIXES[:2]):
             assert cached[i, 0] == 0
-            for j in range(1, 4):  # a request sent to the other replica would hit nothing
+            for j in range(1, 3):  # a request sent to the other replica would hit nothing
                 assert cached[i, j] >= len(prefix) // BLOCK // 2 * BLOCK, (i, j, cached)
-        assert _cached(base, "tiny", f"{PREFIXES[0]} Question 1?") == 0  # the base's own
         gone = httpx.post(base + "/v1/unload_lora_adapter", headers=ADMIN, timeout=60,
-                          json={"lora_name": "sql"})  # fmt: skip
+                          json={"lora_name": "sql2"})  # fmt: skip
         assert gone.status_code == 200, gone.text
-        for j in range(4):  # on neither replica now
-            response = _ask(base, "sql", f"{PREFIXES[0]} Question {j}?")
+        for j in range(4):  # on neither replica now; sql, given at start, stays
+            response = _ask(base, "sql2", f"{PREFIXES[0]} Question {j}?")
             assert response.status_code == 404, response.text
             assert response.json()["error"]["code"] == "model_not_found"
+            assert _ask(base, "sql", f"{PREFIXES[0]} Question {j}?").status_code == 200
     finally:
         if proc.poll() is None:
             _stop(proc)
