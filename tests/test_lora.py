@@ -8,7 +8,9 @@ file does not, unloading evicts); bad adapters refused with nothing disturbed; `
 from __future__ import annotations
 
 import json
+import platform
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,18 +103,26 @@ def slots(base: Any, adapters: dict[str, tuple[Any, Path]]) -> LoraSlots:
 def test_logits_equal_peft_alone_and_in_a_step_mixing_adapters_and_the_base(
     base: Any, adapters: dict[str, tuple[Any, Path]], slots: LoraSlots, native_kernels: str
 ) -> None:
+    # the compiled kernels: a row's bits are its own
+    mixed = _logits_as_peft(base, adapters, slots, same_bits=native_kernels == "native")
+    # the adapter changes the answer: the test is not comparing the base with itself
+    base_row = step_logits(base, slots, [(PROMPTS[2], None)])[0]
+    assert (mixed[2] - base_row).abs().max().item() > 0.1
+
+
+def _logits_as_peft(base: Any, adapters: dict[str, tuple[Any, Path]], slots: LoraSlots,
+                    same_bits: bool) -> list[torch.Tensor]:  # fmt: skip
+    """A step's logits for a base row and a row of each adapter: each within TOL of peft's
+    and, ``same_bits``, the bits of its row run alone. The step's logits."""
     models = [model for model, _ in adapters.values()]
     seqs = [(PROMPTS[0], None), (PROMPTS[1], 0), (PROMPTS[2], 1), (PROMPTS[3], 2)]
     mixed = step_logits(base, slots, seqs)
     for (ids, slot), ours in zip(seqs, mixed, strict=True):
         reference = peft_logits(models[slot or 0], ids, adapter=slot is not None)
         assert (ours - reference).abs().max().item() < TOL * reference.abs().max().item()
-        alone = step_logits(base, slots, [(ids, slot)])[0]
-        if native_kernels == "native":  # the compiled kernels: a row's bits are its own
-            assert torch.equal(alone, ours)
-    # the adapter changes the answer: the test is not comparing the base with itself
-    base_row = step_logits(base, slots, [(PROMPTS[2], None)])[0]
-    assert (mixed[2] - base_row).abs().max().item() > 0.1
+        if same_bits:
+            assert torch.equal(step_logits(base, slots, [(ids, slot)])[0], ours)
+    return mixed
 
 
 @pytest.mark.parametrize("dtype, weights", [("bfloat16", "auto"), ("float32", "bfloat16"),
@@ -138,6 +148,83 @@ def test_every_dtype_and_weight_form_runs_the_adapter(
     assert error < 2 * form_error + 1e-3 < effect.item()
     for (ids, slot), row in zip(seqs, mixed, strict=True):
         assert torch.equal(step_logits(loaded, slots, [(ids, slot)])[0], row)
+
+
+# the layers library (lora.h in it) as this CPU builds it, as a CPU with AVX2 and FMA but no
+# AVX-512 builds it (8 lanes, tiles of 4 rows), and as one with neither (plain vectors, multiply
+# and add rounded apart): PREFIXCACHE_NATIVE_CFLAGS, part of the build's key
+KERNEL_FLAGS = {"this CPU": "", "AVX2": "-mno-avx512f", "plain": "-mno-avx"}
+
+
+@pytest.fixture(params=list(KERNEL_FLAGS))
+def lora_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    from native_support import require_native_layers
+    from prefixcache.model import native_layers, panel_gemm
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the instruction-set switches are x86's")
+    require_native_layers()
+    caches = [native_layers._library, native_layers.available, panel_gemm._library,
+              panel_gemm.available]  # fmt: skip
+    monkeypatch.setenv("PREFIXCACHE_NATIVE_CFLAGS", KERNEL_FLAGS[request.param])
+    for cached in caches:
+        cached.cache_clear()
+    assert native_layers.available()  # built with these flags, and its probe passes
+    isa = {"this CPU": "AVX-512F", "AVX2": "AVX2", "plain": "plain loops"}[request.param]
+    assert panel_gemm.kernel_name(torch.float32) == isa  # the flags reach the compiler
+    yield request.param
+    monkeypatch.undo()
+    for cached in caches:
+        cached.cache_clear()
+
+
+def _update(slots: LoraSlots, runs: list[LoraRun], x: torch.Tensor, projection: int,
+            native: bool) -> torch.Tensor:  # fmt: skip
+    """Layer 0's LoRA update of ``projection`` over the rows of ``x``, by the kernel or by
+    torch (in float32, then added to the output's zeros)."""
+    from prefixcache.model import native_layers
+
+    config = slots.config
+    width = (config.q_size + 2 * config.kv_size, config.hidden_size,
+             2 * config.intermediate_size, config.hidden_size)[projection]  # fmt: skip
+    out = torch.zeros(x.shape[0], width, dtype=x.dtype)
+    step = slots.step(runs)
+    assert step is not None
+    native_layers.set_enabled(native)
+    try:
+        step.apply(0, projection, x, out)
+    finally:
+        native_layers.set_enabled(True)
+    return out
+
+
+def test_every_build_of_the_kernel_equals_torch_and_keeps_a_rows_bits_in_any_batch(
+    base: Any, adapters: dict[str, tuple[Any, Path]], slots: LoraSlots, lora_kernel: str,
+) -> None:
+    """The LoRA kernel as this CPU, an AVX2 CPU and a CPU with neither AVX-512 nor AVX2 build
+    it: each projection's update equals torch's within the AVX-512 build's tolerance (TOL of
+    the update's scale), in a step that mixes three adapters and the base over runs that cut
+    its tiles anywhere; a row's bits are the same alone, beside other rows or at another place
+    in the step (float32 and bfloat16 rows); and the model's logits still equal peft's."""
+    config = base.config
+    gen = torch.Generator().manual_seed(7)
+    runs = [LoraRun(0, 5, 1), LoraRun(7, 11, 0), LoraRun(18, 1, 2), LoraRun(19, 9, 1)]
+    inputs = (config.hidden_size, config.q_size, config.hidden_size, config.intermediate_size)
+    for projection, width in enumerate(inputs):
+        x = torch.randn(28, width, generator=gen)
+        ours, theirs = (_update(slots, runs, x, projection, native) for native in (True, False))
+        assert (ours - theirs).abs().max().item() <= TOL * theirs.abs().max().item()
+        assert not ours[5:7].any()  # rows under no adapter: untouched
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = x.to(dtype)
+            mixed = _update(slots, runs, rows, projection, True)
+            alone = _update(slots, [LoraRun(0, 11, 0)], rows[7:18], projection, True)
+            moved = _update(slots, [LoraRun(3, 11, 0)], rows[4:18], projection, True)[3:]
+            assert torch.equal(alone, mixed[7:18]) and torch.equal(moved, mixed[7:18])
+            for i in range(19, 28):  # each row of a run as its own one-row step
+                one = _update(slots, [LoraRun(0, 1, 1)], rows[i : i + 1], projection, True)
+                assert torch.equal(one[0], mixed[i])
+    _logits_as_peft(base, adapters, slots, same_bits=True)
 
 
 # ---- the engine: greedy tokens against peft --------------------------------------------------
@@ -238,6 +325,28 @@ def test_unloading_makes_its_blocks_unreachable_and_evicts_them(
         assert _cached(llm, PROMPTS[3], all16) == 48  # the others' blocks stay
         assert _cached(llm, PROMPTS[3], None) == 48
         assert _cached(llm, PROMPTS[3], qv8) == 0  # loaded again: computed again
+
+
+def test_unloading_evicts_blocks_its_pins_held_and_those_of_an_adapter_out_of_its_slot(
+    adapters: dict[str, tuple[Any, Path]],
+) -> None:
+    llm = tiny(max_cpu_loras=1)  # one slot: all16 takes qv8's
+    engine = llm.engine
+    qv8, all16 = request(adapters, "qv8"), request(adapters, "all16")
+    engine.add_request("pinned", prompt_token_ids=PROMPTS[3], sampling_params=GREEDY,
+                       lora_request=qv8, pins=[(48, 3600.0)])  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pins.pins) == 1
+    assert _cached(llm, PROMPTS[1], all16) == 0
+    assert engine.loras is not None and list(engine.loras.loaded()) == [
+        engine.loras.identity_of("all16")]  # qv8 is out of its slot, still registered
+    assert _cached(llm, PROMPTS[3], qv8) == 48  # its slot filled again: its blocks hit
+    assert _cached(llm, PROMPTS[1], all16) == 48  # qv8 out again
+    assert llm.remove_lora("qv8")
+    assert not engine.pins.pins  # its pin went with it
+    assert _cached(llm, PROMPTS[3], qv8) == 0  # loaded again: computed again
+    assert _cached(llm, PROMPTS[1], all16) == 48  # all16's blocks stay
 
 
 # ---- bad adapters ----------------------------------------------------------------------------
@@ -389,6 +498,48 @@ def test_kv_events_name_the_adapter_as_vllm_sends_it(
     raw = msgspec.msgpack.decode(wire)[1][0]  # vLLM's BlockStored fields
     assert (raw["lora_id"], raw["lora_name"]) == (2, "all16")
     assert decode_batch(wire)[1][0].lora_name == "all16"
+
+
+def test_every_tier_announces_an_adapters_blocks_with_its_lora_id_and_name(
+    adapters: dict[str, tuple[Any, Path]], tmp_path: Path,
+) -> None:
+    from prefixcache.cache import BlockStored
+    from prefixcache.server.kv_events import decode_batch, encode_batch
+    from tier_helpers import ValkeyProcess, flush, shared_url
+
+    url, server = shared_url(), None
+    if url is None:
+        server = ValkeyProcess().start()
+        url = server.url
+    flush(url)
+    try:
+        def stored(llm: LLM, lora: LoRARequest | None) -> dict[str | None, set[Any]]:
+            llm.generate([PROMPTS[3]], GREEDY, lora_request=lora)
+            assert llm.engine.flush_tiers(30)
+            events = [e for e in llm.engine.take_kv_events() if isinstance(e, BlockStored)]
+            _, wire = decode_batch(encode_batch(events, 1.0, with_tokens=False))
+            out: dict[str | None, set[Any]] = {}
+            for event in wire:
+                assert isinstance(event, BlockStored)
+                out.setdefault(event.medium, set()).add((event.lora_id, event.lora_name))
+            return out
+
+        def engine(disk: Path) -> LLM:
+            return tiny(kv_events=True, kv_disk=str(disk), kv_valkey=url)
+
+        writer = engine(tmp_path / "one")  # computes, writes to its disk and to Valkey
+        want = {None: {(2, "all16")}, "DISK": {(2, "all16")}, "VALKEY": {(2, "all16")}}
+        assert stored(writer, request(adapters, "all16")) == want
+        writer.engine.close()
+        reader = engine(tmp_path / "two")  # loads from Valkey, copies to its disk
+        renamed = request(adapters, "all16", lora_id=5, alias="again")
+        assert stored(reader, renamed) == {m: {(5, "again")} for m in want}
+        base = stored(reader, None)
+        assert base and all(pairs == {(None, None)} for pairs in base.values())
+        reader.engine.close()
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def test_explain_names_an_adapter_by_its_files(

@@ -149,7 +149,6 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": "hi", "n": "two"}, "'n'"),
-    ({"prompt": "hi", "model": "gpt-4"}, "model 'gpt-4' does not exist"),
     ({"prompt": ""}, "the prompt is empty"),
     ({"prompt": []}, "the prompt is empty"),
     ({"prompt": [1, 2, 999999]}, "prompt token id 999999 is outside the vocabulary"),
@@ -176,6 +175,13 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "temperature": None, "top_p": None, "n": None, "seed": None,
       "model": None}, "missing required parameter 'model'"),
 ]
+
+
+def test_an_unknown_model_is_a_404_as_openai_and_vllm_answer(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    assert "model 'gpt-4' does not exist" in info.value.body["message"]
 
 
 @pytest.mark.parametrize(("fields", "fragment"), BAD_REQUESTS)

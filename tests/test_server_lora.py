@@ -38,7 +38,8 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, P
     root, base = tmp_path_factory.mktemp("adapters"), load_model("tiny").path
     configs = {"a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
                "b": dict(r=16, lora_alpha=16, target_modules=ALL_TARGETS),
-               "big": dict(r=32, lora_alpha=32, target_modules=["o_proj"])}  # fmt: skip
+               "big": dict(r=32, lora_alpha=32, target_modules=["o_proj"]),
+               "d": dict(r=4, lora_alpha=8, target_modules=["k_proj", "up_proj"])}  # fmt: skip
     return {name: (peft_adapter(base, root / name, seed=i + 11, **config), root / name)
             for i, (name, config) in enumerate(configs.items())}  # fmt: skip
 
@@ -49,7 +50,7 @@ def expected(adapters: dict[str, tuple[Any, Path]]) -> dict[str, str]:
     tokenizer = load_model("tiny").tokenizer
     ids = tokenizer.encode(PROMPT)
     out = {"tiny": tokenizer.decode(peft_greedy(adapters["a"][0], ids, MAX_TOKENS, False))}
-    for name in ("a", "b"):
+    for name in ("a", "b", "d"):
         out[name] = tokenizer.decode(peft_greedy(adapters[name][0], ids, MAX_TOKENS))
     return out
 
@@ -116,8 +117,8 @@ def test_chat_picks_the_adapter_by_model(server: RunningServer) -> None:
     assert len(set(texts.values())) == 3
 
 
-def test_an_unknown_model_is_a_400(server: RunningServer) -> None:
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+def test_an_unknown_model_is_a_404(server: RunningServer) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         complete(server, "c")
 
 
@@ -143,9 +144,85 @@ def test_admins_load_and_unload_adapters_and_the_same_files_share_blocks(
     assert _post(server, "unload_lora_adapter", {"lora_name": "c"}, key=ACME).status_code == 403
     assert _post(server, "unload_lora_adapter", {"lora_name": "c"}).status_code == 200
     assert _post(server, "unload_lora_adapter", {"lora_name": "c"}).status_code == 404
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         complete(server, "c")
     assert complete(server, "b", prompt) == (text_b, 112)  # b keeps its blocks
+
+
+def _load(server: RunningServer, name: str, path: Path) -> httpx.Response:
+    return _post(server, "load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+
+def test_an_unload_lets_running_requests_finish_with_the_adapter_then_frees_its_blocks(
+    server: RunningServer, adapters: dict[str, tuple[Any, Path]],
+) -> None:
+    assert _load(server, "d", adapters["d"][1]).status_code == 200
+    tokenizer = load_model("tiny").tokenizer
+    prompt = f"unloaded mid-stream: {PROMPT}"
+    want = tokenizer.decode(peft_greedy(adapters["d"][0], tokenizer.encode(prompt), 64))
+    chunks = iter(client(server).completions.create(
+        model="d", prompt=prompt, max_tokens=64, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True}))  # fmt: skip
+    text = next(chunks).choices[0].text  # running under d now
+    assert _post(server, "unload_lora_adapter", {"lora_name": "d"}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as info:  # new requests: no such adapter
+        complete(server, "d")
+    assert info.value.body["code"] == "model_not_found"
+    text += "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want  # the running request finished under d
+    assert "d" not in {m.id for m in client(server).models.list()}
+    # its blocks were freed once it ended: the same files loaded again find none of them
+    assert _load(server, "d-again", adapters["d"][1]).status_code == 200
+    assert complete(server, "d-again", prompt)[1] == 0
+    assert complete(server, "d-again", prompt)[1] > 0  # (and cache their own)
+    assert _post(server, "unload_lora_adapter", {"lora_name": "d-again"}).status_code == 200
+
+
+def test_requests_racing_an_unload_get_the_adapters_answer_or_a_404_never_another(
+    server: RunningServer, adapters: dict[str, tuple[Any, Path]], expected: dict[str, str],
+) -> None:
+    def ask(i: int) -> str | int:
+        try:
+            return complete(server, "d", PROMPT)[0]
+        except openai.NotFoundError as exc:
+            assert exc.body["code"] == "model_not_found"
+            return 404
+
+    for _ in range(3):
+        assert _load(server, "d", adapters["d"][1]).status_code == 200
+        with ThreadPoolExecutor(6) as pool:
+            answers = pool.map(ask, range(18))
+            gone = _post(server, "unload_lora_adapter", {"lora_name": "d"})
+            answers = list(answers)  # fmt: skip
+        assert gone.status_code == 200
+        assert set(answers) <= {expected["d"], 404}, answers  # never the base's, never a 500
+        assert "d" not in {m.id for m in client(server).models.list()}  # not loaded back
+        assert ask(0) == 404
+    assert complete(server, "a")[0] == expected["a"]
+
+
+def test_loads_of_one_name_racing_each_other_or_an_unload_leave_one_adapter(
+    server: RunningServer, adapters: dict[str, tuple[Any, Path]], expected: dict[str, str],
+) -> None:
+    with ThreadPoolExecutor(2) as pool:  # each passes the first check; one is installed
+        statuses = sorted(pool.map(lambda _: _load(server, "e", adapters["d"][1]).status_code,
+                                   range(2)))  # fmt: skip
+    assert statuses == [200, 400]
+    for _ in range(4):
+        with ThreadPoolExecutor(2) as pool:
+            unload = pool.submit(_post, server, "unload_lora_adapter", {"lora_name": "e"})
+            load = pool.submit(_load, server, "e", adapters["d"][1])
+            codes = (unload.result().status_code, load.result().status_code)
+        assert codes in ((200, 200), (200, 400), (404, 200)), codes
+        listed = "e" in {m.id for m in client(server).models.list()}
+        if listed:  # whichever came last, the registry and the answers agree
+            assert complete(server, "e")[0] == expected["d"]
+        else:
+            with pytest.raises(openai.NotFoundError):
+                complete(server, "e")
+        if not listed:
+            assert _load(server, "e", adapters["d"][1]).status_code == 200
+    assert _post(server, "unload_lora_adapter", {"lora_name": "e"}).status_code == 200
 
 
 def _broken(adapters: dict[str, tuple[Any, Path]], out: Path, how: str) -> Path:
@@ -212,3 +289,36 @@ def test_diagnostics_name_a_changed_adapter(server: RunningServer) -> None:
     assert moved.cache_missed_tokens > 0
     assert respond("a", first.id).prompt_cache_diagnostics.type == "cache_hit"
     assert respond("tiny", first.id).prompt_cache_diagnostics.reason == "adapter_changed"
+
+
+def test_smollm2_serves_two_adapters_and_the_base_together_as_peft_without_shared_blocks(
+    tmp_path: Path,
+) -> None:
+    """The issue's check: ``serve --model smollm2 --enable-lora --lora-modules a=DIR b=DIR``
+    answers a, b and the base, in flight together, as transformers + peft do (float32), and
+    ``cached_tokens`` shows no reuse across them."""
+    base = load_model("smollm2")
+    targets = {"a": (["q_proj", "v_proj", "o_proj", "down_proj"], 0.05), "b": (ALL_TARGETS, 0.1)}
+    models = {name: peft_adapter(base.path, tmp_path / name, seed=i + 5, scale=scale, r=16,
+                                 lora_alpha=16, target_modules=t)
+              for i, (name, (t, scale)) in enumerate(targets.items())}  # fmt: skip
+    prompt = "Many fine-tunes of one base model share a server; each keeps its blocks. " * 2
+    ids = base.tokenizer.encode(prompt)
+    want = {name: base.tokenizer.decode(peft_greedy(m, ids, MAX_TOKENS))
+            for name, m in models.items()}  # fmt: skip
+    want["smollm2"] = base.tokenizer.decode(peft_greedy(models["a"], ids, MAX_TOKENS, False))
+    assert len(set(want.values())) == 3  # the adapters change the answer
+    running = start_server(["--model", "smollm2", "--dtype", "float32", "--enable-lora",
+                            "--max-loras", "2", "--lora-modules", f"a={tmp_path / 'a'}",
+                            f"b={tmp_path / 'b'}"])  # fmt: skip
+    try:
+        names = ["smollm2", "a", "b"]
+        with ThreadPoolExecutor(3) as pool:  # in flight together: steps mixing them
+            answers = list(pool.map(lambda m: complete(running, m, prompt), names))
+        first = dict(zip(names, answers, strict=True))
+        assert {m: text for m, (text, _) in first.items()} == want
+        assert {m: cached for m, (_, cached) in first.items()} == {m: 0 for m in names}
+        for name in names:  # each hits its own blocks only
+            assert complete(running, name, prompt) == (want[name], len(ids) // 16 * 16)
+    finally:
+        running.stop()

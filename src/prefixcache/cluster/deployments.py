@@ -10,7 +10,9 @@ prompt's block digests (`cluster.digests`) and calls the replicas' handle, whose
 (`cluster.routing.PrefixCacheRouter`) picks the replica from the digests. A request that fails
 because its replica died before answering is sent again (to another replica, the dead one being
 gone from the router); once a response has started, a failure ends it. ``/metrics`` gathers every
-replica's page (`cluster.metrics`), ``/cluster/routing`` shows the router's decisions.
+replica's page (`cluster.metrics`), ``/cluster/routing`` shows the router's decisions. A LoRA
+adapter's load or unload goes to every replica, and the prompt digests of the requests after it
+name its blocks as the replicas do (an adapter given at start or loaded later alike).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ logger = logging.getLogger("prefixcache.cluster")
 
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 _PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+_EVERY_REPLICA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 class EngineReplica:
@@ -146,6 +149,8 @@ class Ingress:
         body = await request.body()
         if len(body) > self.max_request_bytes:
             return _error(413, f"the request body is larger than {self.max_request_bytes} bytes")
+        if request.method == "POST" and path in _EVERY_REPLICA_PATHS:
+            return await self._to_every_replica(request, body)
         forwarded = _forwarded(request, body)
         if request.method == "POST" and path in _PROMPT_PATHS:
             route = await self._route(request, path, body)
@@ -181,6 +186,28 @@ class Ingress:
             self._digester = PromptDigester(self.tokenizer, self.tenants, identity,
                                             self.literal_content, info.get("adapters"))
         return self._digester
+
+    async def _to_every_replica(self, request: Request, body: bytes) -> Response:
+        """A LoRA adapter loaded or unloaded on every replica, so that any of them serves it
+        and the router names its requests' blocks in its namespace (the digester asks the
+        replicas' adapters again): the first refusal's answer, else the first replica's."""
+        from prefixcache.cluster.registry import router_stats
+
+        if router_stats("EngineReplica") is None:  # no request yet: no router either
+            await self.replicas.describe.remote()
+        answers = []
+        for replica in sorted((router_stats("EngineReplica") or {"replicas": {}})["replicas"]):
+            forwarded = _forwarded(request, body)
+            forwarded.pin = replica
+            status, text = await self._collect(forwarded)
+            if text:  # else it died since the router listed it
+                answers.append((status, text))
+        self._digester = None
+        if not answers:
+            return _error(503, "no replica answered", code="replica_unavailable")
+        status, text = next((a for a in answers if a[0] >= 300), answers[0])
+        return Response(text, status_code=status,
+                        media_type="text/plain" if status < 300 else "application/json")
 
     async def _forward(self, forwarded: ForwardedRequest) -> Response:
         last: Exception | None = None

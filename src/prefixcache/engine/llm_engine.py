@@ -29,7 +29,7 @@ from prefixcache.engine import observation
 from prefixcache.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.groups import RequestGroups
 from prefixcache.engine.input_processor import InputProcessor
-from prefixcache.engine.lora import LoraBusy, LoraRegistry, LoRARequest
+from prefixcache.engine.lora import LoraBusy, LoraNotFound, LoraRegistry, LoRARequest
 from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.outputs import EngineLimits, EngineSnapshot, EngineView, RequestOutput
 from prefixcache.engine.request import Request
@@ -162,13 +162,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         domain: str = "",
         pins: SequenceABC[tuple[int, float]] = (),
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> Request:
         """Queue a request. Bad input raises ValueError (`InvalidParam` naming the field,
         from `InputProcessor`) and leaves the engine unchanged. ``domain`` is its isolation
         domain (tenant or group) for fair sharing and caps. ``pins``: ``(num_tokens, ttl_s)``
         prefixes of the prompt to keep from eviction once the request is done (cache
-        breakpoints; `PinTable`). ``lora_request``: the LoRA adapter it runs under."""
+        breakpoints; `PinTable`). ``lora_request``: the LoRA adapter it runs under, or the name
+        of one registered now (`LoraNotFound` if none is: the server's requests)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -176,14 +177,12 @@ class LLMEngine:
         matcher = (None if params.structured_outputs is None  # compiled (or refused) now
                    else self.grammars.matcher(params.structured_outputs))  # fmt: skip
         _check_pins(pins)
-        adapter = _acquire(self.loras, lora_request)  # the last check: it holds the adapter
+        adapter, lora = _acquire(self.loras, lora_request)  # the last check: holds the adapter
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         self._num_added += 1
         request = Request.new(request_id, token_ids, params, base_seed, self._num_added,
                               cache_salt=cache_salt, use_cache=use_cache, domain=domain,
-                              external=self.tiers is not None, adapter=adapter,
-                              lora=None if lora_request is None else
-                              (lora_request.lora_int_id, lora_request.lora_name))  # fmt: skip
+                              external=self.tiers is not None, adapter=adapter, lora=lora)
         request.matcher = matcher
         if self.loras is not None and adapter is not None:
             self.loras.note_root(adapter, self.cache.identity.root(request.seq))
@@ -330,7 +329,11 @@ class LLMEngine:
         return len(block_ids)
 
     def _evict_namespaces(self, roots: set[bytes]) -> None:
-        """Evict the free cached blocks under these namespace roots (an unloaded adapter's)."""
+        """Evict the cached blocks under these namespace roots (an unloaded adapter's), its
+        pins released first."""
+        root = self.cache.identity.root
+        for pin in [p for p in self.pins.pins.values() if root(p.seq) in roots]:
+            self.pins.release(pin.pin_id)
         self.cache.evict_namespaces(roots)
         if self.check_integrity:
             self.cache.check_integrity()
@@ -386,19 +389,27 @@ def _check_pins(pins: SequenceABC[tuple[int, float]]) -> None:
                              f"{(num_tokens, ttl_s)}")
 
 
-def _acquire(loras: LoraRegistry | None, lora_request: LoRARequest | None) -> str | None:
-    """The identity of the adapter a request runs under (held until it retires), or None."""
+def _acquire(
+    loras: LoraRegistry | None, lora_request: LoRARequest | str | None
+) -> tuple[str | None, tuple[int, str] | None]:
+    """The identity of the adapter a request runs under (held until it retires) and its
+    ``(lora_int_id, lora_name)``, or Nones."""
     if lora_request is None:
-        return None
+        return None, None
     if loras is None:
-        raise InvalidParam("model", f"LoRA adapter {lora_request.lora_name!r} asked for, but "
-                                    "LoRA is off (enable_lora, --enable-lora)")
+        name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
+        raise InvalidParam("model", f"LoRA adapter {name!r} asked for, but LoRA is off "
+                                    "(enable_lora, --enable-lora)")
     try:
-        return loras.acquire(lora_request)
-    except LoraBusy:
-        raise  # retry later: the server's 429
+        if isinstance(lora_request, str):
+            identity, lora_request = loras.acquire_name(lora_request)
+        else:
+            identity = loras.acquire(lora_request)
+    except (LoraBusy, LoraNotFound):
+        raise  # retry later: the server's 429; the server's 404
     except ValueError as exc:
         raise InvalidParam("model", str(exc)) from None
+    return identity, (lora_request.lora_int_id, lora_request.lora_name)
 
 
 def _load(config: EngineConfig) -> LoadedModel:

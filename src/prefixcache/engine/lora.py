@@ -2,9 +2,13 @@
 `LoraRegistry` loads it, names it by content in the cache, and runs its rows.
 
 - Names: ``add`` registers a name (its files read, checked and named by content: the adapter's
-  ``identity``, `prefixcache.model.lora`); ``remove`` unregisters it. A request's adapter is
-  registered on first use, and its files are looked at again (size and modification time) at
-  each request, so a file changed under the same name is read again and is another adapter.
+  ``identity``, `prefixcache.model.lora`); ``remove`` unregisters it. A request's adapter
+  (`acquire`, `LLM.generate`'s) is registered on first use, and its files are looked at again
+  (size and modification time) at each request, so a file changed under the same name is read
+  again and is another adapter. A request by name (`acquire_name`, the server's) runs under the
+  adapter registered under it when the engine takes it, or is refused (`LoraNotFound`): an
+  unload between the server's check and the engine never runs it under the base or loads the
+  adapter back. Every change of names runs on the engine's thread, between two steps.
 - Memory: at most ``max_cpu_loras`` adapters are held (`LoraSlots`, one slot each; two names of
   the same files share one). One that no request holds is let go, least recently used first,
   to make room; a request arriving for it reads it again. All slots held by live requests: the
@@ -12,7 +16,8 @@
 - Identity: a request's sequence carries the identity as its namespace's adapter, so its blocks
   are the adapter's alone: never the base's or another adapter's, and the same for every name
   of the same files. A removed adapter's blocks can no longer be reached (no request can name
-  it); once no request runs under it its cached blocks are evicted (``evict``: the engine's).
+  it); requests already running under it finish with it, and once none does, its cached blocks
+  are evicted (``evict``: the engine's), also when its slot was let go before.
 - Steps: `step` turns a step's chunks into runs of rows by slot for the model (`LoraStep`); the
   scheduler keeps at most ``max_loras`` adapters in one step.
 """
@@ -33,7 +38,7 @@ from prefixcache.model.lora import CONFIG_FILE, WEIGHTS_FILE, LoraError, load_ad
 from prefixcache.model.lora_batch import LoraRun, LoraSlots, LoraStep, PackedLora
 from prefixcache.sched.request import ScheduledChunk
 
-__all__ = ["LoRARequest", "LoraBusy", "LoraError", "LoraRegistry", "LoadedLora"]
+__all__ = ["LoRARequest", "LoraBusy", "LoraError", "LoraNotFound", "LoraRegistry", "LoadedLora"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,16 +76,19 @@ class LoraBusy(LoraError):
     """Every adapter slot (``max_cpu_loras``) is held by live requests: retry later."""
 
 
+class LoraNotFound(LoraError):
+    """No adapter is registered under the name a request gave (never, or no longer)."""
+
+
 @dataclass(slots=True)
 class LoadedLora:
-    """An adapter in a slot: its layout, the requests that hold it, the names that reach it
-    and the namespace roots its requests' blocks hang from."""
+    """An adapter in a slot: its layout, the requests that hold it and the names that reach
+    it."""
 
     packed: PackedLora
     slot: int
     users: int = 0
     names: set[str] = field(default_factory=set)
-    roots: set[bytes] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +114,8 @@ class LoraRegistry:
         self._evict = evict
         self._names: dict[str, _Name] = {}
         self._loaded: OrderedDict[str, LoadedLora] = OrderedDict()  # by identity, LRU first
+        # by identity: the namespace roots its requests' blocks hang from (slot or not)
+        self._roots: dict[str, set[bytes]] = {}
         self._lock = threading.Lock()  # names: read by the server's threads
 
     # ---- names ---------------------------------------------------------------------------
@@ -172,14 +182,29 @@ class LoraRegistry:
                 Path(request.lora_path).expanduser()) or known.identity not in self._loaded:
             self.add(request)  # fmt: skip
             known = self._names[request.lora_name]
-        loaded = self._loaded[known.identity]
-        self._loaded.move_to_end(known.identity)
+        return self._use(known.identity)
+
+    def acquire_name(self, name: str) -> tuple[str, LoRARequest]:
+        """The identity and request of the adapter registered under ``name`` now, held until
+        `release` (its slot filled again if it was let go); `LoraNotFound` if none is."""
+        known = self._names.get(name)
+        if known is None:
+            raise LoraNotFound(f"the LoRA adapter {name!r} cannot be found (not loaded, or "
+                               "unloaded)")
+        if known.identity not in self._loaded:
+            self.add(known.request)
+            known = self._names[name]
+        return self._use(known.identity), known.request
+
+    def _use(self, identity: str) -> str:
+        loaded = self._loaded[identity]
+        self._loaded.move_to_end(identity)
         loaded.users += 1
-        return known.identity
+        return identity
 
     def note_root(self, identity: str, root: bytes) -> None:
         """A request under ``identity`` hangs its blocks from namespace ``root``."""
-        self._loaded[identity].roots.add(root)
+        self._roots.setdefault(identity, set()).add(root)
 
     def release(self, identity: str) -> None:
         """A request under ``identity`` is done."""
@@ -237,13 +262,16 @@ class LoraRegistry:
             self._loaded[entry.identity].names.discard(name)
 
     def _collect(self) -> None:
-        """Let go of adapters no name reaches and no request holds, and evict their blocks."""
+        """Let go of adapters no name reaches and no request holds, and evict their blocks
+        (those of an adapter whose slot was let go before too)."""
         for identity, entry in list(self._loaded.items()):
             if not entry.names and not entry.users:
                 del self._loaded[identity]
                 self.slots.install(entry.slot, None)
-                if entry.roots:
-                    self._evict(entry.roots)
+        with self._lock:
+            named = {n.identity for n in self._names.values()}
+        for identity in [i for i in self._roots if i not in named and i not in self._loaded]:
+            self._evict(self._roots.pop(identity))
 
 
 def _stamp(path: Path) -> tuple[int, ...]:

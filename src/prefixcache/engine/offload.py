@@ -154,7 +154,8 @@ class KVOffload:
         out = []
         for i in indices:
             parent = digests[i - 1] if i else root
-            out.append(BlockKey(digests[i], parent, make_token_check(parent, token_bytes[i]), tag))
+            check = make_token_check(parent, token_bytes[i])
+            out.append(BlockKey(digests[i], parent, check, tag, seq.lora))
         return out
 
     # -- load-ahead --------------------------------------------------------------------------------
@@ -277,16 +278,17 @@ class KVOffload:
                     self._pending -= len(keys)
 
     def _note_stored(self, medium: str, keys: list[BlockKey]) -> None:
-        """One `BlockStored` per chained run of ``keys``, which tier ``medium`` now holds."""
+        """One `BlockStored` per chained run of ``keys`` of one adapter, which tier ``medium``
+        now holds (with the adapter's ``lora_id`` and ``lora_name``, as the RAM's events)."""
         bs = self.kv_cache.block_size
         runs: list[list[BlockKey]] = []
         for key in keys:
-            if runs and key.parent == runs[-1][-1].digest:
+            last = runs[-1][-1] if runs else None
+            if last is not None and key.parent == last.digest and key.lora == last.lora:
                 runs[-1].append(key)
             else:
                 runs.append([key])
-        events = [BlockStored([k.digest for k in run], run[0].parent, [], bs, medium=medium)
-                  for run in runs]
+        events = [_stored(run, bs, medium) for run in runs]
         with self._events_lock:
             self._events += events
 
@@ -339,3 +341,9 @@ class KVOffload:
                                 "bytes_held": getattr(tier, "num_bytes", None),
                                 "capacity_bytes": getattr(tier, "capacity_bytes", None)}
         return {"engine": engine, "tiers": tiers}
+
+
+def _stored(run: list[BlockKey], block_size: int, medium: str) -> BlockStored:
+    lora_id, lora_name = run[0].lora or (None, None)
+    return BlockStored([k.digest for k in run], run[0].parent, [], block_size, medium=medium,
+                       lora_id=lora_id, lora_name=lora_name)  # fmt: skip

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from prefixcache.cache.fates import Fate
     from prefixcache.engine.input_processor import InputProcessor
     from prefixcache.engine.llm_engine import LLMEngine
-    from prefixcache.engine.lora import LoraRegistry, LoRARequest
+    from prefixcache.engine.lora import LoraRegistry
     from prefixcache.engine.outputs import EngineLimits, RequestOutput
     from prefixcache.engine.sampling_params import SamplingParams
     from prefixcache.engine.structured import GrammarCompiler
@@ -191,12 +191,13 @@ class AsyncEngine:
     async def add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         salt: str | None, use_cache: bool, domain: str = "", queue: OutputQueue | None = None,
-        pins: list[tuple[int, float]] | None = None, lora: LoRARequest | None = None,
+        pins: list[tuple[int, float]] | None = None, lora: str | None = None,
     ) -> OutputQueue:
         """Queue a request; its outputs arrive on the returned queue (``queue``, which several
-        requests may share, or a new one), the last one with ``request_finished``. Raises
-        ValueError (bad request) or `EngineOverloaded` (the server's limit, or ``domain``'s own
-        share of it, is reached)."""
+        requests may share, or a new one), the last one with ``request_finished``. ``lora``:
+        the name of the LoRA adapter it runs under. Raises ValueError (bad request;
+        `LoraNotFound`: no adapter of that name now) or `EngineOverloaded` (the server's limit,
+        or ``domain``'s own share of it, is reached)."""
         if self._pending_by_domain.get(domain, 0) >= self.max_pending_per_domain:
             raise EngineOverloaded(
                 f"this caller has {self.max_pending_per_domain} queued and running requests, "

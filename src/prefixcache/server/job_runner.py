@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from prefixcache.engine.lora import LoraBusy
+from prefixcache.engine.lora import LoraBusy, LoraNotFound
 from prefixcache.server import protocol
 from prefixcache.server.async_engine import AsyncEngine, EngineFailure, EngineOverloaded
 from prefixcache.server.errors import ApiError
@@ -93,7 +93,7 @@ class JobRunner:
         tenant = job.tenant
         scope = self.tenants.scope(tenant, cache_salt)
         bs = self.engine.limits.block_size
-        lora = self.loras.request_of(job.model) if self.loras is not None else None
+        lora = self.loras.adapter_name(job.model) if self.loras is not None else None
         try:
             for prompt in job.prompts:
                 if scope.use_cache:
@@ -108,6 +108,9 @@ class JobRunner:
         except (EngineOverloaded, LoraBusy) as exc:
             self.finish(job)
             raise ApiError(429, str(exc), code="queue_full") from None
+        except LoraNotFound as exc:  # unloaded since the model was checked
+            self.finish(job)
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         except ValueError as exc:
             self.finish(job)
             where = "" if len(job.prompts) == 1 else f"prompt {job.num_added}: "

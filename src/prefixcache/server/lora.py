@@ -20,6 +20,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request
@@ -36,6 +37,7 @@ from prefixcache.server.tenancy import Tenant
 if TYPE_CHECKING:
     from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.engine.lora import LoraRegistry
+    from prefixcache.model.lora_batch import PackedLora
     from prefixcache.server.async_engine import AsyncEngine
 
 __all__ = ["RUNTIME_UPDATING_ENV", "ServingLoras", "lora_router", "parse_lora_modules",
@@ -99,11 +101,13 @@ class ServingLoras:
         self.base_model = base_model
         self.registry: LoraRegistry | None = engine.loras
 
-    def request_of(self, model: str) -> LoRARequest | None:
-        """The adapter a request for ``model`` runs under (None: the base, or no such name)."""
+    def adapter_name(self, model: str) -> str | None:
+        """The name of the adapter a request for ``model`` runs under (None: the base); the
+        engine takes the adapter registered under it when it takes the request (a 404 if it
+        was unloaded since)."""
         if self.registry is None or model == self.base_model:
             return None
-        return next((r for r in self.registry.requests() if r.lora_name == model), None)
+        return model
 
     def identity_of(self, model: str) -> str | None:
         """The identity (content digest) of the adapter named ``model``; None for the base."""
@@ -129,15 +133,12 @@ class ServingLoras:
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise ApiError(400, "both 'lora_name' and 'lora_path' must be given",
                            param="lora_name" if not name else "lora_path")
-        if name == self.base_model or registry.identity_of(name) is not None:
-            if not body.get("load_inplace") or name == self.base_model:
-                raise ApiError(400, f"the LoRA adapter {name!r} has already been loaded",
-                               param="lora_name")
-        ids = [r.lora_int_id for r in registry.requests() if r.lora_name != name]
-        request = LoRARequest(name, max([0, *ids]) + 1, path)
-        try:
-            read = await asyncio.to_thread(registry.read, request)  # off the engine thread
-            await self.engine.call(lambda: registry.add(request, read))
+        inplace = bool(body.get("load_inplace")) and name != self.base_model
+        _check_free(registry, name, inplace, self.base_model)  # before reading the files
+        try:  # read off the engine thread, then checked again and installed on it at once
+            read = await asyncio.to_thread(registry.read, LoRARequest(name, 1, path))
+            await self.engine.call(
+                lambda: _install(registry, LoRARequest(name, 1, path), read, inplace))
         except LoraBusy as exc:
             raise ApiError(429, str(exc)) from None
         except LoraError as exc:
@@ -163,6 +164,23 @@ class ServingLoras:
         if self.registry is None:
             raise ApiError(400, "LoRA is off on this server (--enable-lora)")
         return self.registry
+
+
+def _check_free(registry: LoraRegistry, name: str, inplace: bool, base: str = "") -> None:
+    if name == base or (registry.identity_of(name) is not None and not inplace):
+        raise ApiError(400, f"the LoRA adapter {name!r} has already been loaded",
+                       param="lora_name")
+
+
+def _install(registry: LoraRegistry, request: LoRARequest,
+             read: tuple[PackedLora, tuple[int, ...]], inplace: bool) -> None:  # fmt: skip
+    """Register ``request``'s name for its path (``read``: its files, read) under the next
+    free id, unless the name is registered and not ``inplace``: on the engine's thread, so
+    that no other load or unload of the name comes between the check and the registration."""
+    name = request.lora_name
+    _check_free(registry, name, inplace)
+    ids = [r.lora_int_id for r in registry.requests() if r.lora_name != name]
+    registry.add(replace(request, lora_int_id=max([0, *ids]) + 1), read)
 
 
 def lora_router(serving: ServingLoras, auth: Callable[[Request], Tenant]) -> APIRouter:

@@ -113,10 +113,13 @@ class ServingContext:
     # ---- checks ---------------------------------------------------------------------------
 
     def check_model(self, model: str) -> None:
-        """The base model's name or a loaded LoRA adapter's."""
+        """The base model's name or a loaded LoRA adapter's (else a 404, as OpenAI's and
+        vLLM's)."""
         if model != self.model_name and self.loras.identity_of(model) is None:
-            raise ApiError(400, f"model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+            adapters = " or a loaded LoRA adapter" if self.loras.registry is not None else ""
+            raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}{adapters}", param="model",
+                           code="model_not_found")
 
     def adapter_of(self, model: str) -> str | None:
         """The identity of the LoRA adapter a request for ``model`` runs under (its content

@@ -33,7 +33,7 @@ import hashlib
 import json
 import struct
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
@@ -111,12 +111,15 @@ class TierIdentity:
 @dataclass(frozen=True, slots=True)
 class BlockKey:
     """What a reader knows of a block before it loads it: its digest, its parent's, the check
-    of its tokens, and the isolation domain it belongs to."""
+    of its tokens, and the isolation domain it belongs to. ``lora``: vLLM's ``(lora_id,
+    lora_name)`` of the request it was keyed for (None: the base), for the tiers' KV events;
+    neither stored nor compared (the adapter's identity is in the digest)."""
 
     digest: bytes
     parent: bytes
     token_check: bytes
     domain_tag: bytes
+    lora: tuple[int, str] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
