@@ -24,7 +24,7 @@ from prefixcache.cache.index import (
     PrefixIndex,
     SeqBlocks,
 )  # fmt: skip
-from prefixcache.cache.sequence import Sequence
+from prefixcache.cache.sequence import PUBLIC_DOMAIN, Sequence
 
 __all__ = ["HashIndex", "HashPrefixCache"]
 
@@ -115,7 +115,7 @@ class HashIndex(PrefixIndex):
         digests = self.identity.block_digests(seq)
         chunks = seq.block_token_bytes
         cached = self.digest_map
-        domain = seq.domain
+        domain, num_public = seq.domain, seq.public_blocks
         root = self.identity.root(seq)
         blocks = table.blocks
         runs: list[tuple[int, int]] = []
@@ -131,7 +131,7 @@ class HashIndex(PrefixIndex):
                 stored = False
             else:
                 cached[digest] = block
-                block.cache(digest, chunks[i], domain)
+                block.cache(digest, chunks[i], domain if i >= num_public else PUBLIC_DOMAIN)
                 block.owner_root = root  # its namespace (`take_free_under`)
                 stored = True
             if stored != (run_start >= 0):
