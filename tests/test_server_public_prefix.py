@@ -160,6 +160,27 @@ def test_a_system_message_declared_as_text_is_shared_in_chat(server: RunningServ
     assert seen["cached_tokens"] == seen["public_cached_tokens"] == len(system_ids) // BS * BS > 0
 
 
+def test_diagnostics_show_the_public_part(server: RunningServer) -> None:
+    def chat(question: str, earlier: str | None = None) -> dict[str, object]:
+        body: dict[str, object] = {
+            "model": MODEL, "max_tokens": 1, "temperature": 0.0,
+            "messages": [{"role": "system", "content": SUPPORT},
+                         {"role": "user", "content": question}]}  # fmt: skip
+        if earlier is not None:
+            body["prompt_cache_options"] = {"comparison_response_id": earlier}
+        response = httpx.post(server.base_url + "/v1/chat/completions", json=body,
+                              headers={"authorization": f"Bearer {KEYS['b']}"}, timeout=60)
+        assert response.status_code == 200
+        return dict(response.json())
+
+    first = chat("What are your opening hours on public holidays?")
+    second = chat("What are your opening hours on public holidays?", str(first["id"]))
+    public = second["usage"]["prompt_tokens_details"]["public_cached_tokens"]  # type: ignore[index]
+    assert public > 0
+    assert second["prompt_cache_diagnostics"] == {
+        "type": "cache_hit", "public_tokens": public, "public_cached_tokens": public}
+
+
 def test_metrics_count_public_hits_apart(server: RunningServer) -> None:
     details(server, "a", MANUAL + " metrics")
     details(server, "b", MANUAL + " metrics")

@@ -83,6 +83,41 @@ def test_audit_against_our_server(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert KEYS[0] not in out_json.read_text()  # keys are redacted from the report
 
 
+def test_audit_across_tenants_sharing_a_declared_prefix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every prompt starts with a public prefix both tenants may use: the cross-tenant hits
+    are the declared blocks alone, the same for hit and miss prompts, and the timing test finds
+    nothing after them; the same-key control still sees the victim's own continuation."""
+    public = tmp_path / "public.txt"
+    public.write_text(PromptMaker(random.Random(7)).text(600))  # BOS + 600 bytes: 37 blocks
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        "".join(f'[tenants.t{i}]\napi_keys = ["{key}"]\n' for i, key in enumerate(KEYS))
+        + '[public_prefixes.docs]\nprompt_file = "public.txt"\ntenants = ["t0", "t1"]\n'
+    )
+    running = start_server(["--tenants", str(tenants), "--num-kv-blocks", "1024"])
+    out_json = tmp_path / "audit.json"
+    argv = ["audit", "--url", running.base_url, "--key-a", KEYS[0], "--key-b", KEYS[1],
+            "--samples", "20", "--prompt-tokens", "1000", "--public-prefix-file", str(public),
+            "--out", str(out_json)]  # fmt: skip
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+    finally:
+        running.stop()
+    out = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert exc.value.code == 0, out
+    assert report["same_key"]["p_value"] < 1e-8, out
+    cross = report["cross_key"]
+    assert set(cross["hit_cached_tokens"]) == set(cross["miss_cached_tokens"]) == {592}
+    assert max(cross["hit_private_cached_tokens"] + cross["miss_private_cached_tokens"]) == 0
+    assert report["leaked_cached_tokens"] == 0
+    assert cross["p_value"] > 1e-3, out
+    assert "ISOLATED" in report["verdict"] and "declared public prefix" in out
+
+
 def test_audit_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["audit", "--url", "http://127.0.0.1:9", "--key-a", "a", "--key-b", "b"]
     for extra in (["--samples", "1"], ["--prefix-fraction", "1.5"]):
