@@ -108,7 +108,7 @@ def _prefill(engine: LLMEngine, rid: str, token_ids: list[int], tenants: TenantR
     if not scope.use_cache:
         raise CliError(f"{where}: this tenant's isolation is 'none': it caches nothing")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    num_public = tenants.public.num_public_blocks(tenant, token_ids, engine.cache.block_size)
+    num_public = tenants.public.num_public_blocks(tenant, token_ids, engine.block_size)
     try:
         engine.add_request(rid, prompt_token_ids=token_ids, sampling_params=params,
                            cache_salt=scope.salt, domain=tenant.scheduling_domain, pins=pins,
