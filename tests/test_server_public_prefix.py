@@ -160,6 +160,17 @@ def test_a_system_message_declared_as_text_is_shared_in_chat(server: RunningServ
     assert seen["cached_tokens"] == seen["public_cached_tokens"] == len(system_ids) // BS * BS > 0
 
 
+def test_the_responses_api_counts_the_public_part(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEYS["b"], max_retries=0)
+    messages = [{"role": "system", "content": SUPPORT},
+                {"role": "user", "content": "Which languages do you speak?"}]  # fmt: skip
+    for _ in range(2):  # the second one hits the first one's blocks
+        out = client.responses.create(model=MODEL, input=messages, max_output_tokens=1)
+    assert out.usage is not None
+    usage = out.usage.input_tokens_details.model_dump()
+    assert 0 < usage["public_cached_tokens"] < usage["cached_tokens"]  # b's own question too
+
+
 def test_diagnostics_show_the_public_part(server: RunningServer) -> None:
     def chat(question: str, earlier: str | None = None) -> dict[str, object]:
         body: dict[str, object] = {

@@ -184,10 +184,15 @@ class Job:
 
     def usage(self) -> JSONObject:
         cached = sum(p.num_cached for p in self.prompts)
-        public = (sum(p.num_public_cached for p in self.prompts)
-                  if any(p.num_public for p in self.prompts) else None)
         return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached,
-                              self.num_external_cached, self.num_written, public)
+                              self.num_external_cached, self.num_written, self.num_public_cached)
+
+    @property
+    def num_public_cached(self) -> int | None:
+        """Cached prompt tokens read from public blocks (None: no prompt starts with any)."""
+        if not any(p.num_public for p in self.prompts):
+            return None
+        return sum(p.num_public_cached for p in self.prompts)
 
     @property
     def num_external_cached(self) -> int | None:

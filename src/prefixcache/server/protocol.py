@@ -508,11 +508,15 @@ def now() -> int:
 
 
 def response_usage(
-    num_input: int, num_output: int, num_cached: int, num_written: int = 0
+    num_input: int, num_output: int, num_cached: int, num_written: int = 0,
+    num_public: int | None = None,
 ) -> JSONObject:
+    details = {"cached_tokens": num_cached, "cache_write_tokens": num_written}
+    if num_public is not None:
+        details["public_cached_tokens"] = num_public  # as in `usage`
     return {
         "input_tokens": num_input,
-        "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": num_written},
+        "input_tokens_details": details,
         "output_tokens": num_output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": num_input + num_output,

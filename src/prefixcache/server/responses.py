@@ -235,4 +235,5 @@ class _Events:
 
 def _usage(job: Job) -> JSONObject:
     return protocol.response_usage(job.num_prompt_tokens, job.num_output_tokens,
-                                   job.prompts[0].num_cached, job.num_written)
+                                   job.prompts[0].num_cached, job.num_written,
+                                   job.num_public_cached)
