@@ -96,10 +96,11 @@ class EvictionHeaps:
             heap[:] = [e for e in heap if e[2] == e[3].stamp and e[3].attached]
             heapq.heapify(heap)
 
-    def first(self, domain: str) -> RadixNode:
-        """``domain``'s next leaf to evict (stale entries are dropped on the way)."""
-        heap = self.heaps[domain]
-        while True:
+    def first(self, domain: str) -> RadixNode | None:
+        """``domain``'s next leaf to evict (stale entries are dropped on the way); None where
+        none of its parked nodes is a leaf (public blocks, say, parents of tenants' runs)."""
+        heap = self.heaps.get(domain, [])
+        while heap:
             node = heap[0][3]
             if (
                 heap[0][2] == node.stamp
@@ -110,6 +111,7 @@ class EvictionHeaps:
             ):
                 return node
             heapq.heappop(heap)
+        return None
 
     def pop(self, domain: str) -> None:
         heapq.heappop(self.heaps[domain])
