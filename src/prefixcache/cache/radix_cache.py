@@ -195,7 +195,7 @@ class RadixIndex(PrefixIndex):
         ids: list[int] = []
         dropped: list[bytes] = []
         while num:
-            node = self._next_leaf(protected)
+            node = self.heaps.next_leaf(parked, protected)
             domain = node.domain
             block_ids, digests = node.block_ids, node.digests
             cut = max(0, len(block_ids) - num)
@@ -213,20 +213,6 @@ class RadixIndex(PrefixIndex):
                 self.heaps.pop(domain)
                 self._detach(node)
         return ids, dropped
-
-    def _next_leaf(self, protected: frozenset[str]) -> RadixNode:
-        """The next leaf to evict: of the domain with the most parked blocks that has a parked
-        leaf (a domain whose parked nodes all have children, the public one's under tenants'
-        runs, waits until those children go)."""
-        parked = self.parked
-        if len(parked) == 1 and not protected:
-            node = self.heaps.first(next(iter(parked)))
-        else:
-            domains = sorted((d for d in parked if d not in protected), key=parked.__getitem__,
-                             reverse=True)  # stable: ties keep the parked order
-            node = next(filter(None, map(self.heaps.first, domains)), None)
-        assert node is not None, "parked blocks but no parked leaf"  # check_tree's invariants
-        return node
 
     def take_free_under(self, roots: Collection[bytes]) -> tuple[list[KVBlock], list[bytes]]:
         """The namespaces' parked blocks, each node's once its children are gone."""

@@ -113,6 +113,19 @@ class EvictionHeaps:
             heapq.heappop(heap)
         return None
 
+    def next_leaf(self, parked: Mapping[str, int], protected: frozenset[str]) -> RadixNode:
+        """The next leaf to evict: of the domain with the most ``parked`` blocks (none of the
+        ``protected``) that has a parked leaf. A domain whose parked nodes all have children
+        (the public one's, under tenants' runs) waits until those children go."""
+        if len(parked) == 1 and not protected:
+            node = self.first(next(iter(parked)))
+        else:
+            domains = sorted((d for d in parked if d not in protected), key=parked.__getitem__,
+                             reverse=True)  # stable: ties keep the parked order
+            node = next(filter(None, map(self.first, domains)), None)
+        assert node is not None, "parked blocks but no parked leaf"  # check_tree's invariants
+        return node
+
     def pop(self, domain: str) -> None:
         heapq.heappop(self.heaps[domain])
 
