@@ -242,3 +242,30 @@ def test_a_continuation_is_the_tenants_own(kind: str) -> None:
     assert [p.num_tokens for p in probes] == [16, 16]
     again = cache.match(seq("a", secret, "again"))
     assert again.num_tokens == 24  # the writer's own continuation: 6 whole blocks, last held back
+
+
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_zero_on_reuse_still_zeroes_a_tenants_block_for_another(kind: str) -> None:
+    """a's own blocks after the public ones go to b zeroed, as any block changing namespace
+    does: the public prefix they follow is the same, the salt is not."""
+    cache = make_prefix_cache(kind, num_blocks=4, block_size=BS, zero_on_reuse=True)
+    declared = [5, 6, 7, 8, 9, 10, 11, 12]  # 2 public blocks
+    prefixes = PublicPrefixes({"sys": declared})
+
+    def run(tenant: str, tail: list[int]) -> list[int]:
+        prompt = declared + tail
+        seq = Sequence(tenant, prompt, tenant, domain=tenant,
+                       public_blocks=prefixes.num_public_blocks(prompt, ["sys"], BS))
+        hit = cache.match(seq)
+        table = cache.allocate(seq, len(prompt) - hit.num_tokens, hit)
+        assert table is not None
+        cache.commit(seq, len(prompt))
+        cache.free(seq)
+        cache.check_integrity()
+        return table
+
+    first = run("a", [1, 2, 3, 4, 1, 2, 3])  # 2 public blocks, 1 of a's own, a partial one
+    cache.pool.take_blocks_to_zero()  # a's first allocation: fresh blocks
+    second = run("b", [4, 3, 2, 1, 4, 3, 2])
+    assert second[:2] == first[:2]  # the public blocks, shared
+    assert set(cache.pool.take_blocks_to_zero()) == set(second[2:])  # a's, zeroed for b

@@ -116,7 +116,7 @@ class HashIndex(PrefixIndex):
         chunks = seq.block_token_bytes
         cached = self.digest_map
         domain, num_public = seq.domain, seq.public_blocks
-        root = self.identity.root(seq)
+        root, tail_root = self.identity.root(seq), self.identity.tail_root(seq)
         blocks = table.blocks
         runs: list[tuple[int, int]] = []
         num_dups = 0
@@ -131,8 +131,12 @@ class HashIndex(PrefixIndex):
                 stored = False
             else:
                 cached[digest] = block
-                block.cache(digest, chunks[i], domain if i >= num_public else PUBLIC_DOMAIN)
-                block.owner_root = root  # its namespace (`take_free_under`)
+                if i < num_public:
+                    block.cache(digest, chunks[i], PUBLIC_DOMAIN)
+                    block.owner_root = root  # its namespace (`take_free_under`, zeroing)
+                else:
+                    block.cache(digest, chunks[i], domain)
+                    block.owner_root = tail_root
                 stored = True
             if stored != (run_start >= 0):
                 if stored:

@@ -47,6 +47,10 @@ class CacheIdentity:
         come first."""
         return seq.tail_root(self.hasher, self.model_id, self.kv_layout)
 
+    def roots(self, seq: Sequence) -> set[bytes]:
+        """Every root ``seq``'s blocks chain from: `root` and `tail_root`."""
+        return {self.root(seq), self.tail_root(seq)}
+
     def as_dict(self) -> dict[str, Any]:
         """The identity as plain data (what a replica reports to an ingress)."""
         return {"model_id": self.model_id, "block_size": self.block_size,

@@ -193,7 +193,7 @@ class LLMEngine:
                               (lora_request.lora_int_id, lora_request.lora_name))  # fmt: skip
         request.matcher = matcher
         if self.loras is not None and adapter is not None:
-            self.loras.note_root(adapter, self.cache.identity.root(request.seq))
+            self.loras.note_roots(adapter, self.cache.identity.roots(request.seq))
         if arrival_time is not None:
             request.timing.arrival_time = arrival_time
         request.pin_requests = [(min(n, request.num_prompt_tokens - 1), t) for n, t in pins]
