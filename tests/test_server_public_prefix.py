@@ -283,3 +283,24 @@ def test_a_public_block_on_disk_serves_another_tenant_after_a_restart(tmp_path: 
         assert own["cached_tokens"] == (len(MANUAL + SECRET_TAIL)) // BS * BS  # a's own blocks
     finally:
         second.stop()
+
+
+def test_a_tenants_purge_leaves_the_public_blocks_to_the_others(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_bytes(SECRET)
+    running = start_server(["--model", MODEL, "--tenants", str(write_tenants(tmp_path)),
+                            "--secret-file", str(tmp_path / "secret"), "--block-size", str(BS),
+                            "--kv-disk", str(tmp_path / "kv")])  # fmt: skip
+    try:
+        details(running, "a", MANUAL + SECRET_TAIL)
+        assert running.engine.flush_tiers(30)
+        purged = httpx.post(running.base_url + "/cache/purge", json={"tenant": "a"},
+                            headers={"authorization": f"Bearer {KEYS['ops']}"}, timeout=30)
+        assert purged.status_code == 200
+        removed = purged.json()["removed"]
+        assert removed["ram"] == removed["disk"] == 4  # a's own 4 blocks; the 6 public stay
+        again = details(running, "a", MANUAL + SECRET_TAIL)
+        assert again["cached_tokens"] == again["public_cached_tokens"] == 96
+        probe = details(running, "b", MANUAL + OTHER_TAIL)
+        assert probe["cached_tokens"] == probe["public_cached_tokens"] == 96
+    finally:
+        running.stop()
