@@ -41,9 +41,14 @@ def ttft(engine: Any, rid: str, prompt: list[int], tenant: str, num_public: int)
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    engine.add_request(rid, prompt_token_ids=prompt, sampling_params=params,
-                       cache_salt=f"salt-{tenant}", domain=f"tenant:{tenant}",
-                       public_blocks=num_public)
+    engine.add_request(
+        rid,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        cache_salt=f"salt-{tenant}",
+        domain=f"tenant:{tenant}",
+        public_blocks=num_public,
+    )
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start
@@ -100,24 +105,42 @@ def main() -> None:
     summary = {case: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
                for case, runs in results.items()}  # fmt: skip
     block_bytes = engine.block_bytes
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; {args.model} "
-          f"({engine.limits.precision['precision']}), "
-          f"{args.tenants} tenants, a {PREFIX}-token declared prefix + {QUESTION}-token "
-          f"question each, block size {BS}, median of {args.repeats}")
-    print(f"{'case':<8} {'TTFT 2..N':>10} {'first':>8} {'cached blocks':>14} {'KV MiB':>8} "
-          f"{'computed tokens':>16}")
+    print(
+        f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; {args.model} "
+        f"({engine.limits.precision['precision']}), "
+        f"{args.tenants} tenants, a {PREFIX}-token declared prefix + {QUESTION}-token "
+        f"question each, block size {BS}, median of {args.repeats}"
+    )
+    print(
+        f"{'case':<8} {'TTFT 2..N':>10} {'first':>8} {'cached blocks':>14} {'KV MiB':>8} "
+        f"{'computed tokens':>16}"
+    )
     for case, row in summary.items():
-        print(f"{case:<8} {row['ttft_after_first_s'] * 1e3:8.1f}ms {row['first_s']:7.2f}s "
-              f"{row['cached_blocks']:>14.0f} {row['cached_blocks'] * block_bytes / 2**20:8.1f} "
-              f"{row['computed_tokens']:>16.0f}")
+        print(
+            f"{case:<8} {row['ttft_after_first_s'] * 1e3:8.1f}ms {row['first_s']:7.2f}s "
+            f"{row['cached_blocks']:>14.0f} {row['cached_blocks'] * block_bytes / 2**20:8.1f} "
+            f"{row['computed_tokens']:>16.0f}"
+        )
     hit = {case: row["ttft_after_first_s"] for case, row in summary.items()}
     blocks = {case: row["cached_blocks"] for case, row in summary.items()}
-    print(f"public / single-tenant hit TTFT: {hit['public'] / hit['single']:.3f}; salted / "
-          f"public TTFT: {hit['salted'] / hit['public']:.1f}x; blocks held salted / public: "
-          f"{blocks['salted'] / blocks['public']:.2f}x")
-    print(json.dumps({"bench": "public_prefix", "cpu": cpu_name(), "model": args.model,
-                      "tenants": args.tenants, "block_bytes": block_bytes, "median": summary,
-                      "runs": results}))
+    print(
+        f"public / single-tenant hit TTFT: {hit['public'] / hit['single']:.3f}; salted / "
+        f"public TTFT: {hit['salted'] / hit['public']:.1f}x; blocks held salted / public: "
+        f"{blocks['salted'] / blocks['public']:.2f}x"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "public_prefix",
+                "cpu": cpu_name(),
+                "model": args.model,
+                "tenants": args.tenants,
+                "block_bytes": block_bytes,
+                "median": summary,
+                "runs": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -254,8 +254,13 @@ def test_zero_on_reuse_still_zeroes_a_tenants_block_for_another(kind: str) -> No
 
     def run(tenant: str, tail: list[int]) -> list[int]:
         prompt = declared + tail
-        seq = Sequence(tenant, prompt, tenant, domain=tenant,
-                       public_blocks=prefixes.num_public_blocks(prompt, ["sys"], BS))
+        seq = Sequence(
+            tenant,
+            prompt,
+            tenant,
+            domain=tenant,
+            public_blocks=prefixes.num_public_blocks(prompt, ["sys"], BS),
+        )
         hit = cache.match(seq)
         table = cache.allocate(seq, len(prompt) - hit.num_tokens, hit)
         assert table is not None

@@ -179,8 +179,12 @@ def test_diagnostics_show_the_public_part(server: RunningServer) -> None:
                          {"role": "user", "content": question}]}  # fmt: skip
         if earlier is not None:
             body["prompt_cache_options"] = {"comparison_response_id": earlier}
-        response = httpx.post(server.base_url + "/v1/chat/completions", json=body,
-                              headers={"authorization": f"Bearer {KEYS['b']}"}, timeout=60)
+        response = httpx.post(
+            server.base_url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {KEYS['b']}"},
+            timeout=60,
+        )
         assert response.status_code == 200
         return dict(response.json())
 
@@ -189,7 +193,10 @@ def test_diagnostics_show_the_public_part(server: RunningServer) -> None:
     public = second["usage"]["prompt_tokens_details"]["public_cached_tokens"]  # type: ignore[index]
     assert public > 0
     assert second["prompt_cache_diagnostics"] == {
-        "type": "cache_hit", "public_tokens": public, "public_cached_tokens": public}
+        "type": "cache_hit",
+        "public_tokens": public,
+        "public_cached_tokens": public,
+    }
 
 
 def test_metrics_count_public_hits_apart(server: RunningServer) -> None:
@@ -293,8 +300,12 @@ def test_a_tenants_purge_leaves_the_public_blocks_to_the_others(tmp_path: Path) 
     try:
         details(running, "a", MANUAL + SECRET_TAIL)
         assert running.engine.flush_tiers(30)
-        purged = httpx.post(running.base_url + "/cache/purge", json={"tenant": "a"},
-                            headers={"authorization": f"Bearer {KEYS['ops']}"}, timeout=30)
+        purged = httpx.post(
+            running.base_url + "/cache/purge",
+            json={"tenant": "a"},
+            headers={"authorization": f"Bearer {KEYS['ops']}"},
+            timeout=30,
+        )
         assert purged.status_code == 200
         removed = purged.json()["removed"]
         assert removed["ram"] == removed["disk"] == 4  # a's own 4 blocks; the 6 public stay

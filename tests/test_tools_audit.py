@@ -36,8 +36,9 @@ def test_prompt_pairs_share_exactly_the_prefix_fraction() -> None:
     assert miss[:20] != victim[:20]
 
 
-def run_audit_on_our_server(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                            tenants_extra: str = "", *flags: str) -> tuple[int, str, dict]:
+def run_audit_on_our_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tenants_extra: str = "", *flags: str
+) -> tuple[int, str, dict]:
     """`prefixcache audit` (20 samples of 1,000 tokens, ``flags`` added) against a server whose
     tenants file holds one tenant per key (and ``tenants_extra``): exit code, output, report."""
     tenants = tmp_path / "tenants.toml"
@@ -47,8 +48,22 @@ def run_audit_on_our_server(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     )
     running = start_server(["--tenants", str(tenants), "--num-kv-blocks", "1024"])
     out_json = tmp_path / "audit.json"
-    argv = ["audit", "--url", running.base_url, "--key-a", KEYS[0], "--key-b", KEYS[1],
-            "--samples", "20", "--prompt-tokens", "1000", "--out", str(out_json), *flags]
+    argv = [
+        "audit",
+        "--url",
+        running.base_url,
+        "--key-a",
+        KEYS[0],
+        "--key-b",
+        KEYS[1],
+        "--samples",
+        "20",
+        "--prompt-tokens",
+        "1000",
+        "--out",
+        str(out_json),
+        *flags,
+    ]
     try:
         with pytest.raises(SystemExit) as exc:
             main(argv)
@@ -85,8 +100,9 @@ def test_audit_across_tenants_sharing_a_declared_prefix(
     public = tmp_path / "public.txt"
     public.write_text(PromptMaker(random.Random(7)).text(600))  # BOS + 600 bytes: 37 blocks
     declared = '[public_prefixes.docs]\nprompt_file = "public.txt"\ntenants = ["t0", "t1"]\n'
-    code, out, report = run_audit_on_our_server(tmp_path, capsys, declared,
-                                                "--public-prefix-file", str(public))
+    code, out, report = run_audit_on_our_server(
+        tmp_path, capsys, declared, "--public-prefix-file", str(public)
+    )
     assert code == 0, out
     assert report["same_key"]["p_value"] < 1e-8, out
     cross = report["cross_key"]
