@@ -71,8 +71,11 @@ def write_tenants(directory: Path, text: str = TENANTS) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
+@pytest.fixture(scope="module", params=["hash", "radix"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> RunningServer:
+    """One server per prefix cache: both honour the split."""
     directory = tmp_path_factory.mktemp("public")
     (directory / "secret").write_bytes(SECRET)
     running = start_server(
@@ -87,6 +90,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
             str(BS),
             "--num-kv-blocks",
             "256",
+            "--prefix-cache",
+            request.param,
         ]
     )
     yield running
