@@ -55,6 +55,28 @@ def test_golden_namespace_bytes_and_roots() -> None:
     )
 
 
+def test_golden_public_namespace_and_the_root_that_follows_it() -> None:
+    sha = BlockHasher(4)
+    public = Namespace(model="tiny", public=True)
+    assert encode_namespace(public).hex() == (
+        "50434e5301010000000474696e79820000000083000000000500000000"
+    )
+    assert sha.root(public).hex() == (
+        "1dcab16356f768c24202a77d57b97d443ece31dbe8b64c447743b13a656f9cf7"
+    )
+    (first,) = sha.chain([1, 2, 3, 4], public)
+    assert first.hex() == "93109d21d453e14ce2a4f1e27b5f441055726cd2d4d75057397d104934ecc00f"
+    follows = Namespace(model="tiny", salt="X", follows=first)
+    assert sha.root(follows).hex() == (
+        "b3b210dcd780da46598fe9731e58bb6f31098b5b354c990c77ec9c29b8bcd205"
+    )
+    seq = Sequence("s", range(1, 9), "X", public_blocks=1)
+    assert [d.hex() for d in seq.digests(sha, "tiny")] == [
+        "93109d21d453e14ce2a4f1e27b5f441055726cd2d4d75057397d104934ecc00f",
+        "b360734145ef55b8061269feb3f80ebd4e824adea417e072d0f80796d372d52b",
+    ]
+
+
 def test_golden_block_bytes_and_chain() -> None:
     sha = _hasher("sha256")
     root = sha.root(LAB_NS)

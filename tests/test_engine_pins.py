@@ -170,3 +170,31 @@ def test_a_request_larger_than_its_share_runs_when_quiet_tenants_fill_the_cache(
     assert engine.scheduler.protection.active  # lifted for that step only
     hits = [run(engine, f"{d}-again", kept[d], d) for d in kept]
     assert min(hits) < 160  # what b needed came out of the quiet tenants' cache
+
+
+def test_a_pin_over_a_public_prefix_keeps_the_split(engine: LLMEngine) -> None:
+    """a pins declared + its own tail: the pin holds every block, the declared ones in the
+    public domain (b, another tenant permitted the prefix, still hits them after a flood) and
+    a's tail in a's; b's continuation is b's own."""
+    rng = random.Random(5)
+    declared = [rng.randrange(3, 250) for _ in range(100)]  # 6 whole blocks + 4 tokens
+    mine = declared + [rng.randrange(3, 250) for _ in range(61)]
+
+    def send(rid: str, prompt: list[int], domain: str, pins: list[tuple[int, float]]) -> int:
+        engine.add_request(rid, prompt_token_ids=prompt, cache_salt=domain, domain=domain,
+                           sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
+                           pins=pins, public_blocks=6)
+        cached = -1
+        while engine.has_unfinished():
+            cached = next((o.num_cached_tokens for o in engine.step() if o.finished), cached)
+        return cached
+
+    send("p", mine, "tenant:a", [(160, 300.0)])
+    (pin,) = engine.pins.of_domain("tenant:a")
+    held = [engine.cache.pool.blocks[i].domain for i in engine.cache.block_table(pin.seq)]
+    assert held == ["public"] * 6 + ["tenant:a"] * 4
+    flood(engine, rng, "tenant:b")
+    flood(engine, rng, "tenant:a")
+    theirs = declared + [t ^ 1 for t in mine[100:]]
+    assert send("b", theirs, "tenant:b", []) == 96  # the public blocks, pinned by a
+    assert send("a", mine, "tenant:a", []) == 160  # a's own pinned tail too

@@ -36,13 +36,18 @@ def test_prompt_pairs_share_exactly_the_prefix_fraction() -> None:
     assert miss[:20] != victim[:20]
 
 
-def test_audit_against_our_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def run_audit_on_our_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tenants_extra: str = "", *flags: str
+) -> tuple[int, str, dict]:
+    """`prefixcache audit` (20 samples of 1,000 tokens, ``flags`` added) against a server whose
+    tenants file holds one tenant per key (and ``tenants_extra``): exit code, output, report."""
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(
         "".join(f'[tenants.t{i}]\napi_keys = ["{key}"]\n' for i, key in enumerate(KEYS))
+        + tenants_extra
     )
     running = start_server(["--tenants", str(tenants), "--num-kv-blocks", "1024"])
-    out_json, plot = tmp_path / "audit.json", tmp_path / "audit.png"
+    out_json = tmp_path / "audit.json"
     argv = [
         "audit",
         "--url",
@@ -57,17 +62,20 @@ def test_audit_against_our_server(tmp_path: Path, capsys: pytest.CaptureFixture[
         "1000",
         "--out",
         str(out_json),
-        "--plot",
-        str(plot),
+        *flags,
     ]
     try:
         with pytest.raises(SystemExit) as exc:
             main(argv)
     finally:
         running.stop()
-    out = capsys.readouterr().out
-    report = json.loads(out_json.read_text())
-    assert exc.value.code == 0, out
+    return int(exc.value.code or 0), capsys.readouterr().out, json.loads(out_json.read_text())
+
+
+def test_audit_against_our_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = tmp_path / "audit.png"
+    code, out, report = run_audit_on_our_server(tmp_path, capsys, "", "--plot", str(plot))
+    assert code == 0, out
     assert report["same_key"]["p_value"] < 1e-8, out  # the positive control sees the cache
     assert min(report["same_key"]["hit_cached_tokens"]) > 900
     # Under isolation the cross-key p-value is uniform: asserting > 0.05 would fail 5% of CI
@@ -80,7 +88,29 @@ def test_audit_against_our_server(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert max(report["cross_key"]["hit_cached_tokens"]) == 0
     assert "ISOLATED" in report["verdict"] and "verdict: ISOLATED" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert KEYS[0] not in out_json.read_text()  # keys are redacted from the report
+    assert KEYS[0] not in (tmp_path / "audit.json").read_text()  # keys are redacted
+
+
+def test_audit_across_tenants_sharing_a_declared_prefix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every prompt starts with a public prefix both tenants may use: the cross-tenant hits
+    are the declared blocks alone, the same for hit and miss prompts, and the timing test finds
+    nothing after them; the same-key control still sees the victim's own continuation."""
+    public = tmp_path / "public.txt"
+    public.write_text(PromptMaker(random.Random(7)).text(600))  # BOS + 600 bytes: 37 blocks
+    declared = '[public_prefixes.docs]\nprompt_file = "public.txt"\ntenants = ["t0", "t1"]\n'
+    code, out, report = run_audit_on_our_server(
+        tmp_path, capsys, declared, "--public-prefix-file", str(public)
+    )
+    assert code == 0, out
+    assert report["same_key"]["p_value"] < 1e-8, out
+    cross = report["cross_key"]
+    assert set(cross["hit_cached_tokens"]) == set(cross["miss_cached_tokens"]) == {592}
+    assert max(cross["hit_private_cached_tokens"] + cross["miss_private_cached_tokens"]) == 0
+    assert report["leaked_cached_tokens"] == 0
+    assert cross["p_value"] > 1e-3, out
+    assert "ISOLATED" in report["verdict"] and "declared public prefix" in out
 
 
 def test_audit_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

@@ -184,3 +184,60 @@ def _engine_hits_match(view: ModelView) -> None:
         while engine.has_unfinished():
             outputs = engine.step()
         assert outputs[-1].num_cached_tokens == ex.usable_tokens, text
+
+
+def test_public_prefix_splits_the_reusable_part(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two tenants (different salts) share a declared prefix's whole blocks and nothing after;
+    a tenant the declaration does not list shares nothing."""
+    declared = BASE[:100]  # BOS + 100 bytes: 6 whole blocks
+    salts = ("--salt-a", "tenant-a-salt", "--salt-b", "tenant-b-salt")
+    out = run_json(capsys, BASE, BASE, *salts, "--public-prefix", declared)
+    assert out["public_blocks_b"] == 6 and out["reusable_public_blocks"] == 6
+    assert out["reusable_blocks"] == 6 and out["first_miss_block"] == 6
+    assert out["reason"] == "namespace" and out["namespace_diff"] == ["cache salt"]
+    code, text, _ = run_cli(capsys, BASE, BASE, *salts, "--public-prefix", declared)
+    assert code == 0 and "of the reusable blocks 6 are public and 0 B's own" in text
+    alone = run_json(capsys, BASE, BASE, *salts, "--public-prefix", declared, "--public-for", "a")
+    assert alone["reusable_blocks"] == 0 and alone["public_blocks_b"] == 0
+
+
+def test_explain_predicts_the_engines_public_hits() -> None:
+    import torch
+
+    from prefixcache.cache import PublicPrefixes
+    from prefixcache.engine.llm_engine import LLMEngine
+    from prefixcache.engine.sampling_params import SamplingParams
+
+    view = load_model_view("tiny")
+    declared = read_prompt(BASE[:100], view.tokenizer).token_ids
+    prefixes = PublicPrefixes({"p": declared})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine("tiny", num_kv_blocks=64)
+        a = read_prompt(BASE, view.tokenizer)
+        for rid, prompt, salt in (
+            ("a", a, "salt-a"),
+            ("b", read_prompt(BASE + " more", view.tokenizer), "salt-b"),
+        ):
+            num_public = prefixes.num_public_blocks(prompt.token_ids, ["p"], 16)
+            engine.add_request(
+                rid,
+                prompt_token_ids=prompt.token_ids,
+                cache_salt=salt,
+                sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                public_blocks=num_public,
+            )
+            while engine.has_unfinished():
+                outputs = engine.step()
+        b = read_prompt(BASE + " more", view.tokenizer)
+        ex = explain(
+            a,
+            b,
+            Namespace(view.identity, salt="salt-a"),
+            Namespace(view.identity, salt="salt-b"),
+            public=(6, 6),
+        )
+        assert outputs[-1].num_cached_tokens == ex.usable_tokens == 96
+    finally:
+        torch.set_num_threads(threads)

@@ -16,16 +16,17 @@ from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixcache.cache.hash_cache import HashPrefixCache
 from prefixcache.cache.identity import CacheIdentity
 from prefixcache.cache.index import CacheHit
+from prefixcache.cache.public import PublicPrefixes
 from prefixcache.cache.purge import evict_domain
 from prefixcache.cache.radix_cache import RadixPrefixCache
-from prefixcache.cache.sequence import Sequence
+from prefixcache.cache.sequence import PUBLIC_DOMAIN, Sequence
 from prefixcache.cache.stats import CacheStats
 
 __all__ = [
-    "PREFIX_CACHES", "CacheConfig", "AllBlocksCleared", "BlockExtra", "BlockHasher",
-    "BlockRemoved", "BlockStored", "CacheHit", "CacheIdentity", "CacheStats", "HashPrefixCache",
-    "KVCacheEvent", "Namespace", "PrefixCache", "Protection", "RadixPrefixCache", "Sequence",
-    "adopt", "evict_domain", "make_prefix_cache",
+    "PREFIX_CACHES", "PUBLIC_DOMAIN", "CacheConfig", "AllBlocksCleared", "BlockExtra",
+    "BlockHasher", "BlockRemoved", "BlockStored", "CacheHit", "CacheIdentity", "CacheStats",
+    "HashPrefixCache", "KVCacheEvent", "Namespace", "PrefixCache", "Protection", "PublicPrefixes",
+    "RadixPrefixCache", "Sequence", "adopt", "evict_domain", "make_prefix_cache",
 ]  # fmt: skip
 
 PREFIX_CACHES: dict[str, type[PrefixCache]] = {"hash": HashPrefixCache, "radix": RadixPrefixCache}

@@ -180,6 +180,6 @@ class TableAllocator:
         if not self.config.zero_on_reuse:
             return None
         if self.writes(seq):
-            return self.identity.root(seq)
+            return self.identity.tail_root(seq)  # a tenant's own, after any public prefix
         return self.identity.hasher.root(seq.namespace(self.config.model_id,
                                                        self.config.kv_layout))

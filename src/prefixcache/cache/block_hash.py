@@ -40,6 +40,8 @@ TAG_MODEL = 0x01
 TAG_ADAPTER = 0x02
 TAG_SALT = 0x03
 TAG_KV_LAYOUT = 0x04
+TAG_PUBLIC = 0x05
+TAG_FOLLOWS = 0x06
 TAG_PARENT = 0x10
 TAG_TOKENS = 0x11
 TAG_EXTRAS = 0x12
@@ -139,21 +141,31 @@ class Namespace:
     the KV is stored where that is not the model's dtype (``int8:q8_0/32``: quantized blocks,
     never mixed with another layout's). A namespace without a layout encodes without that field,
     so the keys of caches in the model's own dtype are what they always were.
+
+    ``public`` marks the one namespace of the operator's declared public prefixes (no salt: no
+    client salt can name it); ``follows`` is the last public block's digest where a salted chain
+    continues a public one. Both fields are written only when set.
     """
 
     model: str = ""
     adapter: str | None = None
     salt: str | bytes | None = None
     kv_layout: str | None = None
+    public: bool = False
+    follows: bytes | None = None
 
     def encode(self) -> bytes:
         layout = b"" if self.kv_layout is None else _field(TAG_KV_LAYOUT, _text(self.kv_layout))
+        public = _field(TAG_PUBLIC, b"") if self.public else b""
+        follows = b"" if self.follows is None else _field(TAG_FOLLOWS, self.follows)
         return (
             NAMESPACE_MAGIC
             + _field(TAG_MODEL, self.model.encode("utf-8"))
             + _field(TAG_ADAPTER, _text(self.adapter))
             + _field(TAG_SALT, _text(self.salt))
             + layout
+            + public
+            + follows
         )
 
 
@@ -255,19 +267,22 @@ class BlockHasher:
         token_ids: Sequence[int],
         extras: Callable[[int], Sequence[BlockExtra]] | None = None,
         chunks: list[bytes] | None = None,
+        base: int = 0,
     ) -> int:
         """Append digests for the complete blocks of ``token_ids`` not yet in ``digests``.
 
         ``extras(i)`` gives block ``i``'s extras (or is None). If ``chunks`` is given, each new
         block's encoded token bytes are appended to it too (a cache compares them on a hit).
-        Returns how many were added. Never re-hashes a block already in ``digests``.
+        ``base`` is the index of the block that chains from ``root`` (the blocks before it chain
+        from another root: a public prefix). Returns how many were added. Never re-hashes a
+        block already in ``digests``.
         """
         bs = self.block_size
         start = len(digests)
         num_new = len(token_ids) // bs - start
         if num_new <= 0:
             return 0
-        parent = digests[-1] if digests else root
+        parent = digests[-1] if start > base else root
         width = 4 * bs
         if extras is not None and any(extras(start + i) for i in range(num_new)):
             token_bytes = encode_tokens(token_ids[start * bs : (start + num_new) * bs])

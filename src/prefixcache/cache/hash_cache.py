@@ -24,7 +24,7 @@ from prefixcache.cache.index import (
     PrefixIndex,
     SeqBlocks,
 )  # fmt: skip
-from prefixcache.cache.sequence import Sequence
+from prefixcache.cache.sequence import PUBLIC_DOMAIN, Sequence
 
 __all__ = ["HashIndex", "HashPrefixCache"]
 
@@ -115,8 +115,8 @@ class HashIndex(PrefixIndex):
         digests = self.identity.block_digests(seq)
         chunks = seq.block_token_bytes
         cached = self.digest_map
-        domain = seq.domain
-        root = self.identity.root(seq)
+        domain, num_public = seq.domain, seq.public_blocks
+        root, tail_root = self.identity.root(seq), self.identity.tail_root(seq)
         blocks = table.blocks
         runs: list[tuple[int, int]] = []
         num_dups = 0
@@ -131,8 +131,12 @@ class HashIndex(PrefixIndex):
                 stored = False
             else:
                 cached[digest] = block
-                block.cache(digest, chunks[i], domain)
-                block.owner_root = root  # its namespace (`take_free_under`)
+                if i < num_public:
+                    block.cache(digest, chunks[i], PUBLIC_DOMAIN)
+                    block.owner_root = root  # its namespace (`take_free_under`, zeroing)
+                else:
+                    block.cache(digest, chunks[i], domain)
+                    block.owner_root = tail_root
                 stored = True
             if stored != (run_start >= 0):
                 if stored:

@@ -38,8 +38,18 @@ class CacheIdentity:
         return seq.digests(self.hasher, self.model_id, self.kv_layout)
 
     def root(self, seq: Sequence) -> bytes:
-        """The namespace root: the parent of ``seq``'s first block."""
+        """The namespace root: the parent of ``seq``'s first block (the public root where the
+        sequence starts with public blocks)."""
         return seq.root_digest(self.hasher, self.model_id, self.kv_layout)
+
+    def tail_root(self, seq: Sequence) -> bytes:
+        """The root ``seq``'s own (salted) blocks chain from: `root`, unless public blocks
+        come first."""
+        return seq.tail_root(self.hasher, self.model_id, self.kv_layout)
+
+    def roots(self, seq: Sequence) -> set[bytes]:
+        """Every root ``seq``'s blocks chain from: `root` and `tail_root`."""
+        return {self.root(seq), self.tail_root(seq)}
 
     def as_dict(self) -> dict[str, Any]:
         """The identity as plain data (what a replica reports to an ingress)."""

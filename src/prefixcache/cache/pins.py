@@ -127,7 +127,8 @@ class PinTable:
             self.num_evicted_for_budget += 1
         pin_id = f"pin_{next(self._ids)}"
         stand_in = Sequence(f"\x00{pin_id}", seq.token_ids[: num_blocks * bs + 1], seq.salt,
-                            adapter=seq.adapter, domain=seq.domain)
+                            adapter=seq.adapter, domain=seq.domain,
+                            public_blocks=min(seq.public_blocks, num_blocks))
         held = hold(self.cache, stand_in, num_blocks)
         if held == 0:
             return None

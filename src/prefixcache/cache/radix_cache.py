@@ -195,11 +195,8 @@ class RadixIndex(PrefixIndex):
         ids: list[int] = []
         dropped: list[bytes] = []
         while num:
-            if len(parked) == 1 and not protected:
-                domain = next(iter(parked))
-            else:
-                domain = max((d for d in parked if d not in protected), key=parked.__getitem__)
-            node = self.heaps.first(domain)
+            node = self.heaps.next_leaf(parked, protected)
+            domain = node.domain
             block_ids, digests = node.block_ids, node.digests
             cut = max(0, len(block_ids) - num)
             taken = block_ids[cut:]
@@ -303,8 +300,11 @@ class RadixIndex(PrefixIndex):
         while i < end:
             child = node.children.get(digests[i])
             if child is None:
-                node, i = self._add_node(table, node, i, end, result)
-                break
+                node, stop = self._add_node(table, node, i, end, result)
+                if stop == i:
+                    break  # a shared block: never cached
+                i = stop  # the run stopped where its domain changes (public blocks first)
+                continue
             common = num_common(child, digests, tokens, i, end)
             if not common:
                 break  # digest collision: these blocks stay private to the sequence
@@ -331,13 +331,14 @@ class RadixIndex(PrefixIndex):
     ) -> tuple[RadixNode, int]:
         """A new child of ``parent`` owning ``table``'s blocks ``start..stop-1`` (held by it),
         recorded as a stored run in ``result``."""
-        blocks = table.blocks
+        blocks, seq = table.blocks, table.seq
+        if start < seq.public_blocks < stop:
+            stop = seq.public_blocks  # a node's blocks are of one domain
         end = start
         while end < stop and blocks[end].ref_cnt == 1:  # a shared block is never cached
             end += 1
         if end == start:
             return parent, start
-        seq = table.seq
         digests, tokens = seq.block_digests, seq.block_token_bytes
         node = RadixNode(
             parent,
@@ -347,7 +348,7 @@ class RadixIndex(PrefixIndex):
             blocks[start:end],
             digests[start:end],
             tokens[start:end],
-            domain=seq.domain,  # whose churn evicts it first
+            domain=seq.block_domain(start),  # whose churn evicts it first
         )
         parent.children[node.key] = node  # the table's references are the tree's now
         self._num_cached += end - start

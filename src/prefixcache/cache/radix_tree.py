@@ -96,10 +96,11 @@ class EvictionHeaps:
             heap[:] = [e for e in heap if e[2] == e[3].stamp and e[3].attached]
             heapq.heapify(heap)
 
-    def first(self, domain: str) -> RadixNode:
-        """``domain``'s next leaf to evict (stale entries are dropped on the way)."""
-        heap = self.heaps[domain]
-        while True:
+    def first(self, domain: str) -> RadixNode | None:
+        """``domain``'s next leaf to evict (stale entries are dropped on the way); None where
+        none of its parked nodes is a leaf (public blocks, say, parents of tenants' runs)."""
+        heap = self.heaps.get(domain, [])
+        while heap:
             node = heap[0][3]
             if (
                 heap[0][2] == node.stamp
@@ -110,6 +111,20 @@ class EvictionHeaps:
             ):
                 return node
             heapq.heappop(heap)
+        return None
+
+    def next_leaf(self, parked: Mapping[str, int], protected: frozenset[str]) -> RadixNode:
+        """The next leaf to evict: of the domain with the most ``parked`` blocks (none of the
+        ``protected``) that has a parked leaf. A domain whose parked nodes all have children
+        (the public one's, under tenants' runs) waits until those children go."""
+        if len(parked) == 1 and not protected:
+            node = self.first(next(iter(parked)))
+        else:
+            domains = sorted((d for d in parked if d not in protected), key=parked.__getitem__,
+                             reverse=True)  # stable: ties keep the parked order
+            node = next(filter(None, map(self.first, domains)), None)
+        assert node is not None, "parked blocks but no parked leaf"  # check_tree's invariants
+        return node
 
     def pop(self, domain: str) -> None:
         heapq.heappop(self.heaps[domain])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 
 from prefixcache.cache.block_hash import BlockExtra, BlockHasher, Namespace
 
-__all__ = ["Sequence"]
+__all__ = ["PUBLIC_DOMAIN", "Sequence"]
+
+PUBLIC_DOMAIN = "public"  # the domain of public blocks (never a tenant's: those are kind:name)
 
 
 class Sequence:
@@ -26,6 +28,11 @@ class Sequence:
     a list built for this sequence alone (a simulator's fresh prompt: a copy touches every int
     object).
 
+    ``public_blocks``: how many leading blocks are whole blocks of a public prefix the operator
+    declared and this sequence's tenant may use (the server decides, `public.py`). Those blocks
+    chain from the one public namespace (no salt) and belong to `PUBLIC_DOMAIN`; the blocks after
+    them chain from the last public block under the sequence's own salt.
+
     ``num_computed_tokens`` belongs to the cache that holds the sequence: `allocate` sets it to
     the hit, `commit` advances it, `free` zeroes it. Everyone else only reads it.
     """
@@ -33,8 +40,8 @@ class Sequence:
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "salt", "adapter", "lora", "block_extras",
         "reads_cache", "writes_cache", "domain", "num_computed_tokens", "block_digests",
-        "block_token_bytes",
-        "_digest_key", "_root", "_hasher", "_model", "_kv_layout",
+        "block_token_bytes", "public_blocks",
+        "_digest_key", "_root", "_tail_root", "_hasher", "_model", "_kv_layout",
     )  # fmt: skip
 
     def __init__(
@@ -50,7 +57,10 @@ class Sequence:
         domain: str = "",
         read_cache: bool = True,
         lora: tuple[int, str] | None = None,
+        public_blocks: int = 0,
     ) -> None:
+        if public_blocks < 0:
+            raise ValueError(f"public_blocks must be >= 0, got {public_blocks}")
         self.seq_id = seq_id
         # copy=False: a list built for this sequence alone becomes its own (it is appended to)
         self.token_ids: list[int] = (
@@ -64,12 +74,14 @@ class Sequence:
         self.writes_cache = use_cache
         self.reads_cache = use_cache and read_cache
         self.domain = domain
+        self.public_blocks = public_blocks if use_cache else 0
         self.num_computed_tokens = 0
         self.block_digests: list[bytes] = []
         # block i's token ids as u32be bytes, kept with its digest: hits compare them cheaply
         self.block_token_bytes: list[bytes] = []
         self._digest_key: tuple[object, ...] | None = None
         self._root = b""
+        self._tail_root = b""  # the root of the blocks after the public ones (the salted chain)
         self._hasher: BlockHasher | None = None  # the last caller's, for a cheap same-key check
         self._model = ""
         self._kv_layout: str | None = None
@@ -89,7 +101,12 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def namespace(self, model: str, kv_layout: str | None = None) -> Namespace:
+        """The namespace of the sequence's own (salted) blocks, with no public prefix."""
         return Namespace(model=model, adapter=self.adapter, salt=self.salt, kv_layout=kv_layout)
+
+    def block_domain(self, index: int) -> str:
+        """The domain block ``index`` is cached in: `PUBLIC_DOMAIN` or the sequence's own."""
+        return PUBLIC_DOMAIN if index < self.public_blocks else self.domain
 
     def digests(
         self, hasher: BlockHasher, model: str, kv_layout: str | None = None
@@ -104,16 +121,45 @@ class Sequence:
             key = (hasher.algo, hasher.block_size, model, kv_layout)
             if key != self._digest_key:
                 self._digest_key = key
-                self._root = hasher.root(self.namespace(model, kv_layout))
+                ns = (Namespace(model, self.adapter, None, kv_layout, public=True)
+                      if self.public_blocks else self.namespace(model, kv_layout))
+                self._root = self._tail_root = hasher.root(ns)
                 self.block_digests = []
                 self.block_token_bytes = []
         if len(self.token_ids) >= (len(self.block_digests) + 1) * hasher.block_size:
             get = self.block_extras.get
             extras = (lambda i: get(i) or ()) if self.block_extras else None
-            hasher.extend(
-                self.block_digests, self._root, self.token_ids, extras, self.block_token_bytes
-            )
+            if self.public_blocks:
+                self._extend_split(hasher, model, kv_layout, extras)
+            else:
+                hasher.extend(
+                    self.block_digests, self._root, self.token_ids, extras, self.block_token_bytes
+                )
         return self.block_digests
+
+    def _extend_split(
+        self, hasher: BlockHasher, model: str, kv_layout: str | None,
+        extras: Callable[[int], SequenceABC[BlockExtra]] | None,
+    ) -> None:
+        """The public blocks from the public root, then the rest from the salted root that
+        follows the last public block."""
+        num_public, digests = self.public_blocks, self.block_digests
+        if len(digests) < num_public:
+            if num_public * hasher.block_size > self.num_prompt_tokens:
+                raise ValueError(f"public_blocks {num_public} is more than the prompt's "
+                                 f"{self.num_prompt_tokens // hasher.block_size} whole blocks")
+            public_ids = self.token_ids[: num_public * hasher.block_size]
+            hasher.extend(digests, self._root, public_ids, extras, self.block_token_bytes)
+            self._tail_root = hasher.root(Namespace(
+                model, self.adapter, self.salt, kv_layout, follows=digests[-1]))
+        hasher.extend(digests, self._tail_root, self.token_ids, extras, self.block_token_bytes,
+                      base=num_public)
+
+    def tail_root(self, hasher: BlockHasher, model: str, kv_layout: str | None = None) -> bytes:
+        """The root the sequence's own blocks chain from: its namespace root, or, after a
+        public prefix, the salted root that follows it."""
+        self.digests(hasher, model, kv_layout)
+        return self._tail_root
 
     def root_digest(self, hasher: BlockHasher, model: str, kv_layout: str | None = None) -> bytes:
         """The namespace root: the parent of the first block."""

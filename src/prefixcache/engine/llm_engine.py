@@ -163,13 +163,16 @@ class LLMEngine:
         domain: str = "",
         pins: SequenceABC[tuple[int, float]] = (),
         lora_request: LoRARequest | str | None = None,
+        public_blocks: int = 0,
     ) -> Request:
         """Queue a request. Bad input raises ValueError (`InvalidParam` naming the field,
         from `InputProcessor`) and leaves the engine unchanged. ``domain`` is its isolation
         domain (tenant or group) for fair sharing and caps. ``pins``: ``(num_tokens, ttl_s)``
         prefixes of the prompt to keep from eviction once the request is done (cache
         breakpoints; `PinTable`). ``lora_request``: the LoRA adapter it runs under, or the name
-        of one registered now (`LoraNotFound` if none is: the server's requests)."""
+        of one registered now (`LoraNotFound` if none is: the server's requests).
+        ``public_blocks``: its leading blocks that are a declared public prefix's
+        (`prefixcache.cache.public`), cached in the public namespace."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -177,15 +180,19 @@ class LLMEngine:
         matcher = (None if params.structured_outputs is None  # compiled (or refused) now
                    else self.grammars.matcher(params.structured_outputs))  # fmt: skip
         _check_pins(pins)
+        if not 0 <= public_blocks <= len(token_ids) // self.cache.block_size:
+            raise ValueError(f"public_blocks {public_blocks} is not within the prompt's whole "
+                             "blocks")
         adapter, lora = _acquire(self.loras, lora_request)  # the last check: holds the adapter
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         self._num_added += 1
         request = Request.new(request_id, token_ids, params, base_seed, self._num_added,
                               cache_salt=cache_salt, use_cache=use_cache, domain=domain,
-                              external=self.tiers is not None, adapter=adapter, lora=lora)
+                              external=self.tiers is not None, adapter=adapter, lora=lora,
+                              public_blocks=public_blocks)  # fmt: skip
         request.matcher = matcher
         if self.loras is not None and adapter is not None:
-            self.loras.note_root(adapter, self.cache.identity.root(request.seq))
+            self.loras.note_roots(adapter, self.cache.identity.roots(request.seq))
         if arrival_time is not None:
             request.timing.arrival_time = arrival_time
         request.pin_requests = [(min(n, request.num_prompt_tokens - 1), t) for n, t in pins]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,9 +202,9 @@ class LoraRegistry:
         loaded.users += 1
         return identity
 
-    def note_root(self, identity: str, root: bytes) -> None:
-        """A request under ``identity`` hangs its blocks from namespace ``root``."""
-        self._roots.setdefault(identity, set()).add(root)
+    def note_roots(self, identity: str, roots: Iterable[bytes]) -> None:
+        """A request under ``identity`` hangs its blocks from the namespaces ``roots``."""
+        self._roots.setdefault(identity, set()).update(roots)
 
     def release(self, identity: str) -> None:
         """A request under ``identity`` is done."""

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixcache.attention.kv_cache import PagedKVCache
-from prefixcache.cache import BlockRemoved, BlockStored, CacheIdentity, KVCacheEvent, Sequence
+from prefixcache.cache import (
+    PUBLIC_DOMAIN,
+    BlockRemoved,
+    BlockStored,
+    CacheIdentity,
+    KVCacheEvent,
+    Sequence,
+)
 from prefixcache.errors import describe_exception
 from prefixcache.tiers import BlockKey, TierConfig, TieredStore, TierIdentity, domain_tag
 from prefixcache.tiers import token_check as make_token_check
@@ -149,13 +156,16 @@ class KVOffload:
     def _keys(self, seq: Sequence, indices: SequenceABC[int]) -> list[BlockKey]:
         digests = self.identity.block_digests(seq)
         token_bytes = seq.block_token_bytes
-        tag = domain_tag(seq.domain)
+        # a public block is the public domain's: a tenant's purge leaves it to the others
+        tag, public_tag = domain_tag(seq.domain), domain_tag(PUBLIC_DOMAIN)
+        num_public = seq.public_blocks
         root = self.identity.root(seq) if indices and indices[0] == 0 else b""
         out = []
         for i in indices:
             parent = digests[i - 1] if i else root
             check = make_token_check(parent, token_bytes[i])
-            out.append(BlockKey(digests[i], parent, check, tag, seq.lora))
+            out.append(BlockKey(digests[i], parent, check, public_tag if i < num_public else tag,
+                                seq.lora))
         return out
 
     # -- load-ahead --------------------------------------------------------------------------------

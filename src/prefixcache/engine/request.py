@@ -76,7 +76,7 @@ class Request(SchedRequest):
         cls, request_id: str, token_ids: list[int], params: SamplingParams, base_seed: int,
         arrival_index: int, *, cache_salt: str | bytes | None = None, use_cache: bool = True,
         domain: str = "", external: bool = False, adapter: str | None = None,
-        lora: tuple[int, str] | None = None,
+        lora: tuple[int, str] | None = None, public_blocks: int = 0,
     ) -> Request:  # fmt: skip
         """A request's first choice. A request asking for prompt logprobs needs logits at every
         prompt position: it computes them all (no cache read), still caching the blocks for
@@ -84,7 +84,8 @@ class Request(SchedRequest):
         ``adapter``: the identity of the LoRA adapter it runs under (its blocks' namespace),
         ``lora`` its id and name (the KV events')."""
         seq = Sequence(request_id, token_ids, cache_salt, use_cache=use_cache, domain=domain,
-                       read_cache=params.prompt_logprobs is None, adapter=adapter, lora=lora)
+                       read_cache=params.prompt_logprobs is None, adapter=adapter, lora=lora,
+                       public_blocks=public_blocks)
         generator = None if params.greedy else make_generator(derive_seed(base_seed, 0))
         request = cls(request_id=request_id, seq=seq, params=params, generator=generator,
                       base_seed=base_seed, arrival_index=arrival_index, domain=domain)

@@ -192,6 +192,7 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         salt: str | None, use_cache: bool, domain: str = "", queue: OutputQueue | None = None,
         pins: list[tuple[int, float]] | None = None, lora: str | None = None,
+        public_blocks: int = 0,
     ) -> OutputQueue:
         """Queue a request; its outputs arrive on the returned queue (``queue``, which several
         requests may share, or a new one), the last one with ``request_finished``. ``lora``:
@@ -215,7 +216,8 @@ class AsyncEngine:
         def add_in_thread() -> None:
             self.engine.add_request(request_id, None, params, prompt_token_ids=prompt_token_ids,
                                     cache_salt=salt, use_cache=use_cache, domain=domain,
-                                    pins=pins or (), lora_request=lora)
+                                    pins=pins or (), lora_request=lora,
+                                    public_blocks=public_blocks)
             self._streams[request_id] = stream
 
         self._count(domain, +1)

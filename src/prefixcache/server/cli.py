@@ -182,6 +182,27 @@ def tenant_registry(args: argparse.Namespace, secret: bytes | None = None) -> Te
     return registry
 
 
+def declare_public_prefixes(args: argparse.Namespace, tenants: TenantRegistry,
+                            engine: LLMEngine) -> None:  # fmt: skip
+    """The tenants file's public prefixes, rendered by ``engine``'s tokenizer, into
+    ``tenants``."""
+    if not args.tenants:
+        return
+    from prefixcache.server.public_prefixes import load_public_access
+    from prefixcache.server.tenancy import TenancyError
+
+    try:
+        tenants.public = load_public_access(
+            args.tenants, tenants.tenants(), engine.tokenizer, engine.model_config.vocab_size,
+            literal_content=not args.trust_special_tokens_in_content)
+    except TenancyError as exc:
+        raise CliError(str(exc)) from None
+    prefixes = tenants.public.prefixes
+    if len(prefixes):
+        logger.info("public prefixes: %s", ", ".join(
+            f"{name} ({len(prefixes.token_ids(name))} tokens)" for name in prefixes.names))
+
+
 def _domain_limits(
     args: argparse.Namespace, tenants: TenantRegistry | None
 ) -> tuple[DomainLimits, dict[str, DomainLimits]]:
@@ -292,6 +313,7 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
     tenants = tenant_registry(args, secret)
     events_config, event_tokens = _kv_events(args, tenants)
     engine = _engine(args, tenants, events_config is not None, event_tokens)
+    declare_public_prefixes(args, tenants, engine)
     from prefixcache.server.lora import runtime_updating, start_lora_modules
 
     start_lora_modules(engine, args)  # --lora-modules, before the port opens

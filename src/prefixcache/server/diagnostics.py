@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from prefixcache.server.diagnostics_store import FingerprintStore, store_key
@@ -104,12 +104,19 @@ class Verdict:
     it). ``missed_tokens``: of the earlier request's reusable tokens, those this one could not
     reuse; ``reusable_tokens``: the earlier request's (its full blocks); ``detail``: how long
     ago and by which pressure the prefix left (``evicted``, ``ttl_expired``,
-    ``tier_verify_failed``), numbers and names only."""
+    ``tier_verify_failed``), numbers and names only. ``public``: where the prompt starts with
+    a declared public prefix, its tokens in public blocks and how many of them the cache
+    served (`public_part`)."""
 
     reason: str | None
     missed_tokens: int
     reusable_tokens: int
     detail: Mapping[str, float | str] | None = None
+    public: Mapping[str, int] | None = None
+
+    def public_part(self) -> dict[str, int]:
+        """``public_tokens`` and ``public_cached_tokens`` (nothing without a public prefix)."""
+        return dict(self.public or {})
 
 
 class Diagnoser:
@@ -251,7 +258,9 @@ class Diagnosis:
     def __init__(self, diagnoser: Diagnoser, scope: str, fingerprint: Fingerprint,
                  earlier_id: str | None,
                  on_reason: Callable[[str], None] = lambda reason: None,
-                 fate_of: FateOf | None = None, use_cache: bool = True) -> None:  # fmt: skip
+                 fate_of: FateOf | None = None, use_cache: bool = True,
+                 public_tokens: int = 0) -> None:  # fmt: skip
+        self.public_tokens = public_tokens  # the prompt's tokens in public blocks
         self.diagnoser = diagnoser
         self.scope = scope
         self.fingerprint = fingerprint
@@ -283,4 +292,10 @@ class Diagnosis:
         if not self.use_cache:
             return Verdict("cache_disabled_for_tenant",
                            min(earlier.num_tokens, self.fingerprint.num_tokens), 0)
-        return self.diagnoser.compare(earlier, self.fingerprint, num_cached, self.fate_of, since)
+        verdict = self.diagnoser.compare(earlier, self.fingerprint, num_cached, self.fate_of,
+                                         since)
+        if not self.public_tokens:
+            return verdict
+        public = {"public_tokens": self.public_tokens,
+                  "public_cached_tokens": min(num_cached, self.public_tokens)}
+        return replace(verdict, public=public)

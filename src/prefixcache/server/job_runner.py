@@ -96,14 +96,19 @@ class JobRunner:
         lora = self.loras.adapter_name(job.model) if self.loras is not None else None
         try:
             for prompt in job.prompts:
+                num_public = 0
                 if scope.use_cache:
                     prompt.num_cacheable = len(prompt.token_ids) // bs * bs
+                    num_public = self.tenants.public.num_public_blocks(tenant, prompt.token_ids,
+                                                                       bs)
+                    prompt.num_public = num_public * bs
                 pins = job.options.pins
                 if prepared.retention_s is not None:  # the whole prompt
                     pins = [*pins, (len(prompt.token_ids) - 1, prepared.retention_s)]
                 await self.engine.add(prompt.request_id, prompt.token_ids, prepared.params,
                                       scope.salt, scope.use_cache, tenant.scheduling_domain,
-                                      queue=job.queue, pins=pins, lora=lora)
+                                      queue=job.queue, pins=pins, lora=lora,
+                                      public_blocks=num_public)
                 job.num_added += 1
         except (EngineOverloaded, LoraBusy) as exc:
             self.finish(job)
@@ -180,8 +185,11 @@ class JobRunner:
                 self.engine.abort(prompt.request_id)
         if not job.num_added:
             return
-        self.metrics.count_tokens(job.num_prompt_tokens, job.num_output_tokens,
-                                  sum(p.num_cached for p in job.prompts[: job.num_added]))
+        added = job.prompts[: job.num_added]
+        num_cached = sum(p.num_cached for p in added)
+        num_public = sum(p.num_public_cached for p in added)
+        self.metrics.count_tokens(job.num_prompt_tokens, job.num_output_tokens, num_cached)
+        self.metrics.count_hits(job.tenant.isolation_domain, num_cached - num_public, num_public)
         if job.done:
             self.metrics.observe_finished(job.tenant.isolation_domain, time.monotonic() - job.start,
                                           job.first_reason)

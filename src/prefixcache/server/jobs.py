@@ -56,11 +56,17 @@ class PromptState:
     prompt_logprobs: list[JSONObject | None] | None = None
     done: bool = False
     num_cacheable: int = 0  # its full blocks' tokens, where its namespace caches (else 0)
+    num_public: int = 0  # its leading tokens in public blocks (a declared public prefix's)
 
     @property
     def num_written(self) -> int:
         """Prompt tokens this request wrote to the cache: its full blocks past the hit."""
         return max(0, self.num_cacheable - self.num_cached)
+
+    @property
+    def num_public_cached(self) -> int:
+        """Of the cached tokens, those read from public blocks."""
+        return min(self.num_cached, self.num_public)
 
 
 @dataclass(slots=True)
@@ -179,7 +185,14 @@ class Job:
     def usage(self) -> JSONObject:
         cached = sum(p.num_cached for p in self.prompts)
         return protocol.usage(self.num_prompt_tokens, self.num_output_tokens, cached,
-                              self.num_external_cached, self.num_written)
+                              self.num_external_cached, self.num_written, self.num_public_cached)
+
+    @property
+    def num_public_cached(self) -> int | None:
+        """Cached prompt tokens read from public blocks (None: no prompt starts with any)."""
+        if not any(p.num_public for p in self.prompts):
+            return None
+        return sum(p.num_public_cached for p in self.prompts)
 
     @property
     def num_external_cached(self) -> int | None:

@@ -219,7 +219,7 @@ def anthropic_diagnostics(outcome: Outcome) -> JSONObject | None:
     engine = outcome.reason in ENGINE_REASONS
     kind = outcome.reason if engine else f"{outcome.reason}_changed"
     return {"cache_miss_reason": {"type": kind, "cache_missed_input_tokens": outcome.missed_tokens,
-                                  **(outcome.detail or {})}}
+                                  **(outcome.detail or {}), **outcome.public_part()}}
 
 
 class MessagesRendering(Rendering):

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from prefixcache.cache import PUBLIC_DOMAIN
 from prefixcache.engine.outputs import EngineSnapshot, RequestOutput
 from prefixcache.server.protocol import JSONObject
 from prefixcache.server.vllm_metrics import VllmMetrics
@@ -97,6 +98,9 @@ class ServerMetrics:
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens.")
         self.requests = self._counter("request_success", "Finished requests by finish reason.",
                                       ("finished_reason",))
+        self.domain_hits = self._counter(
+            "prefix_cache_domain_hits", "Prompt tokens served from the cache, by the domain of "
+            "the blocks: public (a declared public prefix's) or the caller's own.", ("domain",))
         self.miss_reasons = self._counter(
             "prefix_cache_miss_reasons", "Diagnosed requests by why the cache missed them "
             "(none: it did not; not_found: the earlier request is unknown), per domain.",
@@ -165,6 +169,14 @@ class ServerMetrics:
         self.generation_tokens.inc(num_generated)
         if self.vllm is not None:
             self.vllm.tokens(num_prompt, num_generated, num_cached)
+
+    def count_hits(self, domain: str, num_own: int, num_public: int) -> None:
+        """A request of isolation ``domain`` read ``num_own`` cached tokens of its own and
+        ``num_public`` of public blocks."""
+        if num_own:
+            self.domain_hits.labels(domain=self.domain_label(domain)).inc(num_own)
+        if num_public:
+            self.domain_hits.labels(domain=PUBLIC_DOMAIN).inc(num_public)
 
     def counter_values(self) -> dict[str, float]:
         """Our request counters now, as ``/metrics`` shows them (for the dashboard)."""

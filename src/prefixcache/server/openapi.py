@@ -48,7 +48,8 @@ _ANTHROPIC_ERROR = _object({"type": {"const": "error"},
                             "error": _object({"type": _STRING, "message": _STRING})})
 _USAGE = _object({"prompt_tokens": _INTEGER, "completion_tokens": _INTEGER,
                   "total_tokens": _INTEGER},
-                 prompt_tokens_details=_object({"cached_tokens": _INTEGER}))
+                 prompt_tokens_details=_object({"cached_tokens": _INTEGER},
+                                               public_cached_tokens=_INTEGER))
 _MODEL = _object({"id": _STRING, "object": {"const": "model"}, "created": _INTEGER,
                   "owned_by": _STRING}, max_model_len=_INTEGER,
                  precision=_object({"dtype": _STRING, "weights": _STRING, "precision": _STRING},

@@ -393,13 +393,16 @@ class Usage(BaseModel):
 
 def usage(
     num_prompt: int, num_completion: int, num_cached: int, num_external: int | None = None,
-    num_written: int = 0,
+    num_written: int = 0, num_public: int | None = None,
 ) -> JSONObject:
     """OpenAI's usage block: ``prompt_tokens_details`` has the tokens read from the cache
     (``cached_tokens``) and written to it (``cache_write_tokens``); with lower KV tiers it also
     splits the cached tokens into ``local_cached_tokens`` (RAM) and ``external_cached_tokens``
-    (a tier)."""
+    (a tier); a prompt that starts with a declared public prefix has ``public_cached_tokens``,
+    the cached tokens read from public blocks (the rest are the caller's own)."""
     details = {"cached_tokens": num_cached, "cache_write_tokens": num_written}
+    if num_public is not None:
+        details["public_cached_tokens"] = num_public
     if num_external is not None:
         details["local_cached_tokens"] = num_cached - num_external
         details["external_cached_tokens"] = num_external
@@ -505,11 +508,15 @@ def now() -> int:
 
 
 def response_usage(
-    num_input: int, num_output: int, num_cached: int, num_written: int = 0
+    num_input: int, num_output: int, num_cached: int, num_written: int = 0,
+    num_public: int | None = None,
 ) -> JSONObject:
+    details = {"cached_tokens": num_cached, "cache_write_tokens": num_written}
+    if num_public is not None:
+        details["public_cached_tokens"] = num_public  # as in `usage`
     return {
         "input_tokens": num_input,
-        "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": num_written},
+        "input_tokens_details": details,
         "output_tokens": num_output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": num_input + num_output,

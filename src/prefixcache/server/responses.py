@@ -109,12 +109,13 @@ def openai_diagnostics(outcome: Outcome) -> JSONObject | None:
         return {"type": "comparison_response_not_found"}
     assert isinstance(outcome, Verdict)
     if outcome.reason is None:
-        return {"type": "cache_hit"}
+        return {"type": "cache_hit", **outcome.public_part()}
     reason = {"messages": "input_changed"}.get(outcome.reason, outcome.reason)
     if reason not in ENGINE_REASONS:
         reason = reason if reason.endswith("_changed") else f"{reason}_changed"
     return {"type": "cache_miss", "reason": reason, "cache_missed_tokens": outcome.missed_tokens,
-            "comparison_reusable_tokens": outcome.reusable_tokens, **(outcome.detail or {})}
+            "comparison_reusable_tokens": outcome.reusable_tokens, **(outcome.detail or {}),
+            **outcome.public_part()}
 
 
 def _text_format(body: ResponsesRequest) -> StructuredOutputs | None:
@@ -234,4 +235,5 @@ class _Events:
 
 def _usage(job: Job) -> JSONObject:
     return protocol.response_usage(job.num_prompt_tokens, job.num_output_tokens,
-                                   job.prompts[0].num_cached, job.num_written)
+                                   job.prompts[0].num_cached, job.num_written,
+                                   job.num_public_cached)

@@ -95,8 +95,10 @@ class ServingContext:
         segments = [("model", base), ("dtype_or_weights", self.model_identity),
                     ("adapter", adapter), *rest]
         scope = self.tenants.scope(tenant, cache_salt)
+        num_public = (self.tenants.public.num_public_blocks(tenant, token_ids, self.block_size)
+                      if scope.use_cache else 0)
         seq = CacheSequence("diagnosis", token_ids, scope.salt, adapter=adapter,
-                            use_cache=scope.use_cache)
+                            use_cache=scope.use_cache, public_blocks=num_public)
         blocks = self.engine.cache_identity.block_digests(seq) if scope.use_cache else []
         fingerprint = Fingerprint.of(segments, messages, blocks, len(token_ids))
         metrics, isolation = self.metrics, tenant.isolation_domain
@@ -104,7 +106,7 @@ class ServingContext:
         return Diagnosis(self.diagnoser, tenant.tenant_id, fingerprint, earlier_id,
                          lambda reason: metrics.count_miss_reason(isolation, reason),
                          lambda digest, since: engine.block_fate(digest, domain, since),
-                         use_cache=scope.use_cache)
+                         use_cache=scope.use_cache, public_tokens=num_public * self.block_size)
 
     async def off_loop(self, fn: Callable[[A], T], arg: A) -> T:
         """Run ``fn(arg)`` (tokenizing, a chat template, a grammar) on a worker thread."""

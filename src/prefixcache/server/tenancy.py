@@ -5,6 +5,8 @@ the effective salt is ``HMAC-SHA256(server_secret, encode(domain) || encode(clie
 the domain is the tenant (mode ``tenant``) or its trusted group (mode ``group:<name>``): a client's
 salt can only narrow sharing inside its own domain. Mode ``none`` neither reads nor writes the
 cache. Without a tenants file the server is single-tenant and passes client salts through as given.
+The operator's declared public prefixes (`public_prefixes.py`) are shared, block for block, with
+the tenants each one names (`PublicAccess`); every block after one is the tenant's own again.
 
 This module knows nothing about HTTP or the engine; it maps strings to `Tenant` and `CacheScope`.
 """
@@ -16,8 +18,13 @@ import hmac
 import os
 import secrets
 import sys
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from prefixcache.cache.public import PublicPrefixes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,12 +34,14 @@ else:  # pragma: no cover - exercised on 3.10 only
 __all__ = [
     "SECRET_ENV",
     "CacheScope",
+    "PublicAccess",
     "Tenant",
     "TenancyError",
     "TenantRegistry",
     "encode_salt_input",
     "load_secret",
     "load_tenants",
+    "read_tenants_file",
 ]
 
 SECRET_ENV = "PREFIXCACHE_SECRET"
@@ -106,6 +115,26 @@ def encode_salt_input(tenant: Tenant, client_salt: str | None) -> bytes:
     return _field(b"C", _SALT_CONTEXT) + domain + salt
 
 
+class PublicAccess:
+    """Which declared public prefixes each tenant may use, and the prefixes as token ids. A
+    tenant of isolation ``none`` uses none (it reads and writes no cache at all)."""
+
+    def __init__(self, prefixes: PublicPrefixes | None = None,
+                 permits: Mapping[str, SequenceABC[str]] | None = None) -> None:  # fmt: skip
+        self.prefixes = prefixes or PublicPrefixes({})
+        self.permits = {t: tuple(names) for t, names in (permits or {}).items() if names}
+
+    def names_for(self, tenant: Tenant) -> tuple[str, ...]:
+        """The public prefixes ``tenant`` may use."""
+        return () if tenant.mode == "none" else self.permits.get(tenant.tenant_id, ())
+
+    def num_public_blocks(self, tenant: Tenant, token_ids: SequenceABC[int],
+                          block_size: int) -> int:  # fmt: skip
+        """How many leading blocks of ``tenant``'s prompt ``token_ids`` are public."""
+        names = self.names_for(tenant)
+        return self.prefixes.num_public_blocks(token_ids, names, block_size) if names else 0
+
+
 class TenantRegistry:
     """API key -> tenant lookup plus salt derivation; ``trusted`` when no tenants file is used."""
 
@@ -117,6 +146,7 @@ class TenantRegistry:
         # keyed by the key's SHA-256 so lookups do not compare raw keys byte by byte
         self._by_digest = {_key_digest(k): t for k, t in (tenants_by_key or {}).items()}
         self.default_tenant = Tenant("default", "tenant", admin=True)
+        self.public = PublicAccess()  # the declared public prefixes (`declare_public_prefixes`)
 
     def tenants(self) -> list[Tenant]:
         """Every configured tenant (none in trusted mode)."""
@@ -173,11 +203,11 @@ def _checked_secret(data: bytes, where: str) -> bytes:
     return data
 
 
-def load_tenants(path: str | Path) -> dict[str, Tenant]:
-    """Parse a tenants TOML file into API key -> `Tenant` (see examples/tenants.toml)."""
+def read_tenants_file(path: str | Path) -> dict[str, Any]:
+    """A tenants file's TOML tables: ``tenants`` and, optionally, ``public_prefixes``."""
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            data: dict[str, Any] = tomllib.load(fh)
     except OSError as exc:
         raise TenancyError(f"cannot read tenants file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
@@ -185,8 +215,15 @@ def load_tenants(path: str | Path) -> dict[str, Tenant]:
     except UnicodeDecodeError as exc:
         raise TenancyError(f"tenants file {path} is not UTF-8 text (byte {exc.start})") from None
     tenants = data.get("tenants")
-    if set(data) - {"tenants"} or not isinstance(tenants, dict) or not tenants:
-        raise TenancyError(f"tenants file {path} must hold one or more [tenants.<id>] tables only")
+    if set(data) - {"tenants", "public_prefixes"} or not isinstance(tenants, dict) or not tenants:
+        raise TenancyError(f"tenants file {path} must hold one or more [tenants.<id>] tables "
+                           "(and [public_prefixes.<name>] tables) only")
+    return data
+
+
+def load_tenants(path: str | Path) -> dict[str, Tenant]:
+    """Parse a tenants TOML file into API key -> `Tenant` (see examples/tenants.toml)."""
+    tenants = read_tenants_file(path)["tenants"]
     by_key: dict[str, Tenant] = {}
     for tenant_id, table in tenants.items():
         try:

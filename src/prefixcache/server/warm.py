@@ -7,7 +7,8 @@ Each line of the JSONL file is one prompt::
 
 ``tenant`` names a tenant of the tenants file (omitted, or ``default``, without one); ``prompt``
 is text or token ids, ``messages`` a chat conversation rendered by the model's template; the
-blocks go into that tenant's own namespace (its HMAC salt, narrowed by ``cache_salt``) and,
+blocks go into that tenant's own namespace (its HMAC salt, narrowed by ``cache_salt``; the
+whole blocks of a declared public prefix it may use into the public one) and,
 with ``ttl`` (``5m``, ``1h``, ``24h`` or seconds up to a day), are pinned (`cache/pins.py`). A
 line that cannot be used stops the start with its line number and the reason.
 """
@@ -107,9 +108,11 @@ def _prefill(engine: LLMEngine, rid: str, token_ids: list[int], tenants: TenantR
     if not scope.use_cache:
         raise CliError(f"{where}: this tenant's isolation is 'none': it caches nothing")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    num_public = tenants.public.num_public_blocks(tenant, token_ids, engine.block_size)
     try:
         engine.add_request(rid, prompt_token_ids=token_ids, sampling_params=params,
-                           cache_salt=scope.salt, domain=tenant.scheduling_domain, pins=pins)
+                           cache_salt=scope.salt, domain=tenant.scheduling_domain, pins=pins,
+                           public_blocks=num_public)
     except ValueError as exc:
         raise CliError(f"{where}: {exc}") from None
     while engine.has_unfinished():

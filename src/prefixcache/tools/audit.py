@@ -15,6 +15,12 @@ runs twice: same key (V = A, the positive control: it must detect the cache, or 
 blind) and cross key (V != A: isolation holds when it detects nothing). It also reports every
 ``cached_tokens`` the server returned to the attacker across keys, which must be 0.
 
+With ``--public-prefix-file`` every prompt (the victim's, the hit's and the miss's) starts with
+that text, a public prefix the server's tenants file declares for both keys' tenants: the
+cross-key test then asks whether anything *after* the declared prefix is shared. Both keys read
+the declared blocks, so the attacker's hit and miss requests get the same ``cached_tokens``, all
+of them public (the server's ``public_cached_tokens``); a cached token beyond those is a leak.
+
 A third test asks whether the cache diagnostics are an oracle: the attacker names, as the earlier
 request to compare with (``prompt_cache_options.comparison_response_id``), either the id the
 victim's chat completion just got or an id never issued, of the same shape. Both must be answered
@@ -57,6 +63,7 @@ class AuditConfig:
     seed: int = 0
     alpha: float = DEFAULT_ALPHA
     timeout_s: float = 120.0
+    public_prefix: str = ""  # text every prompt starts with: a declared public prefix
 
     def __post_init__(self) -> None:
         if self.samples < 2:
@@ -71,10 +78,12 @@ class AuditConfig:
 
 @dataclass(slots=True)
 class Measurement:
-    """One attacker request: its TTFT and the cached_tokens the server reported (-1: none)."""
+    """One attacker request: its TTFT and the cached_tokens the server reported (-1: none), of
+    them ``public_cached_tokens`` read from a declared public prefix's blocks."""
 
     ttft_s: float
     cached_tokens: int
+    public_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -86,6 +95,9 @@ class TestResult:
     miss_ttft_s: list[float] = field(default_factory=list)
     hit_cached_tokens: list[int] = field(default_factory=list)
     miss_cached_tokens: list[int] = field(default_factory=list)
+    # of each request's cached tokens, those beyond the public ones (its own or leaked)
+    hit_private_cached_tokens: list[int] = field(default_factory=list)
+    miss_private_cached_tokens: list[int] = field(default_factory=list)
     ks_statistic: float = 0.0
     p_value: float = 1.0
 
@@ -98,10 +110,11 @@ class TestResult:
         return statistics.median(self.miss_ttft_s)
 
     def add(self, kind: str, m: Measurement) -> None:
-        (self.hit_ttft_s if kind == "hit" else self.miss_ttft_s).append(m.ttft_s)
-        (self.hit_cached_tokens if kind == "hit" else self.miss_cached_tokens).append(
-            m.cached_tokens
-        )
+        hit = kind == "hit"
+        (self.hit_ttft_s if hit else self.miss_ttft_s).append(m.ttft_s)
+        (self.hit_cached_tokens if hit else self.miss_cached_tokens).append(m.cached_tokens)
+        (self.hit_private_cached_tokens if hit else self.miss_private_cached_tokens).append(
+            max(0, m.cached_tokens - m.public_cached_tokens))
 
 
 @dataclass(slots=True)
@@ -231,7 +244,7 @@ class Client:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        ttft, cached = None, -1
+        ttft, cached, public = None, -1, 0
         start = time.perf_counter()
         with self.http.stream("POST", "/v1/completions", json=body, headers=self._auth(key)) as r:
             if r.status_code != 200:
@@ -240,9 +253,10 @@ class Client:
                 if ttft is None and chunk.get("choices"):
                     ttft = time.perf_counter() - start
                 cached = _cached_tokens(chunk, cached)
+                public = _cached_tokens(chunk, public, "public_cached_tokens")
         if ttft is None:
             raise CliError("the stream ended without a token")
-        return Measurement(ttft, cached)
+        return Measurement(ttft, cached, public)
 
     def chat(self, key: str, prompt: str, comparison_id: str | None = None,
              ) -> tuple[str, float, str]:  # fmt: skip
@@ -274,10 +288,10 @@ def _sse_chunks(lines: Any) -> Any:
         yield json.loads(data)
 
 
-def _cached_tokens(chunk: dict[str, Any], default: int) -> int:
+def _cached_tokens(chunk: dict[str, Any], default: int, name: str = "cached_tokens") -> int:
     usage = chunk.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
-    value = details.get("cached_tokens")
+    value = details.get(name)
     return int(value) if value is not None else default
 
 
@@ -296,8 +310,9 @@ def _procedure(
     client: Client, maker: PromptMaker, config: AuditConfig, attacker: str, kind: str
 ) -> Measurement:
     victim, hit, miss = maker.pair(config.prompt_tokens, config.prefix_fraction)
-    client.measure(config.key_a, victim)
-    return client.measure(attacker, hit if kind == "hit" else miss)
+    public = config.public_prefix
+    client.measure(config.key_a, public + victim)
+    return client.measure(attacker, public + (hit if kind == "hit" else miss))
 
 
 def _run_test(
@@ -365,8 +380,10 @@ def run_audit(config: AuditConfig, progress: bool = False) -> AuditReport:
 
 
 def _report(config: AuditConfig, same: TestResult, cross: TestResult, measured: int) -> AuditReport:
-    leaked = sum(t for t in cross.hit_cached_tokens + cross.miss_cached_tokens if t > 0)
-    public = asdict(config) | {"key_a": "<redacted>", "key_b": "<redacted>"}
+    leaked = sum(cross.hit_private_cached_tokens + cross.miss_private_cached_tokens)
+    public = asdict(config) | {"key_a": "<redacted>", "key_b": "<redacted>",
+                               "public_prefix": (f"<{len(config.public_prefix)} characters>"
+                                                 if config.public_prefix else None)}
     report = AuditReport(public, same, cross, leaked, measured)
     report.control_detects_cache = same.p_value < config.alpha
     report.isolated = cross.p_value >= config.alpha and leaked == 0
@@ -408,6 +425,9 @@ def format_report(report: AuditReport) -> list[str]:
             f"{test.median_hit_s * 1e3:.2f} vs {test.median_miss_s * 1e3:.2f} ms, KS "
             f"(two-sided) D={test.ks_statistic:.3f} p={test.p_value:.3g}, "
             f"{len(report.diagnostics_bodies)} distinct answer(s)")
+    if report.config.get("public_prefix"):
+        lines.append("  every prompt starts with the declared public prefix: cached_tokens "
+                     "beyond its public blocks count as leaked")
     lines.append(f"  cached_tokens leaked across keys: {report.leaked_cached_tokens}")
     lines.append(f"verdict: {report.verdict}")
     return lines
@@ -441,11 +461,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=250, help="procedures per kind and test")
     parser.add_argument("--prompt-tokens", type=int, default=5000)
     parser.add_argument("--prefix-fraction", type=float, default=0.95)
+    parser.add_argument("--public-prefix-file", default=None, metavar="FILE",
+                        help="text every prompt starts with: a public prefix the server's "
+                             "tenants file declares (prompt_file) for both keys' tenants")
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="significance (1e-8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, metavar="FILE.json", help="write the full report")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the TTFT CDFs")
+
+
+def _public_prefix(path: str | None) -> str:
+    if path is None:
+        return ""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read --public-prefix-file {path}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -464,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
             args.model,
             args.seed,
             args.alpha,
+            public_prefix=_public_prefix(args.public_prefix_file),
         )
         report = run_audit(config, progress=True)
     except ValueError as exc:

@@ -8,6 +8,12 @@ the tokens differ (the position; the ids and decoded pieces around it only with
 ``--show-tokens``). With a lower tier named, it says which of B's blocks the tier holds, and
 where the tier holds them only in another KV layout, that they are a miss for that reason.
 
+With ``--public-prefix`` (a declared public prefix, in the same forms as the prompts; with
+``--chat`` its messages render without the generation prompt, as the server renders a
+declared ``system``), the whole blocks a prompt shares with it chain from the public namespace
+for the sides ``--public-for`` names (the tenants the declaration lists), and the report says how
+much of the reusable part is public and how much is B's own.
+
 A LoRA adapter (``--adapter-a`` / ``--adapter-b``) is named in the namespace by its content, as
 the engine names it: give its directory (its files are read and digested) or its identity.
 
@@ -25,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cache.block_hash import HASH_ALGOS, BlockHasher, Namespace
+from prefixcache.cache.public import PublicPrefixes
+from prefixcache.cache.sequence import Sequence as CacheSequence
 from prefixcache.catalog import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -119,6 +127,8 @@ class Explanation:
     namespace_diff: list[str] = field(default_factory=list)
     divergence_position: int | None = None
     warnings: list[str] = field(default_factory=list)
+    public_blocks_b: int = 0  # B's leading blocks in the public namespace
+    reusable_public_blocks: int = 0  # of the reusable blocks, the public ones
 
     def as_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}
@@ -163,14 +173,15 @@ def _is_token_list(value: Any) -> bool:
     )
 
 
-def read_prompt(arg: str, tokenizer: Any, chat: bool = False) -> Prompt:
+def read_prompt(arg: str, tokenizer: Any, chat: bool = False,
+                add_generation_prompt: bool = True) -> Prompt:  # fmt: skip
     """Text, a file, a JSON token-id list or (``chat``) JSON chat messages -> token ids."""
     text = read_source(arg)
     value = _json_or_none(text)
     if _is_token_list(value):
         return Prompt(_check_ids(value), None, "tokens")
     if chat:
-        return _chat_prompt(value, tokenizer)
+        return _chat_prompt(value, tokenizer, add_generation_prompt)
     if tokenizer is None:
         raise CliError("a text prompt needs a tokenizer (this model has none)")
     return Prompt(list(tokenizer.encode(text)), text, "text")
@@ -183,14 +194,21 @@ def _check_ids(ids: list[int]) -> list[int]:
     return list(ids)
 
 
-def _chat_prompt(value: Any, tokenizer: Any) -> Prompt:
+def read_public_prefix(arg: str, tokenizer: Any, chat: bool = False) -> Prompt:
+    """A declared public prefix: like a prompt, but a chat one renders without the generation
+    prompt (a system message the conversations start with)."""
+    return read_prompt(arg, tokenizer, chat, add_generation_prompt=False)
+
+
+def _chat_prompt(value: Any, tokenizer: Any, add_generation_prompt: bool = True) -> Prompt:
     messages = value.get("messages") if isinstance(value, dict) else value
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise CliError('--chat expects a JSON list of messages (or {"messages": [...]})')
     if tokenizer is None:
         raise CliError("--chat needs a tokenizer with a chat template")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # the template's own errors (unknown role, missing field, ...)
         raise CliError(f"chat template failed: {exc}") from None
     return Prompt(list(tokenizer.encode(text, add_special_tokens=False)), text, "chat")
@@ -223,10 +241,13 @@ def explain(
     ns_b: Namespace,
     block_size: int = 16,
     hash_algo: str = "sha256",
+    public: tuple[int, int] = (0, 0),
 ) -> Explanation:
-    """Diagnose how much of B's prompt a cache holding A's prompt could serve, and why not more."""
+    """Diagnose how much of B's prompt a cache holding A's prompt could serve, and why not more.
+    ``public``: A's and B's leading blocks in the public namespace (`public_blocks`)."""
     hasher = BlockHasher(block_size, hash_algo)
-    chain_a, chain_b = hasher.chain(a.token_ids, ns_a), hasher.chain(b.token_ids, ns_b)
+    chain_a = block_chain(hasher, a.token_ids, ns_a, public[0])
+    chain_b = block_chain(hasher, b.token_ids, ns_b, public[1])
     reusable = common_prefix(chain_a, chain_b)
     common = common_prefix(a.token_ids, b.token_ids)
     usable = min(reusable, max(len(b.token_ids) - 1, 0) // block_size) * block_size
@@ -244,11 +265,35 @@ def explain(
         first_miss_span=None if miss is None else (miss * block_size, (miss + 1) * block_size),
         reason=_reason(miss, diff, common, len(a.token_ids)),
         namespace_diff=diff,
+        public_blocks_b=public[1],
+        reusable_public_blocks=min(reusable, public[1]),
     )
     if out.reason == "tokens":
         out.divergence_position = common
     out.warnings = text_warnings(a, b)
     return out
+
+
+def block_chain(hasher: BlockHasher, token_ids: list[int], ns: Namespace,
+                num_public: int = 0) -> list[bytes]:  # fmt: skip
+    """The digests a cache gives ``token_ids`` in ``ns``, its first ``num_public`` blocks in
+    the public namespace."""
+    seq = CacheSequence("explain", token_ids, ns.salt, adapter=ns.adapter, copy=False,
+                        public_blocks=num_public)
+    return list(seq.digests(hasher, ns.model, ns.kv_layout))
+
+
+def public_blocks(prefix: Prompt | None, prompts: tuple[Prompt, Prompt], sides: str,
+                  block_size: int) -> tuple[int, int]:  # fmt: skip
+    """A's and B's public blocks under the declared ``prefix`` (for the ``sides`` it names:
+    ``a``, ``b`` or ``both``)."""
+    if prefix is None:
+        return 0, 0
+    declared = PublicPrefixes({"prefix": prefix.token_ids})
+    a, b = (declared.num_public_blocks(p.token_ids, ["prefix"], block_size)
+            if sides in (side, "both") else 0
+            for side, p in zip("ab", prompts, strict=True))  # fmt: skip
+    return a, b
 
 
 def _reason(miss: int | None, diff: list[str], common: int, num_tokens_a: int) -> str:
@@ -297,6 +342,11 @@ def format_explanation(
         f"reusable: {ex.reusable_blocks} blocks = {ex.reusable_tokens} tokens"
         f" (a request B would hit {ex.usable_tokens}: one prompt token is always computed)",
     ]
+    if ex.public_blocks_b:
+        own = ex.reusable_blocks - ex.reusable_public_blocks
+        lines.append(f"public: B's first {ex.public_blocks_b} blocks are a declared public "
+                     f"prefix's; of the reusable blocks {ex.reusable_public_blocks} are public "
+                     f"and {own} B's own")
     lines.extend(_miss_lines(ex))
     if show_tokens and ex.divergence_position is not None:
         lines.extend(token_window(a.token_ids, b.token_ids, ex.divergence_position, tokenizer))
@@ -386,6 +436,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--hash-algo", default="sha256", choices=sorted(HASH_ALGOS))
     parser.add_argument("--chat", action="store_true", help="A and B are JSON chat messages")
+    parser.add_argument("--public-prefix", default=None, metavar="PROMPT",
+                        help="a declared public prefix (same forms as A and B; with --chat, "
+                             "messages rendered without the generation prompt)")
+    parser.add_argument("--public-for", default="both", choices=("a", "b", "both"),
+                        help="whose tenant may use --public-prefix (both)")
     parser.add_argument(
         "--show-tokens", action="store_true", help="print token ids and pieces at the divergence"
     )
@@ -410,11 +465,15 @@ def run(args: argparse.Namespace) -> int:
                      view_a.kv_layout)
     ns_b = Namespace(view_b.identity, adapter_identity(args.adapter_b, view_b), args.salt_b,
                      view_b.kv_layout)
-    ex = explain(a, b, ns_a, ns_b, args.block_size, args.hash_algo)
+    prefix = (None if args.public_prefix is None
+              else read_public_prefix(args.public_prefix, view_b.tokenizer, args.chat))
+    public = public_blocks(prefix, (a, b), args.public_for, args.block_size)
+    ex = explain(a, b, ns_a, ns_b, args.block_size, args.hash_algo, public)
     tiers = None
     locations = tier_locations(args)
     if locations:
-        chain = BlockHasher(args.block_size, args.hash_algo).chain(b.token_ids, ns_b)
+        chain = block_chain(BlockHasher(args.block_size, args.hash_algo), b.token_ids, ns_b,
+                            public[1])
         chain = chain[: max(len(b.token_ids) - 1, 0) // args.block_size]
         tiers = tier_residence(view_b, chain, args.block_size, args.hash_algo, locations)
         others = other_layouts(view_b, b.token_ids, ns_b, args.block_size, args.hash_algo,
