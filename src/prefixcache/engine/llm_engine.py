@@ -180,9 +180,7 @@ class LLMEngine:
         matcher = (None if params.structured_outputs is None  # compiled (or refused) now
                    else self.grammars.matcher(params.structured_outputs))  # fmt: skip
         _check_pins(pins)
-        if not 0 <= public_blocks <= len(token_ids) // self.cache.block_size:
-            raise ValueError(f"public_blocks {public_blocks} is not within the prompt's whole "
-                             "blocks")
+        _check_public_blocks(public_blocks, len(token_ids) // self.cache.block_size)
         adapter, lora = _acquire(self.loras, lora_request)  # the last check: holds the adapter
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         self._num_added += 1
@@ -394,6 +392,12 @@ def _check_pins(pins: SequenceABC[tuple[int, float]]) -> None:
         if num_tokens < 0 or not ttl_s > 0:
             raise ValueError(f"a pin needs num_tokens >= 0 and ttl_s > 0, got "
                              f"{(num_tokens, ttl_s)}")
+
+
+def _check_public_blocks(public_blocks: int, whole_blocks: int) -> None:
+    if not 0 <= public_blocks <= whole_blocks:
+        raise ValueError(f"public_blocks {public_blocks} is not within the prompt's "
+                         f"{whole_blocks} whole blocks")
 
 
 def _acquire(
