@@ -345,12 +345,88 @@ class CacheAware(Router):
         return n
 
 
+class CacheAwareTierBlind(CacheAware):
+    """`CacheAware` as a router that indexes only the KV pool scores a prefix: the events of the
+    lower tiers are ignored, so a block evicted from the pool counts as not cached even where a
+    disk or Valkey still holds it (SGLang's router, and Ray's KV-aware router over LMCache:
+    "an offloaded prefix scored as though it weren't cached"). Costs, backlog, expected blocks
+    and the load guard are `CacheAware`'s."""
+
+    name = "cache-aware-tier-blind"
+
+    def observe(self, replica: int, events: list[KVCacheEvent]) -> None:
+        super().observe(replica, [e for e in events if getattr(e, "medium", None) is None])
+
+
+class RayPrefixAware(Router):
+    """Ray Serve LLM's ``PrefixCacheAffinityRouter`` rules over block digests instead of
+    characters (its tree keys the prompt's text; a digest chains its whole prefix, so the run of
+    a prompt's digests a replica was sent is the prefix it matches there).
+
+    Each replica's *tree* holds every block of every request routed to it, inserted when it is
+    routed and never told of an eviction (Ray's eviction is off by default and, when on, trims by
+    size, not by what the replica dropped). When ``max_load - min_load > imbalanced_threshold``
+    (Ray's default: infinite, never) the request goes to the less loaded of two replicas drawn
+    at random (power of two choices). Otherwise the *match rate* is the longest run any replica
+    matches over the prompt's blocks: at or above ``match_rate_threshold`` (0.1) the candidates
+    are the replicas matching that run, below it the replicas holding the fewest blocks; the
+    least loaded candidate wins (the first of them on a tie, as Ray's)."""
+
+    name = "ray-prefix-aware"
+
+    def __init__(
+        self,
+        num_replicas: int,
+        seed: int = 0,
+        imbalanced_threshold: float = float("inf"),
+        match_rate_threshold: float = 0.1,
+    ) -> None:
+        super().__init__(num_replicas, seed)
+        self.imbalanced_threshold = imbalanced_threshold
+        self.match_rate_threshold = match_rate_threshold
+        self.trees: list[set[bytes]] = [set() for _ in range(num_replicas)]
+        self._rng = random.Random(seed)
+
+    def forget(self, replica: int) -> None:
+        self.trees[replica].clear()
+
+    def choose(self, digests: list[bytes], loads: list[int], key: bytes | None = None) -> int:
+        chosen = self._choose(digests, loads)
+        self.trees[chosen].update(digests)
+        return chosen
+
+    def _choose(self, digests: list[bytes], loads: list[int]) -> int:
+        if not digests or max(loads) - min(loads) > self.imbalanced_threshold:
+            pair = self._rng.sample(range(self.num_replicas), min(2, self.num_replicas))
+            return min(pair, key=lambda i: loads[i])
+        runs = [_run_held(tree, digests) for tree in self.trees]
+        best = max(runs)
+        if best / len(digests) >= self.match_rate_threshold:
+            candidates = [i for i, run in enumerate(runs) if run == best]
+        else:
+            fewest = min(len(tree) for tree in self.trees)
+            candidates = [i for i, tree in enumerate(self.trees) if len(tree) == fewest]
+        return min(candidates, key=lambda i: loads[i])  # as Ray's: the first of the least loaded
+
+
+def _run_held(held: set[bytes], digests: list[bytes]) -> int:
+    """How many of ``digests``, from the first, ``held`` holds."""
+    n = 0
+    for digest in digests:
+        if digest not in held:
+            break
+        n += 1
+    return n
+
+
 def _point(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 ROUTERS: dict[str, Callable[..., Router]] = {
-    cls.name: cls for cls in (RoundRobin, RandomRouter, LeastLoaded, PrefixAffinity, CacheAware)
+    cls.name: cls
+    for cls in (RoundRobin, RandomRouter, LeastLoaded, PrefixAffinity, CacheAware,
+                CacheAwareTierBlind, RayPrefixAware)
 }
 
 
