@@ -254,9 +254,11 @@ def test_prefix_affinity_replays_a_recorded_trace_with_its_own_digests(mode, tmp
 
 def test_cache_aware_follows_requests_it_routed_before_their_events_arrive() -> None:
     """A burst sharing a new prefix stays on one replica although no event has named it yet;
-    new prefixes go to the replica with the fewest blocks; events settle what was expected."""
+    a new prefix goes where the least prefill is queued, on a tie to the replica its first
+    blocks hash to; events settle what was expected."""
     from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored
-    from prefixcache.sim.router import CacheAware
+    from prefixcache.sim.replica_costs import ReplicaCosts
+    from prefixcache.sim.router import CacheAware, affinity_point
 
     def chain(name: str, n: int = 4) -> list[bytes]:
         return [f"{name}-{i}".encode().ljust(32, b"\0") for i in range(n)]
@@ -265,8 +267,12 @@ def test_cache_aware_follows_requests_it_routed_before_their_events_arrive() -> 
     a, b = chain("a"), chain("b")
     first = router.choose(a, [0, 0])
     assert [router.choose(a + chain(f"q{j}", 1), [1, 0]) for j in range(3)] == [first] * 3
-    other = router.choose(b, [3, 0])  # no match: the less loaded replica gets the new prefix
+    owner = router._ring.owner(affinity_point(b, router.k, None))
+    assert router.choose(b, [0, 3]) == owner  # no match, no backlog reported: its owner
+    router.set_costs(first, ReplicaCosts(1e-3, backlog_s=1.0))
+    other = router.choose(b, [0, 3])  # a queue ahead of it on `first`: the other one
     assert other != first
+    router.set_costs(first, ReplicaCosts(1e-3))
     router.observe(first, [BlockStored(a, b"\0" * 32, [], 16)])
     assert not set(a) & set(router.expected[first]) and set(a) <= router.mirrors[first]
     router.observe(first, [BlockRemoved(a[2:])])
@@ -315,9 +321,10 @@ def test_a_replica_holding_the_prefix_on_disk_beats_a_cold_one(holder: int) -> N
     assert router(None).choose(prompt, busier) == holder
     assert router(2e-4).credit(holder, prompt) == pytest.approx(8.0)  # saves 0.8 of a prefill
     assert router(2e-4).choose(prompt, busier) == holder
-    # a disk no faster than the replica's prefill saves nothing: the less loaded one is chosen
+    # a disk no faster than the replica's prefill saves nothing: as for a cold prompt, the
+    # replica its first blocks hash to is chosen, whichever holds it on disk
     assert router(1.5e-3).credit(holder, prompt) == 0.0
-    assert router(1.5e-3).choose(prompt, busier) == 1 - holder
+    assert router(1.5e-3).choose(prompt, busier) == _owner(prompt)
     assert router(2e-4).credit(1 - holder, prompt) == 0.0  # a disk is its replica's own
 
 
@@ -345,15 +352,24 @@ def test_a_shared_tier_credits_every_replica_with_its_own_weight() -> None:
     router = CacheAware(3)
     _held(router, 0, prompt, "VALKEY")  # replica 0 wrote it; any replica loads it
     assert [router.credit(i, prompt) for i in range(3)] == [5.0, 5.0, 5.0]
-    assert router.choose(prompt, [4, 1, 2]) == 1  # equal credit: the least loaded
+    assert router.choose(prompt, [4, 1, 2]) == _owner(prompt, 3)  # equal credit: its owner
     other = _chain("other")
     _held(router, 1, other, "VALKEY")
     router.set_costs(2, ReplicaCosts(1e-3, {"VALKEY": 1e-4}))  # replica 2 loads it faster
     assert [router.credit(i, other) for i in range(3)] == [5.0, 5.0, pytest.approx(9.0)]
     assert router.choose(other, [4, 1, 2]) == 2
     router.observe(0, [_removed(prompt[5:], "VALKEY")])  # Valkey dropped the tail
-    assert [router._matched(i, prompt) for i in (0, 2)] == [5, 5]
+    others = [i for i in range(3) if i != _owner(prompt, 3)]  # the owner expects all ten
+    assert [router._matched(i, prompt) for i in others] == [5, 5]
     assert router.held_blocks(0) == {"POOL": 0, "VALKEY": 15}
+
+
+def _owner(digests: list[bytes], replicas: int = 2) -> int:
+    """The replica a prompt's first blocks hash to (cache-aware's choice on a tie)."""
+    from prefixcache.sim.router import CacheAware, affinity_point
+
+    router = CacheAware(replicas)
+    return router._ring.owner(affinity_point(digests, router.k, None))  # type: ignore[arg-type]
 
 
 def _removed(digests: list[bytes], medium: str | None):
