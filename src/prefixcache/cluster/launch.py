@@ -39,8 +39,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                        help="join this Ray cluster (e.g. 'auto' or 'HOST:6379'; default: "
                             "$RAY_ADDRESS, else a local Ray instance for this process)")
     group.add_argument("--router", default="cache-aware", choices=ROUTERS,
-                       help="how requests pick a replica (the simulator's routers; ray-prefix-aware: "
-                            "Ray Serve LLM's PrefixCacheAffinityRouter over block digests)")
+                       help="how requests pick a replica (the simulator's routers; "
+                            "ray-prefix-aware: Ray Serve LLM's PrefixCacheAffinityRouter over "
+                            "block digests)")
     group.add_argument("--affinity-blocks", type=int, default=4, metavar="K",
                        help="prefix-affinity: hash the chain's first K block digests")
     group.add_argument("--cpus-per-replica", type=float, default=None,

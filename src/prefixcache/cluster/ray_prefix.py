@@ -19,7 +19,7 @@ from typing import Any
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
     PrefixCacheAffinityRouter,
 )
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from prefixcache.cluster import registry
@@ -45,21 +45,25 @@ class RayPrefixAwareRouter(PrefixCacheAffinityRouter):
         return "".join(digest.hex() for digest in forwarded.block_digests)
 
     async def choose_replicas(  # type: ignore[override]
-        self, candidate_replicas: list[RunningReplica],
+        self,
+        candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         forwarded = _forwarded_of(pending_request)
         if forwarded is not None and forwarded.pin is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == forwarded.pin]]
-        if forwarded is None or not forwarded.block_digests:
+        if forwarded is None or not forwarded.block_digests:  # as Ray's router falls back
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(
-                self, candidate_replicas=candidate_replicas, pending_request=pending_request)
-        ranks: list[list[RunningReplica]] = await super().choose_replicas(
-            candidate_replicas, pending_request)
-        return ranks
+                self,  # type: ignore[arg-type]
+                candidate_replicas=candidate_replicas,
+                pending_request=pending_request,
+            )
+        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        return ranks  # type: ignore[return-value]  # Ray's annotation says one rank
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: Any) -> None:
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
         self.num_routed[replica_id] = self.num_routed.get(replica_id, 0) + 1
         forwarded = _forwarded_of(pending_request)
         if forwarded is not None and forwarded.block_digests and forwarded.pin is None:
@@ -69,15 +73,24 @@ class RayPrefixAwareRouter(PrefixCacheAffinityRouter):
     def describe(self) -> dict[str, Any]:
         replicas = {
             r.replica_id.unique_id: {
-                "slot": None, "in_flight": None, "mirror_blocks": None,
+                "slot": None,
+                "in_flight": None,
+                "mirror_blocks": None,
                 "mirror_blocks_by_medium": None,
                 "routed": self.num_routed.get(r.replica_id, 0),
-                "routing_stats": dict(r.routing_stats or {})}
-            for r in self.curr_replicas.values()}
-        return {"policy": "ray-prefix-aware",
-                "routed_per_slot": [info["routed"] for info in replicas.values()],
-                "routed_with_digests": self.num_with_digests, "routed_with_key": 0,
-                "replicas": replicas, "event_replays": 0, "event_gaps_lost": 0}
+                "routing_stats": dict(r.routing_stats or {}),
+            }
+            for r in self.curr_replicas.values()
+        }
+        return {
+            "policy": "ray-prefix-aware",
+            "routed_per_slot": [info["routed"] for info in replicas.values()],
+            "routed_with_digests": self.num_with_digests,
+            "routed_with_key": 0,
+            "replicas": replicas,
+            "event_replays": 0,
+            "event_gaps_lost": 0,
+        }
 
 
 def _forwarded_of(pending: PendingRequest | None) -> ForwardedRequest | None:
