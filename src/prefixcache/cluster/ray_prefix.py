@@ -6,7 +6,8 @@ Ray's router keys a character prefix tree by the prompt text it finds in the req
 ``prompt`` or ``messages`` attribute). Our router sees no prompt text, only the prompt's block
 digests (`cluster.digests`), so the text it is given is those digests in hexadecimal, one run of
 characters per block: a prompt's matched characters over its total are then its matched blocks
-over its blocks (give or take the few leading hex digits a differing digest may share), and its rules (the imbalance threshold, the 10% match-rate threshold, the
+over its blocks (give or take the few leading hex digits a differing digest may share), and
+its rules (the imbalance threshold, the 10% match-rate threshold, the
 smallest replica below it, power of two choices otherwise) decide as on text. Requests with no
 digest (a prompt shorter than a block, or none) go by power of two choices, which Ray's router
 does when it finds no text; ``/metrics``' per-replica requests go to their replica.
