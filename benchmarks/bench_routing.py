@@ -45,9 +45,7 @@ ROUTERS = (
     "cache-aware-tier-blind",
     "cache-aware",
 )
-_LOADED = re.compile(
-    r'^prefixcache:kv_tier_loaded_blocks_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)', re.M
-)
+_LOADED = re.compile(r"^prefixcache:kv_tier_loaded_blocks_total\{([^}]*)\} (\S+)", re.M)
 
 
 def workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
@@ -112,13 +110,16 @@ async def replay(base: str, requests: list[tuple[float, list[int], int]]) -> lis
 
 
 def tier_blocks(base: str) -> dict[str, float]:
-    """Blocks each lower tier loaded into the replicas' pools, summed over the replicas."""
+    """Blocks each lower tier loaded into the replicas' pools, summed over the replicas (the
+    merged page's ``replica="all"`` samples)."""
     page = httpx.get(
         base + "/metrics", timeout=30, headers={"Authorization": f"Bearer {METRICS_KEY}"}
     ).text
     out: dict[str, float] = {}
-    for tier, value in _LOADED.findall(page):
-        out[tier] = out.get(tier, 0.0) + float(value)
+    for labels, value in _LOADED.findall(page):
+        tier = re.search(r'tier="(\w+)"', labels)
+        if tier is not None and 'replica="all"' in labels:
+            out[tier.group(1)] = out.get(tier.group(1), 0.0) + float(value)
     return out
 
 
