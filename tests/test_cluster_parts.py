@@ -385,7 +385,11 @@ def test_ray_prefix_aware_is_rays_own_router_reading_block_digests_as_its_text()
 
     def pending(digests: list[bytes]) -> PendingRequest:
         forwarded = ForwardedRequest("POST", "/v1/completions", b"", [], b"{}", digests)
-        return PendingRequest([forwarded], {}, RequestMetadata("r", "r"))
+
+        async def made() -> PendingRequest:  # it holds a future of the router's event loop
+            return PendingRequest([forwarded], {}, RequestMetadata("r", "r"))
+
+        return asyncio.run(made())
 
     doc = [bytes([i]) * 32 for i in range(10)]
     question = doc[:3] + [bytes([100 + i]) * 32 for i in range(7)]
