@@ -188,15 +188,16 @@ class CacheAware(Router):
     weighted by where it is (`ReplicaCosts.weight`: 1 in the KV pool, ``1 - load / prefill`` in
     a lower tier, from what the replica measured and exported, `set_costs`); the request goes
     where ``backlog_s + prefill_s_per_block * (blocks - credit)`` is least: the prefill left to
-    do there, after the work queued ahead of it. Equal estimates (a new prefix where no backlog
-    is reported, one only a shared tier holds, or one every replica holds alike) go to the
-    *owner*: the replica the request's first ``k`` blocks (and its affinity key, if any) hash
-    to, as prefix-affinity routes, then the least loaded, then the one with fewest blocks
-    cached or expected. So a conversation whose history is equally far from every replica stays
-    on one, and its blocks are not written to every replica's own tier (going by load there
-    spread them over both disks and lost 0.009 of the Mooncake conversation trace's hit ratio
-    in the simulator). With no costs reported (the same prefill speed everywhere, no backlog)
-    this is the longest weighted prefix.
+    do there, after the work queued ahead of it. Equal estimates (a prefix only a shared tier
+    holds, or one every replica holds alike) go to the *owner*: the replica the request's first
+    ``k`` blocks (and its affinity key, if any) hash to, as prefix-affinity routes, then the
+    least loaded, then the one with fewest blocks cached or expected. So a conversation whose
+    history is equally far from every replica stays on one, and its blocks are not written to
+    every replica's own tier (going by load there spread them over both disks and lost 0.009 of
+    the Mooncake conversation trace's hit ratio in the simulator). No credit anywhere and no
+    key: new work, the least loaded, then the fewest blocks cached or expected; with a key, its
+    owner. With no costs reported (the same prefill speed everywhere, no backlog) this is the
+    longest weighted prefix.
 
     A replica's blocks are what its events stored, per medium (`BlockStored.medium`): the KV
     pool (None), its own tiers (``"DISK"``), and shared tiers (``"VALKEY"``), whose blocks every
@@ -298,6 +299,9 @@ class CacheAware(Router):
         credits = [self.credit(i, digests) for i in replicas]
         point = affinity_point(digests, self.k, key)
         owner = -1 if point is None else self._ring.owner(point)
+        if max(credits) <= 0.0 and key is None:  # nothing of it anywhere: new work, least loaded
+            return min(replicas,
+                       key=lambda i: (loads[i], len(self.mirrors[i]) + len(self.expected[i])))
         seconds = self._estimates(len(digests), credits)
         best = min(seconds)
         tolerance = 1e-9 * max(1.0, abs(best))
