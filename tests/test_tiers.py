@@ -648,7 +648,7 @@ def test_explain_names_the_tier_each_block_would_come_from(tmp_path: Path) -> No
 def test_blocks_in_valkey_are_announced_and_count_for_every_replica(valkey: str) -> None:
     from prefixcache.cache import BlockStored
     from prefixcache.server.kv_events import decode_batch, encode_batch
-    from prefixcache.sim.router import CacheAware
+    from prefixcache.sim.router import CacheAware, affinity_point
 
     engine = engine_on(valkey=valkey, kv_events=True)
     generate(engine, PROMPT, "a")
@@ -665,7 +665,8 @@ def test_blocks_in_valkey_are_announced_and_count_for_every_replica(valkey: str)
     router = CacheAware(3)
     router.observe(0, shared)  # replica 0 wrote them to Valkey: any replica can load them
     assert [router._matched(i, chain) for i in range(3)] == [10, 10, 10]
-    assert router.choose(chain, [4, 1, 2]) == 1  # so the least loaded one gets the request
+    owner = router._ring.owner(affinity_point(chain, router.k, None))
+    assert router.choose(chain, [4, 1, 2]) == owner  # equal for all: the one its prefix hashes to
 
 
 def test_other_requests_keep_stepping_while_one_waits_for_its_blocks(tmp_path: Path) -> None:
