@@ -85,7 +85,8 @@ async def load(base: str, requests: list[tuple[str, list[int]]], args: argparse.
 
 
 def serve(args: argparse.Namespace, router: str | None, trace: Path, tenants: Path,
-          log: Path) -> tuple[subprocess.Popen[bytes], str]:
+          log: Path, extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """``prefixcache serve`` with ``router`` (None: one replica) and ``extra`` flags (tiers)."""
     port = _free_port()
     replicas = 1 if router is None else args.replicas
     blocks = args.blocks_per_replica * args.replicas // replicas
@@ -97,6 +98,7 @@ def serve(args: argparse.Namespace, router: str | None, trace: Path, tenants: Pa
     if router is not None:
         cmd += ["--replicas", str(replicas), "--router", router, "--cpus-per-replica", "1",
                 "--threads-per-replica", "1"]
+    cmd += extra or []
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PREFIXCACHE_SECRET"] = "bench-cluster-secret-0123456789"
     with log.open("w") as out:

@@ -361,3 +361,43 @@ def test_trace_parts_merge_in_time_order(tmp_path) -> None:
     trace = read_record(tmp_path / "t.jsonl")
     assert n == 3 and [r.arrival_s for r in trace.requests] == [1.0, 3.0, 5.0]
     assert trace.requests[0].hash_ids == [trace.requests[1].hash_ids[0]]
+
+
+def test_ray_prefix_aware_is_rays_own_router_reading_block_digests_as_its_text() -> None:
+    """``serve --router ray-prefix-aware`` deploys Ray Serve LLM's PrefixCacheAffinityRouter
+    (our subclass only hands it the prompt's block digests in hex as its text, never prompt
+    text): its character tree then matches whole blocks, so its match rate is matched blocks
+    over the prompt's blocks."""
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    from prefixcache.cluster.deployments import replica_options
+    from prefixcache.cluster.ray_prefix import RayPrefixAwareRouter
+
+    args = argparse.Namespace(cpus_per_replica=1, threads_per_replica=1, max_num_seqs=4,
+                              max_queue_len=4, affinity_blocks=4, router="ray-prefix-aware")
+    config = replica_options(args, 2)["request_router_config"]
+    assert config["request_router_class"] == "prefixcache.cluster.ray_prefix.RayPrefixAwareRouter"
+    args.router = "cache-aware-tier-blind"
+    config = replica_options(args, 2)["request_router_config"]
+    assert config["request_router_kwargs"]["policy"] == "cache-aware-tier-blind"
+
+    def pending(digests: list[bytes]) -> PendingRequest:
+        forwarded = ForwardedRequest("POST", "/v1/completions", b"", [], b"{}", digests)
+
+        async def made() -> PendingRequest:  # it holds a future of the router's event loop
+            return PendingRequest([forwarded], {}, RequestMetadata("r", "r"))
+
+        return asyncio.run(made())
+
+    doc = [bytes([i]) * 32 for i in range(10)]
+    question = doc[:3] + [bytes([100 + i]) * 32 for i in range(7)]
+    router = object.__new__(RayPrefixAwareRouter)  # its text extraction reads no state
+    text = router._extract_text_from_request(pending(doc))
+    assert text == "".join(d.hex() for d in doc)
+    tree = PrefixTree()
+    tree.add_tenants(["replica-0", "replica-1"], 0.0)
+    tree.insert(text, "replica-0", 0.0)
+    matched, tenants = tree.prefix_match(router._extract_text_from_request(pending(question)))
+    assert len(matched) / len(text) == 0.3 and tenants == ["replica-0"]

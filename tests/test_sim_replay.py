@@ -254,7 +254,7 @@ def test_prefix_affinity_replays_a_recorded_trace_with_its_own_digests(mode, tmp
 
 def test_cache_aware_follows_requests_it_routed_before_their_events_arrive() -> None:
     """A burst sharing a new prefix stays on one replica although no event has named it yet;
-    new prefixes go to the replica with the fewest blocks; events settle what was expected."""
+    new prefixes go to the least loaded replica; events settle what was expected."""
     from prefixcache.cache import AllBlocksCleared, BlockRemoved, BlockStored
     from prefixcache.sim.router import CacheAware
 
@@ -345,15 +345,24 @@ def test_a_shared_tier_credits_every_replica_with_its_own_weight() -> None:
     router = CacheAware(3)
     _held(router, 0, prompt, "VALKEY")  # replica 0 wrote it; any replica loads it
     assert [router.credit(i, prompt) for i in range(3)] == [5.0, 5.0, 5.0]
-    assert router.choose(prompt, [4, 1, 2]) == 1  # equal credit: the least loaded
+    assert router.choose(prompt, [4, 1, 2]) == _owner(prompt, 3)  # equal credit: its owner
     other = _chain("other")
     _held(router, 1, other, "VALKEY")
     router.set_costs(2, ReplicaCosts(1e-3, {"VALKEY": 1e-4}))  # replica 2 loads it faster
     assert [router.credit(i, other) for i in range(3)] == [5.0, 5.0, pytest.approx(9.0)]
     assert router.choose(other, [4, 1, 2]) == 2
     router.observe(0, [_removed(prompt[5:], "VALKEY")])  # Valkey dropped the tail
-    assert [router._matched(i, prompt) for i in (0, 2)] == [5, 5]
+    others = [i for i in range(3) if i != _owner(prompt, 3)]  # the owner expects all ten
+    assert [router._matched(i, prompt) for i in others] == [5, 5]
     assert router.held_blocks(0) == {"POOL": 0, "VALKEY": 15}
+
+
+def _owner(digests: list[bytes], replicas: int = 2) -> int:
+    """The replica a prompt's first blocks hash to (cache-aware's choice on a tie)."""
+    from prefixcache.sim.router import CacheAware, affinity_point
+
+    router = CacheAware(replicas)
+    return router._ring.owner(affinity_point(digests, router.k, None))  # type: ignore[arg-type]
 
 
 def _removed(digests: list[bytes], medium: str | None):

@@ -76,13 +76,15 @@ def test_cache_aware_routes_to_a_disk_holder_when_its_loads_beat_prefill(
 ) -> None:
     """The replicas announce their disks' stores and evictions to the router, and their read
     time per block beside their prefill time per block: a disk faster than prefill draws a
-    conversation's next turn back to the replica holding its history on disk; one slower than
-    prefill counts for nothing, so those turns go by load and are loaded less often."""
-    spec = RunSpec("hash", "lru", 300, 2, "cache-aware", tier_gib=(("disk", 64.0),))
+    conversation's next turn back to the replica holding its history on disk, which the
+    tier-blind router, seeing only the pools, does less often."""
     fast = replace(COST, tier_reads={"disk": (1e12, 0.0)})
-    slow = replace(COST, tier_reads={"disk": (1e7, 0.05)})  # 52 ms a block against 26 ms
-    ((fast_run,), (slow_run,)) = (replay_sequential(conversation, [spec], c) for c in (fast, slow))
-    assert fast_run.tier_hit_ratios["disk"] > slow_run.tier_hit_ratios["disk"] + 0.01
+    aware, blind, spread = replay_sequential(conversation, [
+        RunSpec("hash", "lru", 300, 2, router, tier_gib=(("disk", 64.0),))
+        for router in ("cache-aware", "cache-aware-tier-blind", "round-robin")], fast)
+    assert aware.tier_hit_ratios["disk"] > blind.tier_hit_ratios["disk"] + 0.002
+    assert blind.tier_hit_ratios["disk"] > spread.tier_hit_ratios["disk"] + 0.005
+    assert aware.tier_hit_ratios["ram"] == blind.tier_hit_ratios["ram"]
 
 
 def test_the_tiers_refuse_what_they_cannot_model(conversation: Trace) -> None:

@@ -534,6 +534,46 @@ def test_purge_removes_one_tenant_from_valkey_and_disk(valkey: str, tmp_path: Pa
                     domain="tenant:globex")["external"] == 10 * BS
 
 
+def test_purged_and_damaged_tier_records_are_announced_removed_and_leave_the_router(
+    valkey: str, tmp_path: Path
+) -> None:
+    """A tenant's purge removes its blocks from the disk and Valkey, and a disk record that
+    fails its checks when read is dropped: each is a `BlockRemoved` in that tier's medium, so a
+    cache-aware router stops crediting them (a removal it never hears of would keep drawing the
+    tenant's requests to a replica that must compute them)."""
+    from prefixcache.cache import BlockRemoved, Sequence
+    from prefixcache.sim.router import CacheAware
+
+    engine = engine_on(tmp_path, valkey=valkey, kv_events=True)
+    generate(engine, PROMPT, "a", salt="s-acme", domain="tenant:acme")
+    generate(engine, PROMPT, "b", salt="s-globex", domain="tenant:globex")
+    written(engine)
+    acme = engine.cache_identity.block_digests(
+        Sequence("p", PROMPT, "s-acme", domain="tenant:acme"))[:10]
+    globex = engine.cache_identity.block_digests(
+        Sequence("p", PROMPT, "s-globex", domain="tenant:globex"))[:10]
+    router = CacheAware(2)
+    router.observe(0, engine.take_kv_events())
+    assert router.held_blocks(0) == {"POOL": 20, "DISK": 20, "VALKEY": 20}
+    assert engine.purge_domain("tenant:acme") == {"disk": 10, "valkey": 10}
+    removed = [e for e in engine.take_kv_events() if isinstance(e, BlockRemoved)]
+    assert {e.medium: sorted(e.block_hashes) for e in removed} == {
+        "DISK": sorted(acme), "VALKEY": sorted(acme)}
+    router.observe(0, removed)
+    router.observe(0, [BlockRemoved(acme)])  # and the RAM's copy (drop_domain, its own events)
+    assert router.credit(0, acme) == 0.0 and router.credit(1, acme) == 0.0
+    assert router.credit(0, globex) == 10.0
+
+    path = engine.tiers.offload.store.tiers[0].path_of(globex[2])  # type: ignore[union-attr]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    path.write_bytes(bytes(data))
+    other = engine_on(tmp_path, kv_events=True)  # a replica on the disk alone
+    generate(other, PROMPT, "c", salt="s-globex", domain="tenant:globex")
+    removed = [e for e in other.take_kv_events() if isinstance(e, BlockRemoved)]
+    assert [(e.medium, e.block_hashes) for e in removed] == [("DISK", [globex[2]])]
+
+
 def test_valkey_down_at_start_then_lost_and_back_mid_run(
     tmp_path: Path, cold: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -608,7 +648,7 @@ def test_explain_names_the_tier_each_block_would_come_from(tmp_path: Path) -> No
 def test_blocks_in_valkey_are_announced_and_count_for_every_replica(valkey: str) -> None:
     from prefixcache.cache import BlockStored
     from prefixcache.server.kv_events import decode_batch, encode_batch
-    from prefixcache.sim.router import CacheAware
+    from prefixcache.sim.router import CacheAware, affinity_point
 
     engine = engine_on(valkey=valkey, kv_events=True)
     generate(engine, PROMPT, "a")
@@ -625,7 +665,8 @@ def test_blocks_in_valkey_are_announced_and_count_for_every_replica(valkey: str)
     router = CacheAware(3)
     router.observe(0, shared)  # replica 0 wrote them to Valkey: any replica can load them
     assert [router._matched(i, chain) for i in range(3)] == [10, 10, 10]
-    assert router.choose(chain, [4, 1, 2]) == 1  # so the least loaded one gets the request
+    owner = router._ring.owner(affinity_point(chain, router.k, None))
+    assert router.choose(chain, [4, 1, 2]) == owner  # equal for all: the one its prefix hashes to
 
 
 def test_other_requests_keep_stepping_while_one_waits_for_its_blocks(tmp_path: Path) -> None:

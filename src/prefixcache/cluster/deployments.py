@@ -351,20 +351,29 @@ def replica_options(args: argparse.Namespace, num_replicas: int) -> dict[str, An
                                   "OMP_NUM_THREADS": str(args.threads_per_replica)}}},
         "max_ongoing_requests": args.max_num_seqs + args.max_queue_len,
         "health_check_period_s": 2.0,
-        "request_router_config": {
-            "request_router_class": "prefixcache.cluster.routing.PrefixCacheRouter",
-            "request_router_kwargs": {"policy": args.router, "num_replicas": num_replicas,
-                                      "affinity_blocks": args.affinity_blocks},
-            "request_routing_stats_period_s": 0.5,
-        },
+        "request_router_config": {**_router_class(args, num_replicas),
+                                  "request_routing_stats_period_s": 0.5},
     }
+
+
+def _router_class(args: argparse.Namespace, num_replicas: int) -> dict[str, Any]:
+    """Our router over the simulator's rule ``--router``, or Ray Serve LLM's own."""
+    if args.router == "ray-prefix-aware":
+        return {"request_router_class": "prefixcache.cluster.ray_prefix.RayPrefixAwareRouter",
+                "request_router_kwargs": {"num_replicas": num_replicas}}
+    return {"request_router_class": "prefixcache.cluster.routing.PrefixCacheRouter",
+            "request_router_kwargs": {"policy": args.router, "num_replicas": num_replicas,
+                                      "affinity_blocks": args.affinity_blocks}}
 
 
 def build(args: argparse.Namespace, secret: bytes) -> Any:
     """The Serve application for parsed ``serve --replicas N`` flags."""
     n = args.replicas
     engine = serve.deployment(name="EngineReplica", **replica_options(args, n))(EngineReplica)
-    replicas = engine.bind(args, secret, args.threads_per_replica, args.router == "cache-aware")
+    from prefixcache.sim.router import ROUTERS
+
+    reads_events = ROUTERS[args.router](n).wants_events  # the cache-aware rules
+    replicas = engine.bind(args, secret, args.threads_per_replica, reads_events)
     ingress = serve.deployment(name="Ingress", num_replicas=1,
                                ray_actor_options={"num_cpus": 0})(Ingress)
     return ingress.bind(args, secret, replicas, n)

@@ -26,7 +26,8 @@ __all__ = ["add_cluster_arguments", "check_cluster_args", "run"]
 logger = logging.getLogger("prefixcache.cluster")
 
 APP_NAME = "prefixcache"
-ROUTERS = ("round-robin", "prefix-affinity", "cache-aware")
+ROUTERS = ("round-robin", "prefix-affinity", "cache-aware", "cache-aware-tier-blind",
+           "ray-prefix-aware")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                        help="join this Ray cluster (e.g. 'auto' or 'HOST:6379'; default: "
                             "$RAY_ADDRESS, else a local Ray instance for this process)")
     group.add_argument("--router", default="cache-aware", choices=ROUTERS,
-                       help="how requests pick a replica (the simulator's routers)")
+                       help="how requests pick a replica (the simulator's routers; "
+                            "ray-prefix-aware: Ray Serve LLM's PrefixCacheAffinityRouter over "
+                            "block digests)")
     group.add_argument("--affinity-blocks", type=int, default=4, metavar="K",
                        help="prefix-affinity: hash the chain's first K block digests")
     group.add_argument("--cpus-per-replica", type=float, default=None,

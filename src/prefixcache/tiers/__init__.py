@@ -103,7 +103,7 @@ class TieredStore:
               on_removed: Callable[[str, list[bytes]], None]) -> None:  # fmt: skip
         self.on_stored = on_stored
         for tier in self.tiers:
-            tier.stats.on_evicted = lambda digests, m=tier.name.upper(): on_removed(m, digests)
+            tier.stats.on_removed = lambda digests, m=tier.name.upper(): on_removed(m, digests)
 
     @classmethod
     def open(cls, identity: TierIdentity, config: TierConfig) -> TieredStore:

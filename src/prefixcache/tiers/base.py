@@ -40,8 +40,9 @@ class TierStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # told the digest of each record that failed its checks when read (the cache's fates)
     on_bad: Callable[[bytes], None] | None = field(default=None, repr=False, compare=False)
-    # told the digests of the records evicted to keep the capacity (the tier's KV events)
-    on_evicted: Callable[[list[bytes]], None] | None = field(default=None, repr=False,
+    # told the digests of the records this tier stopped holding: evicted to keep the capacity,
+    # purged, or failed their checks (the tier's KV events, `BlockRemoved`)
+    on_removed: Callable[[list[bytes]], None] | None = field(default=None, repr=False,
                                                              compare=False)
 
     def note_read(self, num_asked: int, num_found: int, num_bytes: int, seconds: float) -> None:
@@ -54,25 +55,32 @@ class TierStats:
             self.bytes_read += num_bytes
 
     def note_bad(self, digest: bytes) -> None:
-        """A record of ``digest`` failed its checks when read: counted, and ``on_bad`` told."""
+        """A record of ``digest`` failed its checks when read (and is dropped): counted,
+        ``on_bad`` and ``on_removed`` told."""
         with self.lock:
             self.quarantined += 1
         if self.on_bad is not None:
             self.on_bad(digest)
+        self.note_removed([digest])
 
     def note_evicted(self, digests: list[bytes]) -> None:
-        """``digests``' records were removed to keep the capacity: counted, ``on_evicted``
+        """``digests``' records were removed to keep the capacity: counted, ``on_removed``
         told."""
         if not digests:
             return
         with self.lock:
             self.evicted += len(digests)
-        if self.on_evicted is not None:
-            self.on_evicted(digests)
+        self.note_removed(digests)
+
+    def note_removed(self, digests: list[bytes]) -> None:
+        """This tier no longer holds ``digests`` (evicted, purged, or bad): ``on_removed``
+        told."""
+        if digests and self.on_removed is not None:
+            self.on_removed(digests)
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("lock", "on_bad", "on_evicted")}
+                if f.name not in ("lock", "on_bad", "on_removed")}
 
 
 class KVTier(Protocol):

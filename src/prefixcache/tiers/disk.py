@@ -187,6 +187,7 @@ class DiskTier:
                     data = f.read()
             except FileNotFoundError:  # evicted by another process sharing the directory
                 self._forget(digest)
+                self.stats.note_removed([digest])
                 break
             except OSError:
                 with self.stats.lock:
@@ -336,6 +337,7 @@ class DiskTier:
         removed = purge_dir(self.root, domain_tag)
         for digest in removed:
             self._forget(digest)
+        self.stats.note_removed(removed)
         return len(removed)
 
     def close(self) -> None:

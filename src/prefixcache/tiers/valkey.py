@@ -224,11 +224,16 @@ class ValkeyTier:
 
     def purge_domain(self, domain_tag: bytes) -> int:
         """Delete one domain's records of every identity (its sets name them)."""
+        keys: list[str] = []
         try:
-            return purge_client(self._client, domain_tag)
+            removed = purge_client(self._client, domain_tag, keys)
         except self._errors as exc:
             self._down(exc)
             raise ConnectionError(f"Valkey at {redact_url(self.url)} is unreachable") from exc
+        mine = self.prefix  # this identity's records: the ones its KV events named
+        self.stats.note_removed([bytes.fromhex(k[len(mine):]) for k in keys
+                                 if k.startswith(mine)])
+        return removed
 
     def close(self) -> None:
         try:
@@ -237,9 +242,10 @@ class ValkeyTier:
             pass
 
 
-def purge_client(client: Any, domain_tag: bytes) -> int:
+def purge_client(client: Any, domain_tag: bytes, keys: list[str] | None = None) -> int:
     """Delete one isolation domain's records of every identity through ``client`` (a
-    ``valkey.Valkey``); returns how many. The domain's sets name its records."""
+    ``valkey.Valkey``); returns how many (and appends their key names to ``keys``). The
+    domain's sets name its records."""
     removed = 0
     pattern = f"{KEY_PREFIX}:*:domain:{domain_tag.hex()}"
     for set_key in list(client.scan_iter(match=pattern, count=1000)):
@@ -248,7 +254,10 @@ def purge_client(client: Any, domain_tag: bytes) -> int:
         members = [m.decode() if isinstance(m, bytes) else str(m)
                    for m in client.smembers(set_key)]
         for i in range(0, len(members), _PURGE_BATCH):
-            removed += int(client.delete(*(prefix + m for m in members[i : i + _PURGE_BATCH])))
+            batch = [prefix + m for m in members[i : i + _PURGE_BATCH]]
+            removed += int(client.delete(*batch))
+            if keys is not None:
+                keys += batch
         client.delete(set_key)
     return removed
 
