@@ -7,14 +7,21 @@ while a private one is not."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from prefixcache.cluster.digests import PromptDigester
 from prefixcache.errors import CliError
-from prefixcache.server.cli import add_arguments, build_app
+from prefixcache.server.cli import (
+    add_arguments,
+    build_app,
+    declare_public_prefixes,
+    tenant_registry,
+)
 from prefixcache.server.public_prefixes import read_public_prefixes
 from prefixcache.server.tenancy import TenancyError, load_tenants
 from server_harness import RunningServer, start_server
@@ -318,5 +325,36 @@ def test_a_tenants_purge_leaves_the_public_blocks_to_the_others(tmp_path: Path) 
         assert again["cached_tokens"] == again["public_cached_tokens"] == 96
         probe = details(running, "b", MANUAL + OTHER_TAIL)
         assert probe["cached_tokens"] == probe["public_cached_tokens"] == 96
+    finally:
+        running.stop()
+
+
+def test_a_cluster_ingress_names_the_public_blocks_as_the_replicas_do(tmp_path: Path) -> None:
+    # the Ray Serve ingress routes by the digests a prompt will have in a replica's cache: it
+    # reads the tenants file's public prefixes too (as `cluster.deployments` does), so the
+    # declared blocks are named in the public namespace, the same for every permitted tenant
+    (tmp_path / "secret").write_bytes(SECRET)
+    argv = ["--model", MODEL, "--tenants", str(write_tenants(tmp_path)), "--secret-file",
+            str(tmp_path / "secret"), "--block-size", str(BS), "--num-kv-blocks", "64"]  # fmt: skip
+    running = start_server(argv)
+    try:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+        tenants = tenant_registry(args)
+        engine = running.engine
+        declare_public_prefixes(args, tenants, engine.tokenizer, engine.model_config.vocab_size)
+        digester = PromptDigester(engine.tokenizer, tenants, engine.cache_identity)
+
+        def digests(tenant: str, prompt: str) -> list[bytes]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            return digester.digests("/v1/completions", KEYS[tenant], json.dumps(body).encode())
+
+        a, b, c = (digests(t, MANUAL + SECRET_TAIL) for t in "abc")
+        details(running, "a", MANUAL + SECRET_TAIL)
+        cached = {blk.digest for blk in engine.cache.pool.blocks if blk.digest is not None}
+        assert set(a) <= cached  # the very blocks the replica cached for a
+        assert a[:6] == b[:6] and not set(a[6:]) & set(b)  # public, then each tenant's own
+        assert not set(c) & set(a)  # c may not use the manual: its blocks are its own
     finally:
         running.stop()

@@ -122,15 +122,17 @@ class Ingress:
     def __init__(self, args: argparse.Namespace, secret: bytes, replicas: Any,
                  num_replicas: int) -> None:
         from prefixcache.model.loader import open_checkpoint
-        from prefixcache.server.cli import tenant_registry
+        from prefixcache.server.cli import declare_public_prefixes, tenant_registry
 
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.replicas = replicas
         self.max_attempts = num_replicas + 1  # each live replica once, and one more
         self.max_request_bytes = args.max_request_bytes
-        self.tokenizer = open_checkpoint(args.model).tokenizer()
+        checkpoint = open_checkpoint(args.model)
+        self.tokenizer = checkpoint.tokenizer()
         self.tenants = tenant_registry(args, secret)
+        declare_public_prefixes(args, self.tenants, self.tokenizer, checkpoint.config.vocab_size)
         from prefixcache.server.app import metrics_authorization
 
         self._metrics_auth = metrics_authorization(self.tenants, args.metrics_key)

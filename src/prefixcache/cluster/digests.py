@@ -7,9 +7,11 @@ block hashing. `PromptDigester` does that from the request body alone, before an
 a body it cannot read gets no digests (the router then balances by load) and the replica answers
 it, with the same error it gives today. A body whose ``model`` names a LoRA adapter the replicas
 serve (``adapters``: name -> identity, as they report it) is named in that adapter's namespace,
-as the replica's cache names it. A body's ``prompt_cache_key`` becomes the request's
-affinity key, scoped to its namespace (a keyed digest: two tenants' equal keys differ) and never
-part of any block's identity. Prompt text never leaves this object: the router sees digests only.
+as the replica's cache names it, and a declared public prefix's whole blocks in the public
+namespace (the tenants file's, read by the ingress too), as the replicas name them. A body's
+``prompt_cache_key`` becomes the request's affinity key, scoped to its namespace (a keyed
+digest: two tenants' equal keys differ) and never part of any block's identity. Prompt text never
+leaves this object: the router sees digests only.
 """
 
 from __future__ import annotations
@@ -83,5 +85,7 @@ class PromptDigester:
             return Route(affinity_key=affinity)
         model = parsed.get("model") if isinstance(parsed, dict) else None
         adapter = self.adapters.get(model) if isinstance(model, str) else None
-        seq = Sequence("route", token_ids, scope.salt, copy=False, adapter=adapter)
+        public = self.tenants.public.num_public_blocks(tenant, token_ids, self.identity.block_size)
+        seq = Sequence("route", token_ids, scope.salt, copy=False, adapter=adapter,
+                       public_blocks=public)  # a declared public prefix's blocks: as replicas
         return Route(list(self.identity.block_digests(seq)), affinity)

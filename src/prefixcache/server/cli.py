@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.engine.request import Request
+    from prefixcache.model.tokenizer import Tokenizer
     from prefixcache.sched import DomainLimits
     from prefixcache.server.kv_events import KVEventsConfig
     from prefixcache.server.tenancy import TenantRegistry
@@ -183,9 +184,9 @@ def tenant_registry(args: argparse.Namespace, secret: bytes | None = None) -> Te
 
 
 def declare_public_prefixes(args: argparse.Namespace, tenants: TenantRegistry,
-                            engine: LLMEngine) -> None:  # fmt: skip
-    """The tenants file's public prefixes, rendered by ``engine``'s tokenizer, into
-    ``tenants``."""
+                            tokenizer: Tokenizer, vocab_size: int) -> None:  # fmt: skip
+    """The tenants file's public prefixes, rendered by the model's ``tokenizer``, into
+    ``tenants`` (a replica's, and a cluster ingress's: its router names blocks as they do)."""
     if not args.tenants:
         return
     from prefixcache.server.public_prefixes import load_public_access
@@ -193,7 +194,7 @@ def declare_public_prefixes(args: argparse.Namespace, tenants: TenantRegistry,
 
     try:
         tenants.public = load_public_access(
-            args.tenants, tenants.tenants(), engine.tokenizer, engine.model_config.vocab_size,
+            args.tenants, tenants.tenants(), tokenizer, vocab_size,
             literal_content=not args.trust_special_tokens_in_content)
     except TenancyError as exc:
         raise CliError(str(exc)) from None
@@ -313,7 +314,7 @@ def build_app(args: argparse.Namespace, secret: bytes | None = None) -> FastAPI:
     tenants = tenant_registry(args, secret)
     events_config, event_tokens = _kv_events(args, tenants)
     engine = _engine(args, tenants, events_config is not None, event_tokens)
-    declare_public_prefixes(args, tenants, engine)
+    declare_public_prefixes(args, tenants, engine.tokenizer, engine.model_config.vocab_size)
     from prefixcache.server.lora import runtime_updating, start_lora_modules
 
     start_lora_modules(engine, args)  # --lora-modules, before the port opens
