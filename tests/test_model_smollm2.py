@@ -299,8 +299,8 @@ def test_answers_identical_alone_batched_cached_and_warm_in_every_precision(dtyp
 
 
 # The README's quick-start question, asked of `serve` (which runs --dtype auto). Its first token
-# is a clear choice in every precision; "What is the capital of France?" is not (float32 puts
-# 15.2% on "The", 14.0% on "L": 8-bit activations flip it), so it is not the quick start's.
+# is a clear choice in every precision; "What is the capital of France?" is not (float32's
+# first token is a near-tie that 8-bit activations flip), so it is not the quick start's.
 README_QUESTION = "What is the capital of Germany?"
 
 

@@ -382,9 +382,9 @@ static void quantize_block(const float *x, char *dst, int fmt) {
 /* The step's new K and V into quantized caches (int8 or int4): row t of k and v (D values per
  * kv head, KV heads, rows k_stride and v_stride elements apart; bfloat16 where `bf16_in`) into
  * slot slots[t]; int4 rows are rotated first. Each row is quantized on its own: its bytes do
- * not depend on the rest of the step. On the calling thread: a 2,048-token step's rows of
- * SmolLM2 take 0.3 ms a layer in int8 (Zen 4), where an OpenMP team's start-up and a busy
- * core's wait cost more. */
+ * not depend on the rest of the step. On the calling thread: the writes are small beside the
+ * step, and an OpenMP team's start-up and a busy core's wait would cost more than they save
+ * (docs/performance.md). */
 void pc_kv_write(const void *k, int64_t k_stride, const void *v, int64_t v_stride, int T, int KV,
                  int D, int bf16_in, const int64_t *slots, void *k_cache, void *v_cache,
                  int fmt) {
